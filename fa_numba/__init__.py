@@ -1,0 +1,14 @@
+"""fa_numba: exact FlashAttention (v1 KV-outer and v2 Q-outer loop orders) in Numba CUDA.
+
+Layers, top to bottom (each imports only those above it):
+    reference       float64 dense attention, the derived tolerance rule
+    online_softmax  the (m, l, acc) state and its merge / update / finalize
+    tiling          tile grid, causal SKIP / FULL / PARTIAL classification, v1 and v2 schedules
+    tiled           the executable NumPy spec of both schedules, with an HBM ledger
+    iomodel         the same HBM traffic in closed form
+"""
+
+from fa_numba import iomodel, online_softmax, reference, tiled, tiling
+
+__all__ = ["iomodel", "online_softmax", "reference", "tiled", "tiling"]
+__version__ = "0.1.0"

@@ -1,0 +1,107 @@
+"""HBM traffic of the v1 and v2 loop orders in closed form (proofs/L5_hbm_traffic.md).
+
+Counts are in elements, per tensor, for the schedules that `tiled` executes; tests prove the two agree.
+Per (batch, query head), with r_i the rows of query tile i, c_j the columns of key tile j and
+delta = N_k - N_q:
+
+    last visible key tile of query tile i:  J_i = min(T_c - 1, floor((r1_i - 1 + delta) / B_c))   (-1: none)
+    keys seen by query tile i:              K_i = min(N_k, (J_i + 1) B_c)     (0 when J_i = -1)
+    first query tile that needs key tile j: I_j = clip(ceil((c0_j + 1 - delta) / B_r) - 1, 0, T_r - 1)
+    query rows that visit key tile j:       R_j = N_q - I_j B_r
+
+Without causal masking J_i = T_c - 1, K_i = N_k, I_j = 0 and R_j = N_q. Let R = sum_j R_j (row-visits).
+
+    v2:  Q read sum_{i: J_i >= 0} r_i d;  K, V read d sum_i K_i;  O written N_q d;  LSE written N_q.
+    v1:  K, V read N_k d (every key tile is needed by the last query tile);
+         Q read R d;  O read R d, written (N_q + R) d;  l, m read R + N_q, written N_q + R;  LSE written N_q.
+
+So v1 moves Q and O about T_c times (non-causal: Q read T_c N_q d) and v2 moves K and V about T_r times
+(non-causal: K read T_r N_k d). Non-causal, v1 - v2 in Q+O elements is (3 T_c - 1) N_q d, and v2 - v1 in
+K+V elements is 2 (T_r - 1) N_k d. Extra memory beyond Q, K, V, O is O(N) for l, m, LSE, never O(N^2).
+"""
+
+from __future__ import annotations
+
+from fa_numba import shapes
+from fa_numba.tiled import TENSORS, Ledger
+from fa_numba.tiling import Grid, check_order
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _keys_seen(grid: Grid, i: int, causal: bool) -> int:
+    """K_i: keys (a prefix) that query tile i reads."""
+    last_tile = grid.last_visible_tile(i, causal)
+    return min(grid.n_k, (last_tile + 1) * grid.block_k)
+
+
+def _rows_visiting(grid: Grid, j: int, causal: bool) -> int:
+    """R_j: query rows (a suffix) whose tiles visit key tile j."""
+    if not causal:
+        return grid.n_q
+    c0, _ = grid.cols(j)
+    first_tile = min(max(_ceil_div(c0 + 1 - grid.delta, grid.block_q) - 1, 0), grid.t_r - 1)
+    return grid.n_q - first_tile * grid.block_q
+
+
+def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool,
+            batch: int = 1, heads: int = 1, heads_kv: int | None = None, skip: bool = True) -> Ledger:
+    """Elements read and written per tensor by one call, summed over batch and query heads.
+
+    `heads_kv` only has to divide `heads`: each query head streams its own K/V head, so GQA does not
+    change the counts. skip=False gives the traffic of a schedule that computes SKIP tiles too.
+    """
+    check_order(order)
+    grid = Grid(n_q, n_k, block_q, block_k)
+    d = shapes.check_block("d", d)
+    batch = shapes.check_block("batch", batch)
+    heads = shapes.check_block("heads", heads)
+    heads_kv = heads if heads_kv is None else shapes.check_block("heads_kv", heads_kv)
+    if heads % heads_kv:
+        raise ValueError(f"heads_kv ({heads_kv}) must divide heads ({heads})")
+    causal = shapes.check_causal(causal) and skip
+    ledger = Ledger()
+    if order == "v2":
+        for i in range(grid.t_r):
+            r0, r1 = grid.rows(i)
+            keys = _keys_seen(grid, i, causal)
+            if keys:
+                ledger.read("Q", (r1 - r0) * d)
+            ledger.read("K", keys * d)
+            ledger.read("V", keys * d)
+        ledger.write("O", n_q * d)
+        ledger.write("LSE", n_q)
+    else:
+        row_visits = sum(_rows_visiting(grid, j, causal) for j in range(grid.t_c))
+        ledger.read("K", n_k * d)
+        ledger.read("V", n_k * d)
+        ledger.read("Q", row_visits * d)
+        ledger.read("O", row_visits * d)
+        ledger.write("O", (n_q + row_visits) * d)
+        for stat in ("l", "m"):
+            ledger.read(stat, row_visits + n_q)
+            ledger.write(stat, n_q + row_visits)
+        ledger.write("LSE", n_q)
+    return ledger.scaled(batch * heads)
+
+
+def to_bytes(ledger: Ledger, in_itemsize: int, out_itemsize: int = 4, stat_itemsize: int = 4) -> dict[str, dict[str, int]]:
+    """Bytes per tensor: Q, K, V at the input itemsize, O at the output itemsize, l, m, LSE as statistics."""
+    size = {"Q": in_itemsize, "K": in_itemsize, "V": in_itemsize, "O": out_itemsize,
+            "l": stat_itemsize, "m": stat_itemsize, "LSE": stat_itemsize}
+    return {
+        "read": {t: ledger.reads[t] * size[t] for t in TENSORS},
+        "write": {t: ledger.writes[t] * size[t] for t in TENSORS},
+    }
+
+
+def total_bytes(ledger: Ledger, in_itemsize: int, out_itemsize: int = 4, stat_itemsize: int = 4) -> int:
+    b = to_bytes(ledger, in_itemsize, out_itemsize, stat_itemsize)
+    return sum(b["read"].values()) + sum(b["write"].values())
+
+
+def materialized_scores_elements(n_q: int, n_k: int, batch: int = 1, heads: int = 1) -> int:
+    """Size of S (and of P) that dense attention would materialise in HBM: B H N_q N_k."""
+    return batch * heads * n_q * n_k

@@ -1,0 +1,123 @@
+"""Input conventions shared by every layer: layout, GQA head mapping, scale, tile sizes.
+
+Layout is (B, H, N, d) like torch SDPA; (N, d) and (H, N, d) are accepted and mean B = 1 (and H = 1).
+K and V may have fewer heads than Q (GQA/MQA): query head h reads K/V head h // (H_q // H_kv).
+
+Every check raises before any work is done, with a message that names the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The sizes of one attention call, after validation (notation of proofs/notation.md)."""
+
+    batch: int
+    heads: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    d: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head: query head h reads K/V head h // group."""
+        return self.heads // self.heads_kv
+
+    @property
+    def delta(self) -> int:
+        """Bottom-right causal offset: query i sees key j iff j <= i + delta."""
+        return self.n_k - self.n_q
+
+
+def _check_array(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
+    if np.dtype(x.dtype) not in allowed:
+        names = ", ".join(str(a) for a in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+    if len(x.shape) not in (2, 3, 4):
+        raise ValueError(
+            f"{name} must have shape (N, d), (H, N, d) or (B, H, N, d), got {len(x.shape)}-D shape {tuple(x.shape)}"
+        )
+
+
+def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES) -> Problem:
+    """Validate q, k, v against the layout convention and return their sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x, allowed)
+    if not (len(q.shape) == len(k.shape) == len(v.shape)):
+        raise ValueError(
+            f"q, k, v must have the same number of dimensions, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    qs = (1,) * (4 - len(q.shape)) + tuple(q.shape)
+    ks = (1,) * (4 - len(k.shape)) + tuple(k.shape)
+    batch, heads, n_q, d = qs
+    batch_kv, heads_kv, n_k, d_k = ks
+    if d_k != d:
+        raise ValueError(f"k must have head dim d = {d} (the last axis of q), got {d_k}")
+    if batch_kv != batch:
+        raise ValueError(f"k and v must have batch {batch} (as q), got {batch_kv}")
+    for name, size in (("q", n_q), ("k", n_k)):
+        if size == 0:
+            raise ValueError(f"{name} must have sequence length N >= 1 (axis -2), got 0")
+    if d == 0:
+        raise ValueError("q must have head dim d >= 1 (axis -1), got 0")
+    if batch == 0:
+        raise ValueError("q must have batch >= 1 (axis 0), got 0")
+    if heads == 0 or heads_kv == 0:
+        raise ValueError(f"q and k must have heads >= 1, got q {heads}, k {heads_kv}")
+    if heads % heads_kv != 0:
+        raise ValueError(
+            f"k and v heads ({heads_kv}) must divide q heads ({heads}) for GQA/MQA"
+        )
+    return Problem(batch, heads, heads_kv, n_q, n_k, d)
+
+
+def as_4d(x: np.ndarray) -> np.ndarray:
+    """View a (N, d), (H, N, d) or (B, H, N, d) array as (B, H, N, d)."""
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def drop_lead(x: np.ndarray, ndim: int) -> np.ndarray:
+    """Map a (B, H, N, ...) result back to the caller's layout: drop the 4 - ndim leading size-1 axes."""
+    return x.reshape(x.shape[4 - ndim :])
+
+
+def resolve_scale(scale, d: int) -> float:
+    """`scale` defaults to 1/sqrt(d); otherwise it must be a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_block(name: str, value) -> int:
+    """Tile sizes are positive Python ints (they become compile-time constants in the kernels)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return bool(causal)
