@@ -102,6 +102,12 @@ def total_bytes(ledger: Ledger, in_itemsize: int, out_itemsize: int = 4, stat_it
     return sum(b["read"].values()) + sum(b["write"].values())
 
 
+def extra_memory_elements(order: str, n_q: int, batch: int = 1, heads: int = 1) -> int:
+    """HBM storage beyond Q, K, V, O: v1 keeps l, m and LSE (3 N_q), v2 only LSE (N_q). O(N), not O(N^2)."""
+    check_order(order)
+    return batch * heads * n_q * (3 if order == "v1" else 1)
+
+
 def materialized_scores_elements(n_q: int, n_k: int, batch: int = 1, heads: int = 1) -> int:
     """Size of S (and of P) that dense attention would materialise in HBM: B H N_q N_k."""
     return batch * heads * n_q * n_k

@@ -114,13 +114,13 @@ def assert_close(actual, expected, atol: float, *, name: str = "value") -> float
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {actual.shape} != expected {expected.shape}")
     finite = np.isfinite(expected)
-    # Non-finite reference entries (LSE = -inf on empty rows) must be reproduced exactly; NaN never passes.
-    nonfinite_bad = ~finite & ~(actual == expected)
-    nonfinite_bad |= np.isnan(actual)
+    # Any disagreement in NaN/inf status is its own category: a non-finite reference entry (LSE = -inf on
+    # an empty row) must be reproduced exactly, and a NaN or inf where the reference is finite never passes.
+    nonfinite_bad = np.where(finite, ~np.isfinite(actual), ~(actual == expected))
     with np.errstate(invalid="ignore"):
-        finite_bad = finite & ~(np.abs(actual - expected) <= atol)  # NaN/inf in actual compares False
+        finite_bad = finite & np.isfinite(actual) & ~(np.abs(actual - expected) <= atol)
     problems = []
-    for label, bad in (("non-finite mismatch", nonfinite_bad), ("beyond atol", finite_bad & ~nonfinite_bad)):
+    for label, bad in (("non-finite mismatch", nonfinite_bad), ("beyond atol", finite_bad)):
         count = int(bad.sum())
         if count:
             first = [tuple(int(c) for c in idx) for idx in np.argwhere(bad)[:5]]

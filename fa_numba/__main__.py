@@ -1,0 +1,5 @@
+import sys
+
+from fa_numba.cli import main
+
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""Docs are tests: the README's Python snippets and the package's doctests run here."""
+
+import doctest
+import pathlib
+import re
+
+import pytest
+
+import fa_numba
+from fa_numba import iomodel, online_softmax, reference, tiled, tiling
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_snippets():
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_snippets())))
+def test_readme_python_snippet_runs(index):
+    code = _readme_snippets()[index]
+    namespace = {}
+    exec(compile(code, f"README.md snippet {index}", "exec"), namespace)  # asserts inside the snippet
+    assert namespace, "snippet defined nothing"
+
+
+@pytest.mark.parametrize("module", [fa_numba, reference, online_softmax, tiling, tiled, iomodel], ids=lambda m: m.__name__)
+def test_doctests(module):
+    failures, _ = doctest.testmod(module, raise_on_error=False)
+    assert failures == 0
+
+
+def test_readme_table_matches_compare(capsys):
+    """The sample table in the README is what `compare` prints by default."""
+    from fa_numba import cli
+
+    assert cli.main(["compare"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    readme = (ROOT / "README.md").read_text()
+    for line in printed[2:]:
+        assert line in readme, line

@@ -1,0 +1,162 @@
+"""The float64 definition and the derived tolerance rule."""
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given
+from scipy.special import logsumexp, softmax
+
+from fa_numba import reference
+from strategies import Case, cases, with_hard_cases
+
+
+def _explicit(q, k, v, causal, scale=None):
+    """Per (b, h) loops with an explicit mask matrix and scipy's softmax/logsumexp: an independent definition."""
+    b_, h_, n_q, d = q.shape
+    n_k = k.shape[2]
+    group = h_ // k.shape[1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    out = np.zeros((b_, h_, n_q, d))
+    lse = np.full((b_, h_, n_q), -np.inf)
+    for b in range(b_):
+        for h in range(h_):
+            kk, vv = k[b, h // group], v[b, h // group]
+            for i in range(n_q):
+                visible = [j for j in range(n_k) if not causal or j <= i + n_k - n_q]
+                if not visible:
+                    continue
+                s = scale * (kk[visible] @ q[b, h, i])
+                lse[b, h, i] = logsumexp(s)
+                out[b, h, i] = softmax(s) @ vv[visible]
+    return out, lse
+
+
+@pytest.mark.lemma("L3")
+@given(case=cases(max_n=10, max_d=5))
+@with_hard_cases
+def test_reference_matches_explicit_mask_and_scipy(case: Case):
+    q, k, v = case.inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fully masked rows must not warn
+        out, lse = reference.attention(q, k, v, causal=case.causal)
+    exp_out, exp_lse = _explicit(q, k, v, case.causal)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(exp_lse))
+    finite = np.isfinite(exp_lse)
+    np.testing.assert_allclose(out, exp_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse[finite], exp_lse[finite], rtol=1e-12, atol=1e-12)
+
+
+def test_causal_is_bottom_right_aligned():
+    mask = reference.causal_mask(2, 4)
+    # delta = 2: query 0 sees keys 0..2, query 1 sees all four.
+    assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+    mask = reference.causal_mask(4, 2)
+    # delta = -2: queries 0 and 1 see nothing, query 2 sees key 0, query 3 sees keys 0 and 1.
+    assert mask.tolist() == [[False, False], [False, False], [True, False], [True, True]]
+    assert (reference.causal_mask(5, 5) == np.tril(np.ones((5, 5), dtype=bool))).all()
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    q, k, v = Case(n_q=6, n_k=2, d=3, block_q=1, block_k=1, causal=True).inputs()
+    out, lse = reference.attention(q, k, v, causal=True)
+    assert (out[0, 0, :4] == 0).all() and np.isneginf(lse[0, 0, :4]).all()
+    assert np.isfinite(lse[0, 0, 4:]).all()
+
+
+def test_layouts_agree():
+    q, k, v = Case(n_q=5, n_k=7, d=3, block_q=1, block_k=1, causal=True).inputs()
+    out4, lse4 = reference.attention(q, k, v, causal=True)
+    out3, lse3 = reference.attention(q[0], k[0], v[0], causal=True)
+    out2, lse2 = reference.attention(q[0, 0], k[0, 0], v[0, 0], causal=True)
+    assert out3.shape == (1, 5, 3) and lse3.shape == (1, 5)
+    assert out2.shape == (5, 3) and lse2.shape == (5,)
+    np.testing.assert_array_equal(out4[0], out3)
+    np.testing.assert_array_equal(out4[0, 0], out2)
+    np.testing.assert_array_equal(lse4[0, 0], lse2)
+
+
+def test_gqa_equals_repeated_heads():
+    q, k, v = Case(n_q=4, n_k=6, d=2, block_q=1, block_k=1, causal=False, heads_kv=2, group=3).inputs()
+    out, lse = reference.attention(q, k, v)
+    out_rep, lse_rep = reference.attention(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1))
+    np.testing.assert_array_equal(out, out_rep)
+    np.testing.assert_array_equal(lse, lse_rep)
+    # Query head 4 reads K/V head 4 // 3 = 1, not head 0.
+    solo, _ = reference.attention(q[:, 4], k[:, 1], v[:, 1])
+    np.testing.assert_array_equal(out[:, 4], solo)
+
+
+def test_scale_is_applied_and_defaults_to_inverse_sqrt_d():
+    q, k, v = Case(n_q=3, n_k=4, d=4, block_q=1, block_k=1, causal=False).inputs()
+    default, _ = reference.attention(q, k, v)
+    explicit, _ = reference.attention(q, k, v, scale=0.5)
+    np.testing.assert_array_equal(default, explicit)  # 1/sqrt(4) = 0.5 exactly
+    _, lse = reference.attention(q, k, v, scale=0.0)
+    np.testing.assert_allclose(lse, np.log(4.0), rtol=1e-15)  # uniform weights over 4 keys
+
+
+def test_huge_logits_stay_finite():
+    q, k, v = Case(n_q=4, n_k=4, d=2, block_q=1, block_k=1, causal=False, logit=1e6).inputs()
+    for fn in (reference.attention, reference.attention_naive_f32):
+        out, lse = fn(q, k, v)
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_naive_f32_computes_in_float32():
+    q, k, v = Case(n_q=5, n_k=5, d=3, block_q=1, block_k=1, causal=False).inputs()
+    out, lse = reference.attention_naive_f32(q, k, v)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    ref, _ = reference.attention(q, k, v)
+    err = reference.max_error(out, ref)
+    assert 0 < err < 1e-5  # rounded, but only at float32 precision
+
+
+# --- the tolerance rule and assert_close ------------------------------------------------------------
+
+
+def test_rounding_floor_is_float32_step_at_the_data_magnitude():
+    assert reference.rounding_floor(np.array([0.0])) == pytest.approx(2 * abs(float(np.float32(0.3)) - 0.3))
+    big = reference.rounding_floor(np.array([1e4]))
+    assert 1e-4 < big < 2e-3  # float32 spacing near 1e4 is 2**-10 ~ 1e-3
+    assert reference.rounding_floor(np.array([-np.inf])) == 0.0
+
+
+def test_assert_close_accepts_within_and_rejects_beyond_atol():
+    expected = np.array([1.0, 2.0, -np.inf])
+    assert reference.assert_close(np.array([1.0 + 1e-7, 2.0, -np.inf]), expected, 1e-6) == pytest.approx(1e-7)
+    with pytest.raises(AssertionError, match=r"1 entries beyond atol \(first: \(1,\)"):
+        reference.assert_close(np.array([1.0, 2.1, -np.inf]), expected, 1e-6, name="x")
+
+
+@pytest.mark.parametrize(
+    "actual, what",
+    [
+        ([np.nan, 2.0, -np.inf], "non-finite mismatch"),  # NaN where the reference is finite
+        ([1.0, 2.0, np.nan], "non-finite mismatch"),  # NaN where the reference is -inf
+        ([1.0, 2.0, 0.0], "non-finite mismatch"),  # a finite value on an empty row
+        ([1.0, np.inf, -np.inf], "non-finite mismatch"),
+        ([1.0, 3.5, -np.inf], "beyond atol"),
+    ],
+)
+def test_assert_close_never_lets_nonfinite_pass(actual, what):
+    with pytest.raises(AssertionError, match=what):
+        reference.assert_close(np.array(actual), np.array([1.0, 2.0, -np.inf]), atol=1.0)
+
+
+def test_assert_close_rejects_shape_mismatch():
+    with pytest.raises(AssertionError, match="shape"):
+        reference.assert_close(np.zeros(3), np.zeros(4), 1.0)
+
+
+def test_check_attention_rejects_a_wrong_answer():
+    q, k, v = Case(n_q=6, n_k=6, d=4, block_q=1, block_k=1, causal=True).inputs()
+    out, lse = reference.attention_naive_f32(q, k, v, causal=True)
+    check = reference.check_attention(out, lse, q, k, v, causal=True)
+    assert check.err_out <= check.atol_out / 2  # naive itself passes with room
+    wrong, _ = reference.attention_naive_f32(q, k, v, causal=False)  # forgot the mask
+    with pytest.raises(AssertionError, match="kernel out"):
+        reference.check_attention(wrong, lse, q, k, v, causal=True)
+    with pytest.raises(AssertionError, match="kernel lse"):
+        reference.check_attention(out, lse + 1e-3, q, k, v, causal=True)

@@ -1,0 +1,62 @@
+"""The worked examples of the lecture notes (../shared/seeds/), as plain unit tests."""
+
+import math
+
+import numpy as np
+import pytest
+
+from fa_numba import iomodel, online_softmax as osm, tiling
+
+
+def _state(scores):
+    """State of one row with scalar values v_j = 1, so acc = l."""
+    s = np.asarray([scores], dtype=np.float64)
+    return osm.from_block(s, np.ones((s.shape[1], 1)))
+
+
+def test_max_shift_of_1_2_3_5_is_minus4_minus3_minus2_0():
+    x = np.array([1.0, 2.0, 3.0, 5.0])
+    assert (x - x.max()).tolist() == [-4.0, -3.0, -2.0, 0.0]
+    state = _state(x)
+    assert state.m[0] == 5.0
+    assert state.l[0] == pytest.approx(math.exp(-4) + math.exp(-3) + math.exp(-2) + 1.0, rel=1e-15)
+
+
+@pytest.mark.lemma("L2")
+def test_blocks_1_2_and_3_5_merge_to_the_whole_row():
+    left, right = _state([1.0, 2.0]), _state([3.0, 5.0])
+    assert (left.m[0], right.m[0]) == (2.0, 5.0)
+    assert left.l[0] == pytest.approx(math.exp(-1) + 1.0)  # relative to its own max 2
+    assert right.l[0] == pytest.approx(math.exp(-2) + 1.0)  # relative to its own max 5
+    merged = osm.merge(left, right)
+    assert merged.m[0] == 5.0
+    # The left block is rescaled by exp(2 - 5) before the sums are added.
+    assert merged.l[0] == pytest.approx(math.exp(2 - 5) * left.l[0] + right.l[0], rel=1e-15)
+    assert merged.l[0] == pytest.approx(_state([1.0, 2.0, 3.0, 5.0]).l[0], rel=1e-15)
+
+
+@pytest.mark.lemma("L2")
+def test_row_1_2_then_3():
+    """l' = e^{m - m'} l + e^{3 - m'} = e^{-1}(e^{-1} + 1) + 1 when 3 arrives after [1, 2]."""
+    state = osm.update(_state([1.0, 2.0]), np.array([[3.0]]), np.ones((1, 1)))
+    assert state.m[0] == 3.0
+    assert state.l[0] == pytest.approx(math.exp(-1) * (math.exp(-1) + 1) + 1, rel=1e-15)
+    out, lse = osm.finalize(state)
+    assert lse[0] == pytest.approx(math.log(math.exp(1) + math.exp(2) + math.exp(3)), rel=1e-15)
+    assert out[0, 0] == pytest.approx(1.0)  # all values 1: the weights sum to one
+
+
+def test_future_tiles_are_skipped_and_the_diagonal_is_masked():
+    """Q_1 against a late K_N is entirely in the future: skipped; diagonal tiles keep a mask."""
+    kinds = tiling.classify(8, 8, 2, 2, causal=True)
+    assert kinds[0, 3] == tiling.SKIP and kinds[3, 0] == tiling.FULL and kinds[1, 1] == tiling.PARTIAL
+
+
+def test_score_matrix_sizes_of_the_notes():
+    # N = 4096, FP16: one head's score table is 4096^2 * 2 bytes = 32 MiB.
+    assert iomodel.materialized_scores_elements(4096, 4096) * 2 == 32 * 2**20
+    # N = 10^4, d = 128: S has N / d = 78.125 times the elements of Q.
+    assert iomodel.materialized_scores_elements(10**4, 10**4) / (10**4 * 128) == 78.125
+    # N = 10^5, d = 128: 781.25 times one N x d tensor, about 195 times Q, K, V, O together.
+    assert iomodel.materialized_scores_elements(10**5, 10**5) / (10**5 * 128) == 781.25
+    assert iomodel.materialized_scores_elements(10**5, 10**5) / (4 * 10**5 * 128) == pytest.approx(195.3125)
