@@ -59,8 +59,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
     >>> import numpy as np
     >>> q = k = v = np.eye(2)
     >>> out, lse = attention(q, k, v, causal=True)
-    >>> out[0].tolist(), float(lse[0])   # query 0 sees only key 0
-    ([1.0, 0.0], 0.0)
+    >>> out[0].tolist(), round(float(lse[0]), 6)   # query 0 sees only key 0: LSE = S_00 = 1/sqrt(2)
+    ([1.0, 0.0], 0.707107)
     """
     return _dense(q, k, v, causal, scale, np.float64)
 
