@@ -6,9 +6,18 @@ Layers, top to bottom (each imports only those above it):
     tiling          tile grid, causal SKIP / FULL / PARTIAL classification, v1 and v2 schedules
     tiled           the executable NumPy spec of both schedules, with an HBM ledger
     iomodel         the same HBM traffic in closed form
+    kernels         Numba CUDA kernels v1 and v2, and their registry
+    api             attention(q, k, v, ...): validate, pick tiles, launch
+
+Without an NVIDIA driver, importing fa_numba selects Numba's CUDA simulator (see fa_numba.backend).
 """
 
-from fa_numba import iomodel, online_softmax, reference, tiled, tiling
+from fa_numba import backend
 
-__all__ = ["iomodel", "online_softmax", "reference", "tiled", "tiling"]
+backend.select()  # before anything imports numba.cuda
+
+from fa_numba import iomodel, online_softmax, reference, tiled, tiling  # noqa: E402
+from fa_numba.api import attention  # noqa: E402
+
+__all__ = ["attention", "backend", "iomodel", "online_softmax", "reference", "tiled", "tiling"]
 __version__ = "0.1.0"

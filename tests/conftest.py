@@ -1,18 +1,16 @@
 """Test configuration: CUDA simulator without a GPU, Hypothesis profiles.
 
-NUMBA_ENABLE_CUDASIM must be set before numba is first imported, so this runs at collection start.
-With a GPU present (and FA_NUMBA_SIM unset) the same tests run on the device.
+Importing fa_numba first lets fa_numba.backend choose the simulator (NUMBA_ENABLE_CUDASIM=1) before numba
+is imported when no NVIDIA driver is visible; with a GPU the same tests run on the device
+(FA_NUMBA_SIM=1 forces the simulator there too).
 """
 
 import os
-import shutil
 import sys
 
-if "NUMBA_ENABLE_CUDASIM" not in os.environ:
-    has_gpu = os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
-    if os.environ.get("FA_NUMBA_SIM") == "1" or not has_gpu:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+import fa_numba
+
+if fa_numba.backend.name() == "simulator":
     sys.setswitchinterval(1e-4)  # the simulator runs one Python thread per CUDA thread: switch often
 
 from hypothesis import HealthCheck, settings  # noqa: E402

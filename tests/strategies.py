@@ -78,3 +78,21 @@ def cases(draw, max_n: int = 20, max_d: int = 8, max_block: int = 9, multihead: 
         logit=draw(st.sampled_from([1.0, 1.0, 30.0, 1e4])),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
+
+
+SIM_MAX_BLOCKS = 16  # simulator budget per launch (DESIGN.md): <= 16 blocks of <= 64 threads
+
+
+def launch_blocks(case: Case) -> int:
+    """Blocks of the larger of the two launches: v2 runs T_r x B H blocks, v1 runs B H."""
+    t_r = -(-case.n_q // case.block_q)
+    return t_r * case.batch * case.heads
+
+
+@st.composite
+def kernel_cases(draw) -> Case:
+    """Cases small enough for the simulator: <= 16 blocks of <= 8 threads."""
+    case = draw(cases(max_n=12, max_d=6, max_block=8))
+    return case if launch_blocks(case) <= SIM_MAX_BLOCKS else Case(
+        case.n_q, case.n_k, case.d, max(case.block_q, -(-case.n_q // 4)), case.block_k, case.causal,
+        batch=1, heads_kv=case.heads_kv, group=min(case.group, 2), logit=case.logit, seed=case.seed)

@@ -1,0 +1,77 @@
+"""Count a kernel's global-memory traffic in the CUDA simulator, element by element.
+
+Each HBM tensor is a `CountingArray` (an ndarray subclass that counts the elements read by `__getitem__`
+and written by `__setitem__`) wrapped in the simulator's FakeCUDAArray, which the simulator passes to the
+kernel as-is instead of copying it. The counts land in a `tiled.Ledger`, the same type `iomodel` returns,
+so a test can assert ledger == iomodel.traffic(...). Simulator only.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from fa_numba import backend
+from fa_numba.tiled import Ledger
+
+
+# The simulator runs each CUDA thread as a Python thread: `ledger.reads[t] += n` is a read-modify-write
+# that loses counts when two threads interleave, so every update holds this lock.
+_LOCK = threading.Lock()
+
+
+class CountingArray(np.ndarray):
+    """An ndarray that adds the number of elements each index read or write touches to a ledger."""
+
+    def __new__(cls, array: np.ndarray, ledger: Ledger, tensor: str):
+        obj = np.ascontiguousarray(array).view(cls)
+        obj._ledger = ledger
+        obj._tensor = tensor
+        return obj
+
+    def __array_finalize__(self, obj):
+        self._ledger = getattr(obj, "_ledger", None)
+        self._tensor = getattr(obj, "_tensor", None)
+
+    def _touched(self, idx) -> int:
+        return int(np.size(np.ndarray.__getitem__(self.view(np.ndarray), idx)))
+
+    def __getitem__(self, idx):
+        value = np.ndarray.__getitem__(self.view(np.ndarray), idx)
+        if self._ledger is not None:
+            with _LOCK:
+                self._ledger.read(self._tensor, np.size(value))
+        return value
+
+    def __setitem__(self, idx, value):
+        if self._ledger is not None:
+            touched = self._touched(idx)
+            with _LOCK:
+                self._ledger.write(self._tensor, touched)
+        np.ndarray.__setitem__(self.view(np.ndarray), idx, value)
+
+
+def run_counted(kernel, q, k, v, scale):
+    """Launch a built kernel (make_v1/make_v2) on host arrays in the simulator, counting HBM traffic.
+
+    Outputs and the v1 workspace start as NaN, so an element the kernel never writes is caught.
+    Returns (out, lse, ledger) as plain float32 arrays.
+    """
+    if backend.name() != "simulator":
+        raise RuntimeError("counting traffic needs the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    ledger = Ledger()
+    batch, heads, n_q, d = q.shape
+    arrays = {
+        "Q": q, "K": k, "V": v,
+        "O": np.full((batch, heads, n_q, d), np.nan, np.float32),
+        "LSE": np.full((batch, heads, n_q), np.nan, np.float32),
+        "l": np.full((batch, heads, n_q), np.nan, np.float32),
+        "m": np.full((batch, heads, n_q), np.nan, np.float32),
+    }
+    dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
+    kernel(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], scale, workspace=(dev["l"], dev["m"]))
+    plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
+    return plain("O"), plain("LSE"), ledger

@@ -1,0 +1,124 @@
+"""FlashAttention (Algorithm 1) forward: K/V outer, Q inner, as a Numba CUDA kernel.
+
+Math (per query row i): the same online softmax as v2, but the running state lives in HBM between
+visits: O_i is stored normalised (acc / l), with l_i and m_i beside it, exactly as in the paper.
+
+HBM traffic per (batch, head), in elements (iomodel.traffic("v1", ...), proofs/L5_hbm_traffic.md):
+    init    writes O: N_q d, l: N_q, m: N_q                       (O = 0, l = 0, m = -inf)
+    visits  K, V: read N_k d once;  per visit of query tile i: read Q_i, O_i (r_i d), l_i, m_i (r_i),
+            write O_i (r_i d), l_i, m_i (r_i)
+    last    read l, m (N_q each), write LSE (N_q)
+Non-causal: Q read T_c N_q d, O read T_c N_q d and written (T_c + 1) N_q d.
+
+Launch: grid (B H,), block (B_r,): one block per (batch, head) runs the whole j-outer loop, as the original
+FlashAttention kernel does; within a block one thread per query row of the current query tile.
+
+Limits and departures from the paper:
+- Parallelism is only B H blocks of B_r threads: that is the cost of keeping K and V read once, and it is
+  why FlashAttention-2 swapped the loops. Expect it to be slow on a large GPU at small B H.
+- The paper keeps l and m as outputs; here a last pass turns them into LSE = m + log l so that both
+  orders return the same thing. l and m are float32 workspaces of shape (B, H, N_q).
+- Inputs float32 or float16; arithmetic, O, l, m and LSE in float32. Shared memory 2 B_c d 4 bytes <= 48 KB.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32
+
+from fa_numba.kernels.common import (NEG_INF, ZERO, Config, load_kv_tile, log_sum_exp, online_update,
+                                     score_row)
+
+
+def kernel_source(config: Config):
+    """The Python function of the kernel (compiled by cuda.jit, or by compile_ptx in the compile check)."""
+    BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
+
+    def flash_v1(q, k, v, o, lse, l_hbm, m_hbm, scale):
+        bh = cuda.blockIdx.x  # (batch, head)
+        tid = cuda.threadIdx.x
+        heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]  # d == D (checked at launch)
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        delta = n_k - n_q
+        t_r = (n_q + BR - 1) // BR
+        t_c = (n_k + BC - 1) // BC
+
+        k_tile = cuda.shared.array((BC, D), float32)  # K_j: (B_c, d) shared, loaded once per j
+        v_tile = cuda.shared.array((BC, D), float32)  # V_j: (B_c, d) shared, loaded once per j
+        q_row = cuda.local.array(D, float32)  # Q_i[row]: (d,) local, reloaded on every visit
+        acc = cuda.local.array(D, float32)  # O_i[row] l_i[row]: (d,) local, rebuilt on every visit
+        s = cuda.local.array(BC, float32)  # S_ij[row] then P_ij[row]: (B_c,) local
+
+        # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM. Thread tid owns rows tid + k B_r, the same
+        # rows it updates in every visit below, so no barrier is needed between these writes and reads.
+        for row in range(tid, n_q, BR):
+            for x in range(d):
+                o[b, h, row, x] = ZERO
+            l_hbm[b, h, row] = ZERO
+            m_hbm[b, h, row] = NEG_INF
+
+        for j in range(t_c):  # invariant: O, l, m in HBM hold the state of keys [0, j B_c) (L2, L4)
+            c0 = j * BC
+            cols = min(BC, n_k - c0)
+            i_first = 0  # first query tile with tile (i, j) not SKIP (iomodel's I_j; L3)
+            if CAUSAL:
+                i_first = min(max(-((-(c0 + 1 - delta)) // BR) - 1, 0), t_r - 1)
+            # every thread has finished reading the previous K_j, V_j before they are overwritten
+            cuda.syncthreads()
+            load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, BR)
+            # the whole K_j, V_j tile is in shared memory before any thread reads it
+            cuda.syncthreads()
+            for i in range(i_first, t_r):
+                r0 = i * BR
+                row = r0 + tid
+                if row < n_q:
+                    masked = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: mask inside it
+                    for x in range(d):
+                        q_row[x] = float32(q[b, h, row, x])
+                    m = m_hbm[b, h, row]
+                    l = l_hbm[b, h, row]
+                    for x in range(d):  # O is stored normalised: acc = O l
+                        acc[x] = o[b, h, row, x] * l
+                    score_row(q_row, k_tile, cols, d, scale, row, c0, delta, masked, s)
+                    m, l = online_update(m, l, acc, s, cols, d, v_tile)
+                    for x in range(d):
+                        o[b, h, row, x] = acc[x] / l if l > ZERO else ZERO
+                    l_hbm[b, h, row] = l
+                    m_hbm[b, h, row] = m
+
+        # Last pass: LSE = m + log l. Same row ownership as above: no barrier needed.
+        for row in range(tid, n_q, BR):
+            lse[b, h, row] = log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])
+
+    return flash_v1
+
+
+class FlashV1:
+    """A compiled v1 specialisation; call it with device arrays (and optionally the l, m workspace)."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.source = kernel_source(config)
+        self.kernel = cuda.jit(self.source)
+
+    def grid(self, q):
+        batch, heads, _, _ = q.shape
+        return (batch * heads,), (self.config.block_q,)
+
+    def __call__(self, q, k, v, o, lse, scale, workspace=None):
+        if q.shape[3] != self.config.head_dim:
+            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        if workspace is None:
+            workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
+        l_hbm, m_hbm = workspace
+        grid, block = self.grid(q)
+        self.kernel[grid, block](q, k, v, o, lse, l_hbm, m_hbm, float32(scale))
+
+
+@functools.lru_cache(maxsize=None)
+def make_v1(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV1:
+    """Build (once per configuration) the v1 kernel for these compile-time tile sizes."""
+    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal)).check())

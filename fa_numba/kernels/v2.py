@@ -1,0 +1,111 @@
+"""FlashAttention-2 forward (Q outer, K/V inner) as a Numba CUDA kernel.
+
+Math (per query row i, proofs/L2 and L4): fold the visible key tiles j into (m, l, acc) with the online
+softmax, then O_i = acc / l, LSE_i = m + log l.
+
+HBM traffic per (batch, head), in elements (iomodel.traffic("v2", ...), proofs/L5_hbm_traffic.md):
+    reads   Q: sum over query tiles that see a key of r_i d   K, V: d sum_i K_i   (K_i keys seen by tile i)
+    writes  O: N_q d   LSE: N_q
+Non-causal that is Q: N_q d, K and V: T_r N_k d each.
+
+Launch: grid (T_r, B H), block (B_r,): one block per query tile, one thread per query row.
+
+Limits and departures from the paper:
+- One thread per row with its Q row, scores and accumulator in per-thread local arrays; K_j, V_j in shared
+  memory. No tensor cores, no warp-level matmul, no split-K: this kernel is written to be checked, and its
+  speed is what a plain CUDA-core implementation of the loop order gives.
+- Inputs float32 or float16, arithmetic and outputs (O, LSE) in float32.
+- Shared memory is static: 2 B_c d 4 bytes <= 48 KB, checked in the factory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32
+
+from fa_numba.kernels.common import (NEG_INF, ZERO, Config, load_kv_tile, log_sum_exp, online_update,
+                                     score_row)
+
+
+def kernel_source(config: Config):
+    """The Python function of the kernel (compiled by cuda.jit, or by compile_ptx in the compile check)."""
+    BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
+
+    def flash_v2(q, k, v, o, lse, scale):
+        i = cuda.blockIdx.x  # query tile
+        bh = cuda.blockIdx.y  # (batch, head)
+        tid = cuda.threadIdx.x  # query row within the tile
+        heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]  # d == D (checked at launch)
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        delta = n_k - n_q
+        r0 = i * BR
+        r1 = min(r0 + BR, n_q)
+        row = r0 + tid
+        active = row < n_q
+        # Key tiles this query tile visits: 0 .. j_end - 1; the rest are SKIP (proofs/L3_causal_tiles.md).
+        j_end = (n_k + BC - 1) // BC
+        if CAUSAL:
+            last_key = r1 - 1 + delta
+            j_end = min(j_end, last_key // BC + 1) if last_key >= 0 else 0
+
+        k_tile = cuda.shared.array((BC, D), float32)  # K_j: (B_c, d) shared, reloaded per j
+        v_tile = cuda.shared.array((BC, D), float32)  # V_j: (B_c, d) shared, reloaded per j
+        q_row = cuda.local.array(D, float32)  # Q_i[row]: (d,) local, loaded once
+        acc = cuda.local.array(D, float32)  # acc: (d,) local, lives across the whole j loop
+        s = cuda.local.array(BC, float32)  # S_ij[row] then P_ij[row]: (B_c,) local
+
+        m = NEG_INF
+        l = ZERO
+        for x in range(d):
+            acc[x] = ZERO
+        if active and j_end > 0:  # a query tile that sees no key never reads Q
+            for x in range(d):
+                q_row[x] = float32(q[b, h, row, x])
+
+        for j in range(j_end):  # invariant: (m, l, acc) is the state of keys [0, j B_c) (L2, L4)
+            c0 = j * BC
+            cols = min(BC, n_k - c0)
+            # every thread has finished reading the previous K_j, V_j before they are overwritten
+            cuda.syncthreads()
+            load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, BR)
+            # the whole K_j, V_j tile is in shared memory before any thread reads it
+            cuda.syncthreads()
+            if active:
+                masked = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: mask inside it
+                score_row(q_row, k_tile, cols, d, scale, row, c0, delta, masked, s)
+                m, l = online_update(m, l, acc, s, cols, d, v_tile)
+
+        if active:  # O_i and LSE_i written once; a row with no visible key gets 0 and -inf
+            for x in range(d):
+                o[b, h, row, x] = acc[x] / l if l > ZERO else ZERO
+            lse[b, h, row] = log_sum_exp(m, l)
+
+    return flash_v2
+
+
+class FlashV2:
+    """A compiled v2 specialisation; call it with device arrays."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.source = kernel_source(config)
+        self.kernel = cuda.jit(self.source)
+
+    def grid(self, q):
+        batch, heads, n_q, _ = q.shape
+        return ((n_q + self.config.block_q - 1) // self.config.block_q, batch * heads), (self.config.block_q,)
+
+    def __call__(self, q, k, v, o, lse, scale, workspace=None):
+        if q.shape[3] != self.config.head_dim:
+            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        grid, block = self.grid(q)
+        self.kernel[grid, block](q, k, v, o, lse, float32(scale))
+
+
+@functools.lru_cache(maxsize=None)
+def make_v2(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV2:
+    """Build (once per configuration) the v2 kernel for these compile-time tile sizes."""
+    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal)).check())
