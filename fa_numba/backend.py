@@ -27,3 +27,43 @@ def select() -> str:
 def name() -> str:
     """'simulator' or 'gpu' (what numba.cuda will use or uses)."""
     return "simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "gpu"
+
+
+def patch_simulator() -> None:
+    """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race).
+
+    numba-cuda's FakeCUDAShared.array looks up the array for its call site and creates it if missing,
+    without a lock. The simulator runs every CUDA thread of a block as a Python thread, so two threads can
+    both miss, each create an array, and one of them then reads a private "shared" tile that the others
+    never fill. We saw it as rare wrong results (2 in 1500 random launches) that did not reproduce. This
+    replaces the method with the same lookup, keyed by the caller's file and line, under a lock.
+    """
+    if name() != "simulator":
+        return
+    import threading
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    if getattr(kernelapi.FakeCUDAShared.array, "_fa_numba_locked", False):
+        return
+    original = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # errors and dynamic shared memory: unchanged
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(site)
+            if found is None:
+                found = self._allocations[site] = np.empty(shape, dtype)
+        return found
+
+    array._fa_numba_locked = True
+    kernelapi.FakeCUDAShared.array = array

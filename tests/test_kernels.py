@@ -137,3 +137,29 @@ def test_gpu_larger_shapes(name, causal, d):
         out, lse = run_kernel(name, case, inputs=inputs)
         reference.check_attention(out, lse, q, k, v, causal=causal, name=f"{name} {dtype.__name__}",
                                   contractions=("matmul", "loop"))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the workaround patches the CUDA simulator only")
+def test_simulator_shared_arrays_are_per_call_site_and_shared_by_the_block():
+    """backend.patch_simulator: one array per call site for the whole block, distinct sites distinct."""
+    from numba import float32, int32
+
+    @cuda.jit
+    def kernel(out):
+        first = cuda.shared.array(32, int32)
+        second = cuda.shared.array(32, float32)
+        tid = cuda.threadIdx.x
+        first[tid] = tid + 1
+        second[tid] = float32(-1.0)
+        # every thread has written its slot before thread 0 sums them
+        cuda.syncthreads()
+        if tid == 0:
+            total = 0
+            for t in range(32):
+                total += first[t]
+            out[0] = total
+
+    for _ in range(10):
+        out = np.zeros(1, np.int64)
+        kernel[1, 32](out)
+        assert out[0] == 32 * 33 // 2  # the int32 array was neither private nor aliased with the float one

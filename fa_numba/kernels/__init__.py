@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fa_numba import backend
 from fa_numba.kernels.common import MAX_HEAD_DIM, SHARED_BYTES_LIMIT, Config
 from fa_numba.kernels.v1 import make_v1
 from fa_numba.kernels.v2 import make_v2
+
+backend.patch_simulator()  # thread-safe shared arrays in the simulator (see backend.patch_simulator)
 
 DEFAULT_BLOCK_Q = 64  # threads per block: one per query row
 KV_BLOCK_CHOICES = (64, 32, 16, 8, 4, 2, 1)
