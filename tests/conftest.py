@@ -5,6 +5,7 @@ is imported when no NVIDIA driver is visible; with a GPU the same tests run on t
 (FA_NUMBA_SIM=1 forces the simulator there too).
 """
 
+import json
 import os
 import sys
 
@@ -25,3 +26,11 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, max_examples=300, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """With FA_NUMBA_LEMMA_MAP=path, write {test id: [lemmas it is marked with]} (read by test_proofs)."""
+    path = os.environ.get("FA_NUMBA_LEMMA_MAP")
+    if path:
+        with open(path, "w") as fh:
+            json.dump({item.nodeid: [m.args[0] for m in item.iter_markers("lemma")] for item in items}, fh)

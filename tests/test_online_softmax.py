@@ -146,6 +146,7 @@ def test_every_exponent_argument_is_nonpositive(problem):
     assert seen  # the hook was exercised
 
 
+@pytest.mark.lemma("L2")
 def test_update_equals_merge_with_block_state():
     scores, values = _row_problem(7, 8, 3.0, 0.2)
     prefix = osm.from_block(scores[:, :3], values[:3])

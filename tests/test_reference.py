@@ -58,6 +58,7 @@ def test_causal_is_bottom_right_aligned():
     assert (reference.causal_mask(5, 5) == np.tril(np.ones((5, 5), dtype=bool))).all()
 
 
+@pytest.mark.lemma("L3")
 def test_fully_masked_rows_give_zero_and_minus_inf():
     q, k, v = Case(n_q=6, n_k=2, d=3, block_q=1, block_k=1, causal=True).inputs()
     out, lse = reference.attention(q, k, v, causal=True)
@@ -116,6 +117,7 @@ def test_naive_f32_computes_in_float32():
 # --- the tolerance rule and assert_close ------------------------------------------------------------
 
 
+@pytest.mark.lemma("L6")
 def test_rounding_floor_is_float32_step_at_the_data_magnitude():
     assert reference.rounding_floor(np.array([0.0])) == float(np.spacing(np.float32(0.3)))
     # The bound is never below the DESIGN.md sample formula 2 max |fl32(ref + 0.3) - 0.3 - ref|.
@@ -134,6 +136,7 @@ def test_assert_close_accepts_within_and_rejects_beyond_atol():
         reference.assert_close(np.array([1.0, 2.1, -np.inf]), expected, 1e-6, name="x")
 
 
+@pytest.mark.lemma("L6")
 @pytest.mark.parametrize(
     "actual, what",
     [
@@ -154,6 +157,23 @@ def test_assert_close_rejects_shape_mismatch():
         reference.assert_close(np.zeros(3), np.zeros(4), 1.0)
 
 
+@pytest.mark.lemma("L6")
+def test_tolerance_is_the_documented_rule():
+    """atol = 2 * max over contraction orders of max |naive - ref| + ulp32(max |ref| + 0.3), restated here."""
+    q, k, v = Case(n_q=7, n_k=9, d=5, block_q=1, block_k=1, causal=True, logit=3.0, seed=6).inputs()
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True)
+    naive = [reference.attention_naive_f32(q, k, v, causal=True, contraction=c) for c in reference.CONTRACTIONS]
+    expected_out = 2 * max(np.abs(n[0] - ref_out).max() for n in naive) + np.spacing(np.float32(np.abs(ref_out).max() + 0.3))
+    finite = np.isfinite(ref_lse)
+    expected_lse = 2 * max(np.abs(n[1][finite] - ref_lse[finite]).max() for n in naive) + np.spacing(
+        np.float32(np.abs(ref_lse[finite]).max() + 0.3))
+    check = reference.check_attention(*naive[0], q, k, v, causal=True)
+    assert check.atol_out == pytest.approx(expected_out, rel=1e-12)
+    assert check.atol_lse == pytest.approx(expected_lse, rel=1e-12)
+    assert len({float(np.abs(n[0] - ref_out).max()) for n in naive}) > 1  # the orders really differ
+
+
+@pytest.mark.lemma("L6")
 def test_check_attention_rejects_a_wrong_answer():
     q, k, v = Case(n_q=6, n_k=6, d=4, block_q=1, block_k=1, causal=True).inputs()
     out, lse = reference.attention_naive_f32(q, k, v, causal=True)

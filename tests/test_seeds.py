@@ -14,6 +14,7 @@ def _state(scores):
     return osm.from_block(s, np.ones((s.shape[1], 1)))
 
 
+@pytest.mark.lemma("L2")
 def test_max_shift_of_1_2_3_5_is_minus4_minus3_minus2_0():
     x = np.array([1.0, 2.0, 3.0, 5.0])
     assert (x - x.max()).tolist() == [-4.0, -3.0, -2.0, 0.0]
@@ -46,12 +47,14 @@ def test_row_1_2_then_3():
     assert out[0, 0] == pytest.approx(1.0)  # all values 1: the weights sum to one
 
 
+@pytest.mark.lemma("L3")
 def test_future_tiles_are_skipped_and_the_diagonal_is_masked():
     """Q_1 against a late K_N is entirely in the future: skipped; diagonal tiles keep a mask."""
     kinds = tiling.classify(8, 8, 2, 2, causal=True)
     assert kinds[0, 3] == tiling.SKIP and kinds[3, 0] == tiling.FULL and kinds[1, 1] == tiling.PARTIAL
 
 
+@pytest.mark.lemma("L5")
 def test_score_matrix_sizes_of_the_notes():
     # N = 4096, FP16: one head's score table is 4096^2 * 2 bytes = 32 MiB.
     assert iomodel.materialized_scores_elements(4096, 4096) * 2 == 32 * 2**20

@@ -64,6 +64,7 @@ def test_float16_inputs_are_checked_against_the_reference_of_the_same_inputs():
         reference.check_attention(out, lse, q, k, v, causal=True, name=f"tiled {order} from float16")
 
 
+@pytest.mark.lemma("L4")
 def test_a_broken_update_is_caught(monkeypatch):
     """The spec test can fail: forget to rescale the old accumulator and v2 no longer matches."""
     from fa_numba import online_softmax as osm
