@@ -1,21 +1,24 @@
-"""`python -m fa_numba compare`: v1 vs v2 side by side.
+"""`python -m fa_numba compare | sweep` (also installed as `fa-numba`).
 
-For now the variants are the tiled NumPy spec of each order computed in float32 (the arithmetic the
-kernels use); each is checked against the float64 reference with the derived tolerance rule, and its
-tiles and HBM traffic are shown, counted by the spec's ledger and predicted by `iomodel`.
+compare: every registered kernel on the same random inputs, side by side (see fa_numba.compare).
+sweep:   compare over a list of sizes (and head dims, causal on/off), with progress on stderr, CSV/JSON,
+         and optional plots (matplotlib, the `plot` extra): HBM bytes vs N and the causal tile map.
+Exit codes: 0 all checks passed, 1 a variant failed its check, 2 bad arguments (with usage).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 
-import numpy as np
+from fa_numba import backend, iomodel, tiling
+from fa_numba import compare as cmp
+from fa_numba.kernels import VARIANTS
 
-from fa_numba import iomodel, reference, tiled, tiling
-
-DTYPES = {"float32": np.float32, "float16": np.float16}
+GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None)
+SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=16, block_k=16)
 
 
 def _positive(text: str) -> int:
@@ -28,108 +31,150 @@ def _positive(text: str) -> int:
     return value
 
 
-def _orders(text: str) -> list[str]:
-    orders = [o.strip() for o in text.split(",") if o.strip()]
-    bad = [o for o in orders if o not in tiling.ORDERS]
-    if bad or not orders:
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(tiling.ORDERS)}, got {text!r}")
-    return orders
+def _positive_list(text: str) -> list[int]:
+    return [_positive(part) for part in text.split(",") if part.strip()] or [_positive("")]
+
+
+def _variants(text: str) -> list[str]:
+    names = [o.strip() for o in text.split(",") if o.strip()]
+    bad = [o for o in names if o not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(sorted(VARIANTS))}, got {text!r}")
+    return names
+
+
+def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
+    defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
+    p.add_argument("--batch", type=_positive, default=defaults["batch"])
+    p.add_argument("--heads", type=_positive, default=defaults["heads"])
+    p.add_argument("--heads-kv", type=_positive, default=None, help="K/V heads (GQA); default: --heads")
+    if not sweep:
+        p.add_argument("--n-q", type=_positive, default=defaults["n_q"])
+        p.add_argument("--n-k", type=_positive, default=None, help="default: --n-q")
+        p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"])
+        p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    p.add_argument("--block-q", type=_positive, default=defaults["block_q"], help="default: by head dim")
+    p.add_argument("--block-k", type=_positive, default=defaults["block_k"], help="default: by head dim")
+    p.add_argument("--orders", type=_variants, default=sorted(VARIANTS), help="kernel variants, e.g. v1,v2")
+    p.add_argument("--repeats", type=_positive, default=20, help="timed calls on a GPU (median reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-count", action="store_true", help="simulator: skip counting the kernels' HBM accesses")
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fa_numba", description="Exact FlashAttention: v1 vs v2 loop orders.")
     sub = top.add_subparsers(dest="command", required=True)
-    cmp = sub.add_parser("compare", help="run both loop orders on the same inputs and compare them")
-    cmp.add_argument("--batch", type=_positive, default=1)
-    cmp.add_argument("--heads", type=_positive, default=2)
-    cmp.add_argument("--heads-kv", type=_positive, default=None, help="K/V heads (GQA); default: --heads")
-    cmp.add_argument("--n-q", type=_positive, default=256)
-    cmp.add_argument("--n-k", type=_positive, default=None, help="default: --n-q")
-    cmp.add_argument("--head-dim", type=_positive, default=64)
-    cmp.add_argument("--causal", action="store_true")
-    cmp.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    cmp.add_argument("--block-q", type=_positive, default=64)
-    cmp.add_argument("--block-k", type=_positive, default=64)
-    cmp.add_argument("--orders", type=_orders, default=list(tiling.ORDERS))
-    cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--json", metavar="PATH", help="also write every number as JSON")
+    c = sub.add_parser("compare", help="every kernel variant on the same inputs, side by side")
+    _shape_arguments(c, sweep=False)
+    c.add_argument("--json", metavar="PATH", help="also write every number as JSON")
+    s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots")
+    _shape_arguments(s, sweep=True)
+    s.add_argument("--n", type=_positive_list, required=True, help="sequence lengths N_q = N_k, e.g. 256,512,1024")
+    s.add_argument("--head-dims", type=_positive_list, default=None, help="default: 16 in the simulator, 64 on a GPU")
+    s.add_argument("--causal", choices=["off", "on", "both"], default="off")
+    s.add_argument("--csv", metavar="PATH")
+    s.add_argument("--json", metavar="PATH")
+    s.add_argument("--plot", metavar="PATH", help="HBM bytes vs N (and time vs N on a GPU), PNG or PDF")
+    s.add_argument("--tile-map", metavar="PATH", help="the causal SKIP/FULL/PARTIAL grid of the first N")
     return top
 
 
-def compare(args) -> dict:
-    heads_kv = args.heads_kv or args.heads
-    n_k = args.n_k or args.n_q
-    rng = np.random.default_rng(args.seed)
-    dtype = DTYPES[args.dtype]
-    q = rng.standard_normal((args.batch, args.heads, args.n_q, args.head_dim)).astype(dtype)
-    k = rng.standard_normal((args.batch, heads_kv, n_k, args.head_dim)).astype(dtype)
-    v = rng.standard_normal((args.batch, heads_kv, n_k, args.head_dim)).astype(dtype)
-    rows = []
-    for order in args.orders:
-        out, lse, ledger = tiled.attention(q, k, v, order=order, block_q=args.block_q, block_k=args.block_k,
-                                           causal=args.causal, dtype=np.float32)
+def _shape(args, n_q, n_k, head_dim, causal) -> cmp.Shape:
+    return cmp.Shape(batch=args.batch, heads=args.heads, heads_kv=args.heads_kv, n_q=n_q, n_k=n_k,
+                     head_dim=head_dim, causal=causal, dtype=args.dtype, block_q=args.block_q,
+                     block_k=args.block_k, seed=args.seed)
+
+
+def _run_compare(args, top) -> int:
+    try:
+        shape = _shape(args, args.n_q, args.n_k, args.head_dim, args.causal).resolved()
+    except ValueError as err:
+        top.error(str(err))
+    if backend.name() != "gpu":
+        print("no GPU found: running the kernels in the CUDA simulator (checks and HBM counts, no timings)")
+    result = cmp.run(shape, args.orders, repeats=args.repeats, count=False if args.no_count else None)
+    print(cmp.render(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0 if cmp.all_passed(result) else 1
+
+
+CSV_FIELDS = ["n", "head_dim", "causal", "variant", "ran", "passed", "err_out", "err_lse", "tiles_computed",
+              "tiles_skipped", "tiles_masked", "bytes_total", "scores_bytes", "dense_bytes", "median_ms", "tflops", "gbps"]
+
+
+def _run_sweep(args, top) -> int:
+    head_dims = args.head_dims or ([64] if backend.name() == "gpu" else [16])
+    causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
+    configs = [(n, d, c) for d in head_dims for c in causals for n in args.n]
+    results, flat, ok = [], [], True
+    if backend.name() != "gpu":
+        print("no GPU found: kernels run in the CUDA simulator where feasible (no timings)", file=sys.stderr)
+    for index, (n, d, causal) in enumerate(configs, 1):
         try:
-            check = reference.check_attention(out, lse, q, k, v, causal=args.causal, name=order)
-            passed, err_out, err_lse, note = True, check.err_out, check.err_lse, ""
-        except AssertionError as failure:
-            ref_out, ref_lse = reference.attention(q, k, v, causal=args.causal)
-            passed, note = False, str(failure)
-            err_out, err_lse = reference.max_error(out, ref_out), reference.max_error(lse, ref_lse)
-        model = iomodel.traffic(order, args.n_q, n_k, args.head_dim, args.block_q, args.block_k, args.causal,
-                                batch=args.batch, heads=args.heads, heads_kv=heads_kv)
-        sched = tiling.schedule(order, args.n_q, n_k, args.block_q, args.block_k, args.causal)
-        itemsize = np.dtype(dtype).itemsize
-        rows.append({
-            "variant": f"tiled-{order}",
-            "order": order,
-            "passed": passed,
-            "err_out": err_out,
-            "err_lse": err_lse,
-            "tiles_computed": sched.computed * args.batch * args.heads,
-            "tiles_skipped": sched.skipped * args.batch * args.heads,
-            "tiles_masked": sched.masked * args.batch * args.heads,
-            "bytes_model": iomodel.to_bytes(model, itemsize),
-            "bytes_counted": iomodel.to_bytes(ledger, itemsize),
-            "bytes_total": iomodel.total_bytes(model, itemsize),
-            "failure": note,
-        })
-    return {
-        "shape": {"batch": args.batch, "heads": args.heads, "heads_kv": heads_kv, "n_q": args.n_q, "n_k": n_k,
-                  "head_dim": args.head_dim, "causal": args.causal, "dtype": args.dtype,
-                  "block_q": args.block_q, "block_k": args.block_k, "seed": args.seed},
-        "engine": "tiled NumPy spec (float32 arithmetic); kernels: not yet built",
-        "rows": rows,
-    }
+            shape = _shape(args, n, n, d, causal).resolved()
+        except ValueError as err:
+            top.error(str(err))
+        print(f"[{index}/{len(configs)}] N={n} d={d} causal={causal} ...", file=sys.stderr, flush=True)
+        result = cmp.run(shape, args.orders, repeats=args.repeats, count=False if args.no_count else None)
+        for note in result["notes"]:
+            if note != cmp.NO_GPU_NOTE:
+                print(f"    {note}", file=sys.stderr, flush=True)
+        ok &= cmp.all_passed(result)
+        results.append(result)
+        for r in result["rows"]:
+            flat.append({"n": n, "head_dim": d, "causal": causal, "variant": r["variant"], "ran": result["ran"],
+                         "passed": r.get("passed"), "err_out": r.get("err_out"), "err_lse": r.get("err_lse"),
+                         "tiles_computed": r["tiles_computed"], "tiles_skipped": r["tiles_skipped"],
+                         "tiles_masked": r["tiles_masked"], "bytes_total": r["bytes_total"],
+                         "scores_bytes": iomodel.materialized_scores_elements(n, n, args.batch, args.heads) * 4,
+                         "dense_bytes": iomodel.dense_traffic_elements(n, n, d, args.batch, args.heads) * 4,
+                         "median_ms": r.get("time", {}).get("median_ms"), "tflops": r.get("tflops"),
+                         "gbps": r.get("gbps")})
+    _print_sweep(flat)
+    if args.csv:
+        with open(args.csv, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(flat)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"results": results, "rows": flat}, fh, indent=1)
+    if args.plot:
+        from fa_numba import plots
+
+        plots.traffic_vs_n(flat, args.plot)
+    if args.tile_map:
+        from fa_numba import plots
+
+        n, block_q, block_k = _tile_map_shape(args, head_dims[0])
+        plots.tile_map(tiling.classify(n, n, block_q, block_k, causal=True), n, n, block_q, block_k, args.tile_map)
+    return 0 if ok else 1
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f}"
+def _tile_map_shape(args, head_dim) -> tuple[int, int, int]:
+    """The first N of the sweep with at least 8 query tiles (else the largest): a readable grid."""
+    for n in sorted(args.n) + [max(args.n)]:
+        s = _shape(args, n, n, head_dim, True).resolved()
+        if -(-n // s.block_q) >= 8 or n == max(args.n):
+            return n, s.block_q, s.block_k
+    raise AssertionError("unreachable")
 
 
-def render(result: dict) -> str:
-    s = result["shape"]
-    lines = [
-        f"shape B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} d={s['head_dim']} "
-        f"causal={s['causal']} dtype={s['dtype']} tiles {s['block_q']}x{s['block_k']}",
-        f"engine: {result['engine']}",
-    ]
-    header = ("variant", "check", "err O", "err LSE", "tiles", "skipped", "masked",
-              "Q+O MiB", "K+V MiB", "total MiB", "ledger==model")
+def _print_sweep(flat: list[dict]) -> None:
+    header = ["N", "d", "causal", "variant", "check", "err O", "tiles", "skipped", "HBM MiB", "S MiB", "median ms"]
     table = [header]
-    for r in result["rows"]:
-        b = r["bytes_model"]
-        qo = b["read"]["Q"] + b["read"]["O"] + b["write"]["O"]
-        kv = b["read"]["K"] + b["read"]["V"]
-        table.append((r["variant"], "pass" if r["passed"] else "FAIL", f"{r['err_out']:.2e}", f"{r['err_lse']:.2e}",
-                      str(r["tiles_computed"]), str(r["tiles_skipped"]), str(r["tiles_masked"]),
-                      _mib(qo), _mib(kv), _mib(r["bytes_total"]), str(r["bytes_model"] == r["bytes_counted"])))
+    for r in flat:
+        check = "-" if r["passed"] is None else ("pass" if r["passed"] else "FAIL")
+        table.append([str(r["n"]), str(r["head_dim"]), str(r["causal"]), r["variant"], check,
+                      "-" if r["err_out"] is None else f"{r['err_out']:.2e}", str(r["tiles_computed"]),
+                      str(r["tiles_skipped"]), f"{r['bytes_total'] / 2**20:.2f}", f"{r['scores_bytes'] / 2**20:.2f}",
+                      "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"])
     widths = [max(len(row[c]) for row in table) for c in range(len(header))]
     for row in table:
-        lines.append("  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))))
-    for r in result["rows"]:
-        if not r["passed"]:
-            lines.append(f"{r['variant']} failed its check: {r['failure']}")
-    return "\n".join(lines)
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     args = top.parse_args(argv)
     if args.heads_kv and args.heads % args.heads_kv:
         top.error(f"argument --heads-kv: {args.heads_kv} must divide --heads ({args.heads})")
-    result = compare(args)
-    print(render(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return 0 if all(r["passed"] for r in result["rows"]) else 1
+    if args.command == "compare":
+        return _run_compare(args, top)
+    if args.plot or args.tile_map:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            top.error("--plot and --tile-map need matplotlib: pip install 'fa_numba[plot]'")
+    return _run_sweep(args, top)
 
 
 if __name__ == "__main__":

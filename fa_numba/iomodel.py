@@ -108,6 +108,12 @@ def extra_memory_elements(order: str, n_q: int, batch: int = 1, heads: int = 1) 
     return batch * heads * n_q * (3 if order == "v1" else 1)
 
 
+def dense_traffic_elements(n_q: int, n_k: int, d: int, batch: int = 1, heads: int = 1) -> int:
+    """HBM elements moved by unfused dense attention that materialises S and P once each:
+    read Q, K; write S; read S, write P; read P and V; write O: B H (4 N_q N_k + 2 N_q d + 2 N_k d)."""
+    return batch * heads * (4 * n_q * n_k + 2 * n_q * d + 2 * n_k * d)
+
+
 def materialized_scores_elements(n_q: int, n_k: int, batch: int = 1, heads: int = 1) -> int:
     """Size of S (and of P) that dense attention would materialise in HBM: B H N_q N_k."""
     return batch * heads * n_q * n_k

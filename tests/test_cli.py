@@ -1,5 +1,6 @@
-"""`python -m fa_numba compare` on tiny shapes: table, JSON consistent with iomodel, usage errors."""
+"""`python -m fa_numba compare | sweep` on tiny shapes: table, JSON consistent with iomodel, usage errors."""
 
+import csv
 import json
 import subprocess
 import sys
@@ -7,21 +8,80 @@ import sys
 import pytest
 
 from fa_numba import cli, iomodel
+from fa_numba import compare as cmp
+
+TINY = ["--n-q", "20", "--n-k", "28", "--head-dim", "4", "--block-q", "8", "--block-k", "8"]
 
 
-def test_compare_prints_both_orders_and_writes_json(tmp_path, capsys):
+def test_compare_prints_every_variant_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out.json"
-    code = cli.main(["compare", "--n-q", "20", "--n-k", "28", "--head-dim", "8", "--block-q", "8",
-                     "--block-k", "8", "--causal", "--heads", "2", "--heads-kv", "1", "--json", str(path)])
+    code = cli.main(["compare", *TINY, "--causal", "--heads", "2", "--heads-kv", "1", "--json", str(path)])
     assert code == 0
     text = capsys.readouterr().out
-    assert "tiled-v1" in text and "tiled-v2" in text and "FAIL" not in text
+    for name in ("v1", "v2"):
+        assert f"\n{name} " in text
+    assert "FAIL" not in text
     result = json.loads(path.read_text())
-    assert [r["order"] for r in result["rows"]] == ["v1", "v2"]
+    assert set(result) >= {"machine", "shape", "rows", "ran", "notes"}
+    assert set(result["machine"]) >= {"device", "backend", "numba", "numba_cuda", "numpy", "python", "date"}
+    assert result["shape"] == dict(batch=1, heads=2, heads_kv=1, n_q=20, n_k=28, head_dim=4, causal=True,
+                                   dtype="float32", block_q=8, block_k=8, seed=0)
     for row in result["rows"]:
-        model = iomodel.traffic(row["order"], 20, 28, 8, 8, 8, True, heads=2, heads_kv=1)
-        assert row["bytes_model"] == iomodel.to_bytes(model, 4) == row["bytes_counted"]
-        assert row["passed"] and row["tiles_computed"] + row["tiles_skipped"] == 2 * 3 * 4
+        model = iomodel.traffic(row["order"], 20, 28, 4, 8, 8, True, heads=2, heads_kv=1)
+        assert row["bytes_model"] == iomodel.to_bytes(model, 4)
+        assert row["passed"] and row["err_out"] <= row["atol_out"]
+        assert row["tiles_computed"] + row["tiles_skipped"] == 2 * 3 * 4
+        if result["machine"]["backend"] == "simulator":
+            assert row["bytes_counted"] == row["bytes_model"]  # the kernels' counted accesses
+
+
+def test_a_failing_variant_is_reported_and_exits_1(monkeypatch, capsys):
+    real_run = cmp.run
+
+    def corrupt(shape, variants=None, **kw):
+        result = real_run(shape, variants, **kw)
+        result["rows"][0].update(passed=False, failure="planted failure")
+        return result
+
+    monkeypatch.setattr(cmp, "run", corrupt)
+    assert cli.main(["compare", *TINY, "--no-count"]) == 1
+    assert "FAILED its check and was not timed: planted failure" in capsys.readouterr().out
+
+
+def test_too_large_for_the_simulator_is_refused_with_analytic_columns(capsys):
+    shape = cmp.Shape(n_q=4096, head_dim=64)
+    feasible, why = cmp.simulator_feasible(shape)
+    assert not feasible and "too large for the CUDA simulator" in why and "feasible here" in why
+    if cmp.backend.name() == "simulator":
+        assert cli.main(["compare", "--n-q", "4096", "--head-dim", "64", "--block-q", "64", "--block-k", "64"]) == 0
+        out = capsys.readouterr().out
+        assert "too large for the CUDA simulator" in out
+        result = cmp.run(shape)
+        assert not result["ran"] and all("passed" not in r for r in result["rows"])
+        for row in result["rows"]:  # the analytic columns are still there: 64 x 64 tiles of 64, H = 2
+            assert row["tiles_computed"] == 64 * 64 * 2 and f" {row['tiles_computed']} " in out
+            assert row["bytes_total"] == iomodel.total_bytes(iomodel.traffic(row["order"], 4096, 4096, 64, 64, 64,
+                                                                              False, heads=2), 4)
+
+
+def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="plots need the optional 'plot' extra (matplotlib)")
+    paths = {k: tmp_path / f"s.{k}" for k in ("csv", "json")}
+    plot, tile_map = tmp_path / "traffic.png", tmp_path / "tiles.png"
+    code = cli.main(["sweep", "--n", "16,24", "--head-dims", "4", "--causal", "both", "--block-q", "8",
+                     "--block-k", "8", "--no-count", "--csv", str(paths["csv"]), "--json", str(paths["json"]),
+                     "--plot", str(plot), "--tile-map", str(tile_map)])
+    assert code == 0
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert len(rows) == 2 * 2 * 2  # sizes x causal x variants
+    for row in rows:
+        n, causal = int(row["n"]), row["causal"] == "True"
+        model = iomodel.traffic(row["variant"], n, n, 4, 8, 8, causal, heads=2)
+        assert int(row["bytes_total"]) == iomodel.total_bytes(model, 4)
+    assert len(json.loads(paths["json"].read_text())["results"]) == 4
+    for png in (plot, tile_map):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert "[4/4] N=24 d=4 causal=True" in capsys.readouterr().err  # progress on stderr
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -30,6 +90,10 @@ def test_compare_prints_both_orders_and_writes_json(tmp_path, capsys):
     (["compare", "--dtype", "int8"], "--dtype: invalid choice"),
     ([], "required: command"),
     (["compare", "--heads", "3", "--heads-kv", "2"], "--heads-kv: 2 must divide --heads (3)"),
+    (["compare", "--head-dim", "512"], "head_dim must be <= 256"),
+    (["compare", "--head-dim", "64", "--block-k", "512"], "block_k = 512 with d = 64 needs"),
+    (["sweep"], "the following arguments are required: --n"),
+    (["sweep", "--n", "16,x"], "--n: expected a positive integer"),
 ])
 def test_bad_arguments_exit_2_with_usage(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -40,7 +104,7 @@ def test_bad_arguments_exit_2_with_usage(argv, message, capsys):
 
 
 def test_module_entry_point_runs():
-    done = subprocess.run([sys.executable, "-m", "fa_numba", "compare", "--n-q", "16", "--head-dim", "4",
-                           "--block-q", "8", "--block-k", "8"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "fa_numba", "compare", *TINY, "--no-count"], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "tiled-v2" in done.stdout
+    assert "v2" in done.stdout

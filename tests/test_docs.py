@@ -30,12 +30,16 @@ def test_doctests(module):
     assert failures == 0
 
 
+@pytest.mark.skipif(fa_numba.backend.name() != "simulator",
+                    reason="the README shows the simulator's table; a GPU adds timing columns")
 def test_readme_table_matches_compare(capsys):
-    """The sample table in the README is what `compare` prints by default."""
+    """The sample table in the README is what `compare` prints by default in the simulator."""
     from fa_numba import cli
 
     assert cli.main(["compare"]) == 0
     printed = capsys.readouterr().out.splitlines()
+    table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
     readme = (ROOT / "README.md").read_text()
-    for line in printed[2:]:
+    assert len(table) >= 3
+    for line in table:
         assert line in readme, line
