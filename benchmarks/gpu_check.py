@@ -16,21 +16,15 @@ Writes gpu_check.md and gpu_check.json to --out (default: $OUT if set, else benc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 
-import numpy as np
 
-import fa_numba
-from fa_numba import reference
-from fa_numba.kernels import VARIANTS, default_tiles
-from fa_numba.timing import attention_flops, time_call
+from fa_numba import compare as cmp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SANITIZER_SNIPPET = """
@@ -48,28 +42,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def machine() -> dict:
-    from numba import cuda
-    import numba
-
-    info = {"date": datetime.date.today().isoformat(), "backend": fa_numba.backend.name(),
-            "python": platform.python_version(), "numba": numba.__version__, "numpy": np.__version__}
-    try:
-        import numba_cuda
-
-        info["numba_cuda"] = numba_cuda.__version__
-    except (ImportError, AttributeError):
-        pass
-    if info["backend"] == "gpu":
-        dev = cuda.get_current_device()
-        info["device"] = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-        info["compute_capability"] = ".".join(map(str, dev.compute_capability))
-        info["driver"] = ".".join(map(str, cuda.cudadrv.driver.driver.get_version()))
-    else:
-        info["device"] = "CUDA simulator (no GPU)"
-    return info
-
-
 def run_tests() -> dict:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py", "tests/test_api.py"],
@@ -82,51 +54,22 @@ def run_tests() -> dict:
 
 
 def check_and_time(batch, heads, n, d, causal, repeats) -> list[dict]:
-    from numba import cuda
-
-    rng = np.random.default_rng(n + d + causal)
-    q, k, v = (rng.standard_normal((batch, heads, n, d)).astype(np.float32) for _ in range(3))
-    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
-    block_q, block_k = default_tiles(d)
-    t0 = time.perf_counter()
-    ref_out, ref_lse = reference.attention(q, k, v, causal=causal)
-    naive_out, naive_lse = reference.attention_naive_f32(q, k, v, causal=causal)
-    atol_out, atol_lse = reference.tolerance(ref_out, naive_out), reference.tolerance(ref_lse, naive_lse)
-    log(f"[ref] B={batch} H={heads} N={n} d={d} causal={causal}: reference in {time.perf_counter() - t0:.1f} s")
+    """compare.run on one shape: check every variant, time those that pass; one flat row per variant."""
+    result = cmp.run(cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, seed=n + d + causal),
+                     repeats=repeats, count=False)
+    log(cmp.render(result))
     rows = []
-    for name, variant in VARIANTS.items():
-        kernel = variant.make(block_q, block_k, d, causal)
-        out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
-        lse = cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32))
-        workspace = (cuda.device_array(q.shape[:-1], np.float32), cuda.device_array(q.shape[:-1], np.float32))
-        launch = lambda: kernel(dq, dk, dv, out, lse, 1 / np.sqrt(d), workspace)  # noqa: E731
-        launch()
-        cuda.synchronize()
-        row = dict(variant=name, batch=batch, heads=heads, n=n, d=d, causal=causal, block_q=block_q,
-                   block_k=block_k, atol_out=atol_out, atol_lse=atol_lse)
-        host_out, host_lse = out.copy_to_host(), lse.copy_to_host()
-        row["err_out"] = reference.max_error(host_out, ref_out)
-        row["err_lse"] = reference.max_error(host_lse, ref_lse)
-        try:
-            reference.assert_close(host_out, ref_out, atol_out, name=f"{name} out")
-            reference.assert_close(host_lse, ref_lse, atol_lse, name=f"{name} lse")
-            row["passed"] = True
-        except AssertionError as failure:
-            row["passed"], row["failure"] = False, str(failure)[:500]
-            log(f"[check] {name} FAILED, not timed: {row['failure']}")
-            rows.append(row)
-            continue
-        timing = time_call(launch, warmup=3, repeats=repeats)
-        row.update(timing.as_dict())
-        row["tflops"] = attention_flops(batch, heads, n, n, d, causal) / (timing.median_ms * 1e-3) / 1e12
-        log(f"[time] {name} N={n} d={d} causal={causal}: {timing.median_ms:.3f} ms "
-            f"(p10 {timing.p10_ms:.3f}, p90 {timing.p90_ms:.3f}), {row['tflops']:.2f} TFLOP/s, "
-            f"err O {row['err_out']:.2e} <= {atol_out:.2e}")
+    for r in result["rows"]:
+        row = dict(variant=r["variant"], batch=batch, heads=heads, n=n, d=d, causal=causal,
+                   block_q=result["shape"]["block_q"], block_k=result["shape"]["block_k"], passed=r.get("passed"),
+                   err_out=r.get("err_out"), err_lse=r.get("err_lse"), atol_out=r.get("atol_out"),
+                   atol_lse=r.get("atol_lse"), tflops=r.get("tflops"), notes=result["notes"])
+        row.update(r.get("time", {}))
+        if "speedup_v2_over_v1" in result:
+            row["v2_speedup_over_v1"] = result["speedup_v2_over_v1"]
+        if r.get("failure"):
+            row["failure"] = r["failure"][:500]
         rows.append(row)
-    timed = {r["variant"]: r for r in rows if r.get("median_ms")}
-    if "v1" in timed and "v2" in timed:
-        for r in rows:
-            r["v2_speedup_over_v1"] = timed["v1"]["median_ms"] / timed["v2"]["median_ms"]
     return rows
 
 
@@ -156,7 +99,7 @@ def markdown(info, tests, rows, race) -> str:
             f"| {r['variant']} | {r['n']} | {r['d']} | {r['causal']} | {r['block_q']}x{r['block_k']} | "
             f"{'pass' if r['passed'] else 'FAIL'} | {r['err_out']:.2e} | {r['atol_out']:.2e} | "
             + (f"{r['median_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['tflops']:.2f} | "
-               if timed else "not timed | | | ")
+               if timed and r.get("tflops") is not None else f"{'not timed' if not timed else r['clock']} | | | ")
             + (f"{r['v2_speedup_over_v1']:.1f}x |" if "v2_speedup_over_v1" in r else " |"))
     if race:
         lines += ["", f"racecheck: {race}"]
@@ -169,7 +112,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no tests, no sanitizer")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    info = machine()
+    info = cmp.machine()
     log(f"[machine] {info}")
     if info["backend"] != "gpu" and not args.smoke:
         parser.error("no GPU: run with --smoke to try the script in the simulator")

@@ -1,6 +1,5 @@
 """HBM traffic: the spec's ledger equals the closed form (proofs/L5_hbm_traffic.md)."""
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st

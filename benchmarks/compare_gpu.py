@@ -1,0 +1,139 @@
+"""The compare sweep for a lent GPU, with PyTorch SDPA as the outside reference point.
+
+    python benchmarks/compare_gpu.py [--out DIR] [--budget-s 480] [--n 1024,2048,4096,8192] [--smoke]
+
+For B=4, H=16, N in --n, d in {64, 128}, causal and not, float32 and float16: `fa_numba.compare.run` (check
+against the float64 reference, then time every variant that passed: CUDA events, 3 warm-up calls, median of
+--repeats) and, when torch is importable, torch.nn.functional.scaled_dot_product_attention on the same
+inputs (backend reported, same timing), with the ratio of each kernel to it. Sizes are run smallest first;
+when --budget-s runs out the remaining ones are listed as not run. A variant whose single call takes over
+--slow-s seconds is timed with --slow-repeats calls instead (said in the table).
+Writes compare_gpu.md, compare_gpu.json and compare_gpu.png to --out (default $OUT, else benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import fa_numba
+from fa_numba import compare as cmp
+from fa_numba import plots
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sdpa(shape: cmp.Shape, repeats: int) -> dict:
+    """Time torch SDPA on the inputs compare.run used (same seed). Returns backend, ms, or why not."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as err:
+        return {"available": False, "why": f"torch not importable: {err}"}
+    q, k, v = (torch.from_numpy(x).cuda() for x in cmp.inputs(shape))
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.MATH):
+        try:
+            with sdpa_kernel([backend]):
+                call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)  # noqa: E731
+                call()
+                torch.cuda.synchronize()
+                start, stop, samples = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+                for _ in range(3):
+                    call()
+                for _ in range(repeats):
+                    start.record()
+                    call()
+                    stop.record()
+                    stop.synchronize()
+                    samples.append(start.elapsed_time(stop))
+            return {"available": True, "backend": backend.name, "median_ms": float(np.median(samples)),
+                    "torch": torch.__version__}
+        except RuntimeError:
+            continue
+    return {"available": False, "why": "no SDPA backend ran"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--n", default="1024,2048,4096,8192")
+    parser.add_argument("--budget-s", type=float, default=480.0)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--slow-s", type=float, default=0.5)
+    parser.add_argument("--slow-repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes in the simulator, no SDPA")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    on_gpu = fa_numba.backend.name() == "gpu"
+    if not on_gpu and not args.smoke:
+        parser.error("no GPU: use --smoke to try the script in the simulator")
+    batch, heads = (4, 16) if not args.smoke else (1, 2)
+    sizes = [int(n) for n in args.n.split(",")] if not args.smoke else [16, 32]
+    configs = [(n, d, causal, dtype) for n in sorted(sizes) for d in ((64, 128) if not args.smoke else (8,))
+               for causal in (False, True) for dtype in ("float32", "float16")]
+    start, results, flat, not_run = time.perf_counter(), [], [], []
+    for index, (n, d, causal, dtype) in enumerate(configs, 1):
+        if time.perf_counter() - start > args.budget_s:
+            not_run.append(dict(n=n, d=d, causal=causal, dtype=dtype))
+            continue
+        shape = cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, dtype=dtype,
+                          block_q=8 if args.smoke else None, block_k=8 if args.smoke else None)
+        log(f"[{index}/{len(configs)}] N={n} d={d} causal={causal} {dtype} (elapsed {time.perf_counter() - start:.0f} s)")
+        probe = cmp.run(shape, repeats=1, warmup=1, count=False)  # one timed call tells how slow each variant is
+        slow = any(r.get("time", {}).get("median_ms", 0) > args.slow_s * 1e3 for r in probe["rows"])
+        repeats = args.slow_repeats if slow else args.repeats
+        result = cmp.run(shape, repeats=repeats, count=False) if on_gpu else probe
+        result["repeats"] = repeats
+        result["sdpa"] = sdpa(shape.resolved(), repeats) if on_gpu else {"available": False, "why": "no GPU"}
+        log(cmp.render(result))
+        log(f"    sdpa: {result['sdpa']}")
+        results.append(result)
+        for r in result["rows"]:
+            ms = r.get("time", {}).get("median_ms")
+            ref = result["sdpa"].get("median_ms")
+            flat.append(dict(n=n, head_dim=d, causal=causal, dtype=dtype, variant=r["variant"], passed=r.get("passed"),
+                             err_out=r.get("err_out"), median_ms=ms, tflops=r.get("tflops"), gbps=r.get("gbps"),
+                             repeats=repeats, bytes_total=r["bytes_total"], tiles_computed=r["tiles_computed"],
+                             tiles_skipped=r["tiles_skipped"], sdpa_backend=result["sdpa"].get("backend"),
+                             sdpa_ms=ref, ratio_to_sdpa=(ms / ref) if ms and ref else None,
+                             scores_bytes=fa_numba.iomodel.materialized_scores_elements(n, n, batch, heads) * 4,
+                             dense_bytes=fa_numba.iomodel.dense_traffic_elements(n, n, d, batch, heads) * 4))
+    machine = cmp.machine()
+    with open(os.path.join(args.out, "compare_gpu.json"), "w") as fh:
+        json.dump({"machine": machine, "results": results, "rows": flat, "not_run": not_run}, fh, indent=1)
+    lines = [f"# compare_gpu: {machine['device']}, {machine['date']}", "",
+             f"B={batch}, H={heads}; numba {machine['numba']}, numba-cuda {machine['numba_cuda']}", "",
+             "| N | d | causal | dtype | variant | check | err O | median ms | repeats | TFLOP/s | GB/s | SDPA (backend) ms | kernel/SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in flat:
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        lines.append(f"| {r['n']} | {r['head_dim']} | {r['causal']} | {r['dtype']} | {r['variant']} | "
+                     f"{'-' if r['passed'] is None else ('pass' if r['passed'] else 'FAIL')} | {fmt(r['err_out'], '.2e')} | "
+                     f"{fmt(r['median_ms'], '.3f')} | {r['repeats']} | {fmt(r['tflops'], '.2f')} | {fmt(r['gbps'], '.0f')} | "
+                     f"{fmt(r['sdpa_ms'], '.3f')} ({r['sdpa_backend']}) | {fmt(r['ratio_to_sdpa'], '.1f')} |")
+    if not_run:
+        lines += ["", f"Not run (budget of {args.budget_s:.0f} s spent): {not_run}"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "compare_gpu.md"), "w") as fh:
+        fh.write(text)
+    print(text)
+    try:
+        plots.traffic_vs_n([r for r in flat if r["dtype"] == "float32"], os.path.join(args.out, "compare_gpu.png"))
+    except ImportError:
+        log("matplotlib not importable: no plot")
+    return 0 if all(r["passed"] is not False for r in flat) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
