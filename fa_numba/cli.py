@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import sys
 
@@ -184,11 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         top.error(f"argument --heads-kv: {args.heads_kv} must divide --heads ({args.heads})")
     if args.command == "compare":
         return _run_compare(args, top)
-    if args.plot or args.tile_map:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            top.error("--plot and --tile-map need matplotlib: pip install 'fa_numba[plot]'")
+    if (args.plot or args.tile_map) and importlib.util.find_spec("matplotlib") is None:
+        top.error("--plot and --tile-map need matplotlib: pip install 'fa_numba[plot]'")
     return _run_sweep(args, top)
 
 

@@ -58,6 +58,22 @@ class Config:
         return self
 
 
+class CompiledKernel:
+    """One compiled specialisation of a loop order. Subclasses give `grid(q)` and `launch(...)`."""
+
+    def __init__(self, config: Config, kernel_source):
+        self.config = config
+        self.source = kernel_source(config)  # the Python function, for compile_ptx in the compile check
+        self.kernel = cuda.jit(self.source)
+
+    def __call__(self, q, k, v, o, lse, scale, workspace=None):
+        """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs."""
+        if q.shape[3] != self.config.head_dim:
+            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        grid, block = self.grid(q)
+        self.launch(self.kernel[grid, block], q, k, v, o, lse, float32(scale), workspace)
+
+
 @cuda.jit(device=True, inline=True)
 def load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, n_threads):
     """Cooperative load of K_j, V_j rows [c0, c0 + cols) into shared memory; rows past N_k are not read."""

@@ -27,8 +27,8 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (NEG_INF, ZERO, Config, load_kv_tile, log_sum_exp, online_update,
-                                     score_row)
+from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
+                                     online_update, score_row)
 
 
 def kernel_source(config: Config):
@@ -96,29 +96,21 @@ def kernel_source(config: Config):
     return flash_v1
 
 
-class FlashV1:
-    """A compiled v1 specialisation; call it with device arrays (and optionally the l, m workspace)."""
-
-    def __init__(self, config: Config):
-        self.config = config
-        self.source = kernel_source(config)
-        self.kernel = cuda.jit(self.source)
+class FlashV1(CompiledKernel):
+    """A compiled v1 specialisation; the l, m workspace is allocated unless given."""
 
     def grid(self, q):
         batch, heads, _, _ = q.shape
         return (batch * heads,), (self.config.block_q,)
 
-    def __call__(self, q, k, v, o, lse, scale, workspace=None):
-        if q.shape[3] != self.config.head_dim:
-            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
         if workspace is None:
             workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
         l_hbm, m_hbm = workspace
-        grid, block = self.grid(q)
-        self.kernel[grid, block](q, k, v, o, lse, l_hbm, m_hbm, float32(scale))
+        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale)
 
 
 @functools.lru_cache(maxsize=None)
 def make_v1(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV1:
     """Build (once per configuration) the v1 kernel for these compile-time tile sizes."""
-    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal)).check())
+    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal)).check(), kernel_source)

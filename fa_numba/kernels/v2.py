@@ -24,8 +24,8 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (NEG_INF, ZERO, Config, load_kv_tile, log_sum_exp, online_update,
-                                     score_row)
+from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
+                                     online_update, score_row)
 
 
 def kernel_source(config: Config):
@@ -86,26 +86,18 @@ def kernel_source(config: Config):
     return flash_v2
 
 
-class FlashV2:
-    """A compiled v2 specialisation; call it with device arrays."""
-
-    def __init__(self, config: Config):
-        self.config = config
-        self.source = kernel_source(config)
-        self.kernel = cuda.jit(self.source)
+class FlashV2(CompiledKernel):
+    """A compiled v2 specialisation (it needs no workspace)."""
 
     def grid(self, q):
         batch, heads, n_q, _ = q.shape
         return ((n_q + self.config.block_q - 1) // self.config.block_q, batch * heads), (self.config.block_q,)
 
-    def __call__(self, q, k, v, o, lse, scale, workspace=None):
-        if q.shape[3] != self.config.head_dim:
-            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
-        grid, block = self.grid(q)
-        self.kernel[grid, block](q, k, v, o, lse, float32(scale))
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
+        kernel(q, k, v, o, lse, scale)
 
 
 @functools.lru_cache(maxsize=None)
 def make_v2(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV2:
     """Build (once per configuration) the v2 kernel for these compile-time tile sizes."""
-    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal)).check())
+    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal)).check(), kernel_source)
