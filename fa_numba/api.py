@@ -23,14 +23,21 @@ def _is_device(x) -> bool:
     return backend.name() == "simulator" and isinstance(x, cuda.devicearray.FakeCUDAArray)
 
 
+def _as_array(x, on_device: bool):
+    """A Numba device array (a view, no copy) for a device input, a NumPy array for a host input, so that
+    shapes and dtypes read the same way for NumPy, Numba, CuPy and PyTorch inputs."""
+    if on_device:
+        return cuda.as_cuda_array(x) if hasattr(x, "__cuda_array_interface__") else x
+    return x if isinstance(x, np.ndarray) or not hasattr(x, "__array__") else np.asarray(x)
+
+
 def _prepare(name: str, x, on_device: bool):
     """A C-contiguous (B, H, N, d) array on the device."""
     if on_device:
-        dx = cuda.as_cuda_array(x) if hasattr(x, "__cuda_array_interface__") else x
-        if not dx.is_c_contiguous():
+        if not x.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
-        return dx.reshape((1,) * (4 - dx.ndim) + tuple(dx.shape))
-    return cuda.to_device(np.ascontiguousarray(shapes.as_4d(np.asarray(x))))
+        return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+    return cuda.to_device(np.ascontiguousarray(shapes.as_4d(x)))
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
@@ -52,6 +59,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     on_device = _is_device(q)
     if on_device != _is_device(k) or on_device != _is_device(v):
         raise TypeError("q, k, v must be all host arrays or all device arrays")
+    q, k, v = (_as_array(x, on_device) for x in (q, k, v))
     prob = shapes.problem(q, k, v, allowed=INPUT_DTYPES)
     causal = shapes.check_causal(causal)
     scale = shapes.resolve_scale(scale, prob.d)

@@ -40,8 +40,12 @@ class Problem:
 def _check_array(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
-    if np.dtype(x.dtype) not in allowed:
-        names = ", ".join(str(a) for a in allowed)
+    names = ", ".join(str(a) for a in allowed)
+    try:
+        dtype = np.dtype(x.dtype)
+    except TypeError:
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}") from None
+    if dtype not in allowed:
         raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
     if len(x.shape) not in (2, 3, 4):
         raise ValueError(

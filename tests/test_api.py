@@ -99,3 +99,22 @@ def test_non_contiguous_host_array_is_accepted():
 
 def test_backend_is_reported():
     assert fa_numba.backend.name() in ("simulator", "gpu")
+
+
+def test_array_likes_and_foreign_dtypes():
+    class HostTensor:  # like a CPU torch tensor: converts with __array__
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+
+    q = np.random.default_rng(1).standard_normal((4, 2)).astype(np.float32)
+    out, lse = fa_numba.attention(HostTensor(q), HostTensor(q), HostTensor(q), return_lse=True, **SMALL)
+    reference.check_attention(out, lse, q, q, q)
+
+    class ForeignDtype:  # has a shape and a dtype NumPy cannot read
+        shape, dtype = (4, 2), "torch.bfloat16"
+
+    with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16\), got torch.bfloat16"):
+        fa_numba.attention(ForeignDtype(), q, q)
