@@ -8,6 +8,7 @@ Layers, top to bottom (each imports only those above it):
     iomodel         the same HBM traffic in closed form
     kernels         Numba CUDA kernels v1 and v2, and their registry
     api             attention(q, k, v, ...): validate, pick tiles, launch
+    compare, cli    v1 vs v2 side by side (`python -m fa_numba compare | sweep`); timing, plots
 
 Without an NVIDIA driver, importing fa_numba selects Numba's CUDA simulator (see fa_numba.backend).
 """
