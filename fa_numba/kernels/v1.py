@@ -71,7 +71,7 @@ def kernel_source(config: Config):
             load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, BR)
             # the whole K_j, V_j tile is in shared memory before any thread reads it
             cuda.syncthreads()
-            for i in range(i_first, t_r):
+            for i in range(i_first, t_r):  # invariant: query tiles i_first..i-1 have folded tile j (L4)
                 r0 = i * BR
                 row = r0 + tid
                 if row < n_q:
