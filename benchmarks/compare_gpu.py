@@ -21,11 +21,12 @@ import time
 
 import numpy as np
 
-import fa_numba
-from fa_numba import compare as cmp
-from fa_numba import plots
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout without installing it (as on a lent GPU machine)
+
+import fa_numba  # noqa: E402
+from fa_numba import compare as cmp  # noqa: E402
+from fa_numba import plots  # noqa: E402
 
 
 def log(msg: str) -> None:
