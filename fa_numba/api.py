@@ -71,6 +71,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
     Config(order, block_q, block_k, prob.d, causal).check()  # shared-memory budget, before any allocation
 
+    backend.warn_if_slow_in_simulator(prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
     ndim = len(q.shape)
     dq, dk, dv = (_prepare(name, x, on_device) for name, x in (("q", q), ("k", k), ("v", v)))
     out = cuda.device_array((prob.batch, prob.heads, prob.n_q, prob.d), dtype=np.float32)

@@ -13,6 +13,9 @@ import shutil
 import sys
 
 
+SIM_MAX_WORK = 2**20  # B H N_q N_k d multiply-adds the simulator runs in about 20 s per kernel (2 cores)
+
+
 def gpu_driver_visible() -> bool:
     return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
 
@@ -67,3 +70,13 @@ def patch_simulator() -> None:
 
     array._fa_numba_locked = True
     kernelapi.FakeCUDAShared.array = array
+
+
+def warn_if_slow_in_simulator(work: int) -> None:
+    """Warn before a launch the simulator will take minutes over (work = B H N_q N_k d)."""
+    if name() == "simulator" and work > SIM_MAX_WORK:
+        import warnings
+
+        seconds = 20 * work / SIM_MAX_WORK
+        warnings.warn(f"running in the CUDA simulator (no GPU): B*H*N_q*N_k*d = {work:,} will take about "
+                      f"{seconds:,.0f} s; shapes up to {SIM_MAX_WORK:,} take seconds", stacklevel=3)

@@ -21,7 +21,7 @@ from fa_numba.kernels import VARIANTS, default_tiles
 from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, Config
 from fa_numba.timing import attention_flops, time_call
 
-SIM_MAX_WORK = 2**20  # B H N_q N_k d multiply-adds: about 20 s per variant in the simulator on this laptop class
+SIM_MAX_WORK = backend.SIM_MAX_WORK  # B H N_q N_k d: about 20 s per variant in the simulator
 SIM_MAX_BLOCKS = 64
 SIM_MAX_THREADS = 64
 NO_GPU_NOTE = "no GPU: kernels ran in the CUDA simulator, so there are no timings"

@@ -118,3 +118,11 @@ def test_array_likes_and_foreign_dtypes():
 
     with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16\), got torch.bfloat16"):
         fa_numba.attention(ForeignDtype(), q, q)
+
+
+@pytest.mark.skipif(not fa_numba.backend.name() == "simulator", reason="the warning is about the simulator")
+def test_simulator_warns_before_a_slow_launch(monkeypatch):
+    monkeypatch.setattr(fa_numba.backend, "SIM_MAX_WORK", 10)  # make a tiny launch count as slow
+    q = np.zeros((4, 2), np.float32)
+    with pytest.warns(UserWarning, match=r"CUDA simulator \(no GPU\): B\*H\*N_q\*N_k\*d = 32 will take about"):
+        fa_numba.attention(q, q, q, **SMALL)
