@@ -31,11 +31,6 @@ class Problem:
         """Query heads per K/V head: query head h reads K/V head h // group."""
         return self.heads // self.heads_kv
 
-    @property
-    def delta(self) -> int:
-        """Bottom-right causal offset: query i sees key j iff j <= i + delta."""
-        return self.n_k - self.n_q
-
 
 def _check_array(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):

@@ -45,12 +45,6 @@ class Ledger:
     def scaled(self, factor: int) -> "Ledger":
         return Ledger({t: c * factor for t, c in self.reads.items()}, {t: c * factor for t, c in self.writes.items()})
 
-    def __add__(self, other: "Ledger") -> "Ledger":
-        return Ledger(
-            {t: self.reads[t] + other.reads[t] for t in TENSORS},
-            {t: self.writes[t] + other.writes[t] for t in TENSORS},
-        )
-
 
 def _scores(q_i, k_j, scale, grid, i, j, kind):
     """S_ij = scale * Q_i K_j^T, with the causal mask applied only on PARTIAL (or visited SKIP) tiles."""

@@ -124,5 +124,6 @@ def test_array_likes_and_foreign_dtypes():
 def test_simulator_warns_before_a_slow_launch(monkeypatch):
     monkeypatch.setattr(fa_numba.backend, "SIM_MAX_WORK", 10)  # make a tiny launch count as slow
     q = np.zeros((4, 2), np.float32)
-    with pytest.warns(UserWarning, match=r"CUDA simulator \(no GPU\): B\*H\*N_q\*N_k\*d = 32 will take about"):
-        fa_numba.attention(q, q, q, **SMALL)
+    with pytest.warns(UserWarning, match=r"CUDA simulator \(no GPU\): B\*H\*N_q\*N_k\*d = 32 will take about") as seen:
+        out = fa_numba.attention(q, q, q, **SMALL)
+    assert len(seen) == 1 and out.shape == (4, 2)
