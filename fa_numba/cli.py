@@ -173,9 +173,7 @@ def _print_sweep(flat: list[dict]) -> None:
                       "-" if r["err_out"] is None else f"{r['err_out']:.2e}", str(r["tiles_computed"]),
                       str(r["tiles_skipped"]), f"{r['bytes_total'] / 2**20:.2f}", f"{r['scores_bytes'] / 2**20:.2f}",
                       "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"])
-    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
-    for row in table:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print("\n".join(cmp.align(table)))
 
 
 def main(argv: list[str] | None = None) -> int:

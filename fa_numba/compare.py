@@ -218,6 +218,13 @@ def _unit(largest: int) -> tuple[str, int]:
     return "KiB", 2**10
 
 
+def align(table: list[list[str]], left: int = 0) -> list[str]:
+    """Rows of cells as aligned lines: the first `left` columns left-aligned, the others right-aligned."""
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in table]
+
+
 def render(result: dict) -> str:
     """The aligned text table a user reads."""
     s = result["shape"]
@@ -254,9 +261,7 @@ def render(result: dict) -> str:
             cells += ([f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}", f"{r['tflops']:.2f}",
                        f"{r['gbps']:.0f}"] if t else ["not timed", "", "", ""])
         table.append(cells)
-    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
-    for row in table:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    lines += align(table, left=1)
     if "speedup_v2_over_v1" in result:
         lines.append(f"v2/v1 speed-up: {result['speedup_v2_over_v1']:.2f}x")
     for r in result["rows"]:
