@@ -91,12 +91,9 @@ def main() -> int:
         shape = cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, dtype=dtype,
                           block_q=8 if args.smoke else None, block_k=8 if args.smoke else None)
         log(f"[{index}/{len(configs)}] N={n} d={d} causal={causal} {dtype} (elapsed {time.perf_counter() - start:.0f} s)")
-        probe = cmp.run(shape, repeats=1, warmup=1, count=False)  # one timed call tells how slow each variant is
-        slow = any(r.get("time", {}).get("median_ms", 0) > args.slow_s * 1e3 for r in probe["rows"])
-        repeats = args.slow_repeats if slow else args.repeats
-        result = cmp.run(shape, repeats=repeats, count=False) if on_gpu else probe
-        result["repeats"] = repeats
-        result["sdpa"] = sdpa(shape.resolved(), repeats) if on_gpu else {"available": False, "why": "no GPU"}
+        result = cmp.run(shape, repeats=args.repeats, count=False, slow_ms=args.slow_s * 1e3,
+                         slow_repeats=args.slow_repeats)
+        result["sdpa"] = sdpa(shape.resolved(), args.repeats) if on_gpu else {"available": False, "why": "no GPU"}
         log(cmp.render(result))
         log(f"    sdpa: {result['sdpa']}")
         results.append(result)
@@ -105,7 +102,7 @@ def main() -> int:
             ref = result["sdpa"].get("median_ms")
             flat.append(dict(n=n, head_dim=d, causal=causal, dtype=dtype, variant=r["variant"], passed=r.get("passed"),
                              err_out=r.get("err_out"), median_ms=ms, tflops=r.get("tflops"), gbps=r.get("gbps"),
-                             repeats=repeats, bytes_total=r["bytes_total"], tiles_computed=r["tiles_computed"],
+                             repeats=r.get("time", {}).get("repeats"), bytes_total=r["bytes_total"], tiles_computed=r["tiles_computed"],
                              tiles_skipped=r["tiles_skipped"], sdpa_backend=result["sdpa"].get("backend"),
                              sdpa_ms=ref, ratio_to_sdpa=(ms / ref) if ms and ref else None,
                              scores_bytes=fa_numba.iomodel.materialized_scores_elements(n, n, batch, heads) * 4,

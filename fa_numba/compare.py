@@ -17,11 +17,10 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from fa_numba import backend, iomodel, reference, shapes, tiling
-from fa_numba.kernels import VARIANTS, default_tiles
+from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, Config
 from fa_numba.timing import attention_flops, time_call
 
-SIM_MAX_WORK = backend.SIM_MAX_WORK  # B H N_q N_k d: about 20 s per variant in the simulator
 SIM_MAX_BLOCKS = 64
 SIM_MAX_THREADS = 64
 NO_GPU_NOTE = "no GPU: kernels ran in the CUDA simulator, so there are no timings"
@@ -70,12 +69,12 @@ def simulator_feasible(shape: Shape) -> tuple[bool, str]:
     s = shape.resolved()
     work = s.batch * s.heads * s.n_q * s.n_k * s.head_dim
     blocks = math.ceil(s.n_q / s.block_q) * s.batch * s.heads
-    if work <= SIM_MAX_WORK and blocks <= SIM_MAX_BLOCKS and s.block_q <= SIM_MAX_THREADS:
+    if work <= backend.SIM_MAX_WORK and blocks <= SIM_MAX_BLOCKS and s.block_q <= SIM_MAX_THREADS:
         return True, ""
-    n_max = min(int(math.sqrt(SIM_MAX_WORK / (s.batch * s.heads * s.head_dim))),
+    n_max = min(int(math.sqrt(backend.SIM_MAX_WORK / (s.batch * s.heads * s.head_dim))),
                 SIM_MAX_BLOCKS * s.block_q // (s.batch * s.heads))
     return False, (
-        f"too large for the CUDA simulator: B*H*N_q*N_k*d = {work:,} (limit {SIM_MAX_WORK:,}), "
+        f"too large for the CUDA simulator: B*H*N_q*N_k*d = {work:,} (limit {backend.SIM_MAX_WORK:,}), "
         f"{blocks} blocks of {s.block_q} threads (limits {SIM_MAX_BLOCKS} and {SIM_MAX_THREADS}); feasible here: "
         f"N_q = N_k <= {n_max} at B={s.batch} H={s.heads} d={s.head_dim}, e.g. --n-q 64 --head-dim 16"
     )
@@ -130,8 +129,11 @@ def inputs(s: Shape):
     return q, k, v
 
 
-def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, count: bool | None = None) -> dict:
-    """Compare the variants on one shape. Returns a JSON-ready dict: machine, shape, rows, notes."""
+def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, count: bool | None = None,
+        slow_ms: float | None = None, slow_repeats: int = 5) -> dict:
+    """Compare the variants on one shape. Returns a JSON-ready dict: machine, shape, rows, notes.
+
+    Timing (GPU only) follows timing.time_call, slow_ms and slow_repeats included."""
     from numba import cuda
 
     s = shape.resolved()
@@ -163,10 +165,7 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     qc, kc, vc = q[part], k[part_kv], v[part_kv]
     n_scores = qc.shape[0] * qc.shape[1] * s.n_q * s.n_k
     contractions = reference.CONTRACTIONS if n_scores <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    ref_out, ref_lse = reference.attention(qc, kc, vc, causal=s.causal)
-    naive = [reference.attention_naive_f32(qc, kc, vc, causal=s.causal, contraction=c) for c in contractions]
-    atol_out = reference.tolerance(ref_out, [n[0] for n in naive])
-    atol_lse = reference.tolerance(ref_lse, [n[1] for n in naive])
+    base = reference.baseline(qc, kc, vc, causal=s.causal, contractions=contractions)
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     for row in rows:
         kernel = VARIANTS[row["variant"]].make(s.block_q, s.block_k, s.head_dim, s.causal)
@@ -176,24 +175,21 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
             out, lse, ledger = run_counted(kernel, q, k, v, scale)
             row["bytes_counted"] = iomodel.to_bytes(ledger, np.dtype(s.dtype).itemsize)
         else:
-            d_out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
-            d_lse = cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32))
-            workspace = (cuda.device_array(q.shape[:-1], np.float32), cuda.device_array(q.shape[:-1], np.float32))
+            d_out, d_lse, workspace = poisoned_outputs(q.shape)
             kernel(dq, dk, dv, d_out, d_lse, scale, workspace)
             out, lse = d_out.copy_to_host(), d_lse.copy_to_host()
         out, lse = out[part], lse[part]
-        row.update(atol_out=atol_out, atol_lse=atol_lse,
-                   err_out=reference.max_error(out, ref_out), err_lse=reference.max_error(lse, ref_lse))
+        row.update(atol_out=base.atol_out, atol_lse=base.atol_lse,
+                   err_out=reference.max_error(out, base.out), err_lse=reference.max_error(lse, base.lse))
         try:
-            reference.assert_close(out, ref_out, atol_out, name=f"{row['variant']} out")
-            reference.assert_close(lse, ref_lse, atol_lse, name=f"{row['variant']} lse")
+            reference.judge(out, lse, base, name=row["variant"])
             row["passed"] = True
         except AssertionError as failure:
             row["passed"], row["failure"] = False, str(failure)
             continue  # a variant that fails its check is never timed
         if on_gpu and repeats > 0:
             timing = time_call(lambda: kernel(dq, dk, dv, d_out, d_lse, scale, workspace), warmup=warmup,
-                               repeats=repeats)
+                               repeats=repeats, slow_ms=slow_ms, slow_repeats=slow_repeats)
             row["time"] = timing.as_dict()
             seconds = timing.median_ms * 1e-3
             row["tflops"] = row["flops"] / seconds / 1e12

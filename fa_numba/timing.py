@@ -27,29 +27,40 @@ class Timing:
         return asdict(self)
 
 
-def time_call(fn, *, warmup: int = 3, repeats: int = 20) -> Timing:
-    """Time `fn()` (which launches kernels) `repeats` times after `warmup` untimed calls."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+def _timed_ms(fn, on_gpu: bool) -> float:
     from numba import cuda
 
-    for _ in range(warmup):
+    if on_gpu:
+        start, stop = cuda.event(timing=True), cuda.event(timing=True)
+        start.record()
         fn()
-    cuda.synchronize()
-    samples = []
+        stop.record()
+        stop.synchronize()
+        return cuda.event_elapsed_time(start, stop)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_call(fn, *, warmup: int = 3, repeats: int = 20, slow_ms: float | None = None,
+              slow_repeats: int = 5) -> Timing:
+    """Time `fn()` (which launches kernels) `repeats` times after `warmup` untimed calls (at least one).
+
+    With slow_ms, a call whose last warm-up took longer is timed `slow_repeats` times instead; the
+    Timing records how many repeats were taken.
+    """
+    if repeats < 1 or warmup < 1 or slow_repeats < 1:
+        raise ValueError(f"repeats, warmup and slow_repeats must be >= 1, got {repeats}, {warmup}, {slow_repeats}")
+    from numba import cuda
+
     on_gpu = backend.name() == "gpu"
-    for _ in range(repeats):
-        if on_gpu:
-            start, stop = cuda.event(timing=True), cuda.event(timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(cuda.event_elapsed_time(start, stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
+    for _ in range(warmup - 1):
+        fn()
+    last_warmup_ms = _timed_ms(fn, on_gpu)  # also the last warm-up call
+    cuda.synchronize()
+    if slow_ms is not None and last_warmup_ms > slow_ms:
+        repeats = slow_repeats
+    samples = [_timed_ms(fn, on_gpu) for _ in range(repeats)]
     p10, median, p90 = np.percentile(samples, [10, 50, 90])
     return Timing(float(median), float(p10), float(p90), repeats, "cuda-events" if on_gpu else "wall-clock (simulator)")
 

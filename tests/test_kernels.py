@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fa_numba import backend, iomodel, reference, tiled
-from fa_numba.kernels import VARIANTS
+from fa_numba.kernels import VARIANTS, poisoned_outputs
 from strategies import HARD_CASES, Case, kernel_cases, launch_blocks, with_hard_cases
 
 NAMES = sorted(VARIANTS)
@@ -21,9 +21,7 @@ def run_kernel(name: str, case: Case, dtype=np.float32, inputs=None):
     """Launch variant `name` on the case's inputs with NaN-poisoned outputs; returns host (out, lse)."""
     q, k, v = case.inputs(dtype) if inputs is None else inputs
     kernel = VARIANTS[name].make(case.block_q, case.block_k, case.d, case.causal)
-    out = cuda.to_device(np.full(q.shape, np.nan, np.float32))
-    lse = cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32))
-    workspace = tuple(cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32)) for _ in range(2))
+    out, lse, workspace = poisoned_outputs(q.shape)
     kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), out, lse, 1 / np.sqrt(case.d), workspace)
     return out.copy_to_host(), lse.copy_to_host()
 

@@ -47,4 +47,15 @@ def default_tiles(head_dim: int) -> tuple[int, int]:
     raise AssertionError("unreachable: block_k = 1 always fits for d <= MAX_HEAD_DIM")
 
 
-__all__ = ["Config", "VARIANTS", "Variant", "default_tiles", "make_v1", "make_v2"]
+def poisoned_outputs(q_shape):
+    """Device arrays (out, lse, workspace) for a launch, filled with NaN so an unwritten element shows."""
+    import numpy as np
+    from numba import cuda
+
+    stats = tuple(q_shape[:-1])
+    return (cuda.to_device(np.full(tuple(q_shape), np.nan, np.float32)),
+            cuda.to_device(np.full(stats, np.nan, np.float32)),
+            (cuda.to_device(np.full(stats, np.nan, np.float32)), cuda.to_device(np.full(stats, np.nan, np.float32))))
+
+
+__all__ = ["Config", "VARIANTS", "Variant", "default_tiles", "make_v1", "poisoned_outputs", "make_v2"]
