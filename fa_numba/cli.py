@@ -1,8 +1,9 @@
-"""`python -m fa_numba compare | sweep` (also installed as `fa-numba`).
+"""`python -m fa_numba compare | sweep | profile` (also installed as `fa-numba`).
 
 compare: every registered kernel on the same random inputs, side by side (see fa_numba.compare).
 sweep:   compare over a list of sizes (and head dims, causal on/off), with progress on stderr, CSV/JSON,
          and optional plots (matplotlib, the `plot` extra): HBM bytes vs N and the causal tile map.
+profile: the static profile of every kernel from its sm_90 SASS, compiled on the CPU (fa_numba.profile).
 Exit codes: 0 all checks passed, 1 a variant failed its check, 2 bad arguments (with usage).
 """
 
@@ -78,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--plot", metavar="PATH", help="HBM bytes vs N (and time vs N on a GPU), PNG or PDF")
     s.add_argument("--tile-map", metavar="PATH", help="the causal SKIP/FULL/PARTIAL grid of the first N")
+    sub.add_parser("profile", add_help=False,  # listed here; main() hands its arguments to fa_numba.profile
+                   help="static profile of every kernel from its sm_90 SASS (no GPU needed; see fa_numba.profile)")
     return top
 
 
@@ -177,6 +180,11 @@ def _print_sweep(flat: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["profile"]:  # its own parser: fa_numba.profile.parser
+        from fa_numba import profile
+
+        return profile.main(argv[1:])
     top = parser()
     args = top.parse_args(argv)
     if args.heads_kv and args.heads % args.heads_kv:

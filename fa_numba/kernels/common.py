@@ -59,19 +59,31 @@ class Config:
 
 
 class CompiledKernel:
-    """One compiled specialisation of a loop order. Subclasses give `grid(q)` and `launch(...)`."""
+    """One compiled specialisation of a loop order.
+
+    Subclasses give `launch_shape(batch, heads, n_q)` (grid and block), `argtypes(dtype)` (the Numba types
+    of the kernel's arguments, which `fa_numba.profile` compiles for sm_90 without a GPU) and `launch(...)`.
+    """
 
     def __init__(self, config: Config, kernel_source):
         self.config = config
-        self.source = kernel_source(config)  # the Python function, for compile_ptx in the compile check
+        self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
         self.kernel = cuda.jit(self.source)
 
     def __call__(self, q, k, v, o, lse, scale, workspace=None):
         """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs."""
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
-        grid, block = self.grid(q)
+        grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
         self.launch(self.kernel[grid, block], q, k, v, o, lse, float32(scale), workspace)
+
+    @staticmethod
+    def array_types(dtype: str):
+        """Numba types of the (B, H, N, d) inputs, the float32 output and the float32 (B, H, N) statistics."""
+        from numba import types
+
+        return (types.Array(getattr(types, dtype), 4, "C"), types.Array(types.float32, 4, "C"),
+                types.Array(types.float32, 3, "C"))
 
 
 @cuda.jit(device=True, inline=True)

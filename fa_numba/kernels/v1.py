@@ -32,7 +32,7 @@ from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load
 
 
 def kernel_source(config: Config):
-    """The Python function of the kernel (compiled by cuda.jit, or by compile_ptx in the compile check)."""
+    """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
 
     def flash_v1(q, k, v, o, lse, l_hbm, m_hbm, scale):
@@ -99,9 +99,12 @@ def kernel_source(config: Config):
 class FlashV1(CompiledKernel):
     """A compiled v1 specialisation; the l, m workspace is allocated unless given."""
 
-    def grid(self, q):
-        batch, heads, _, _ = q.shape
+    def launch_shape(self, batch, heads, n_q):
         return (batch * heads,), (self.config.block_q,)
+
+    def argtypes(self, dtype):
+        inp, out, stat = self.array_types(dtype)
+        return (inp, inp, inp, out, stat, stat, stat, float32)
 
     def launch(self, kernel, q, k, v, o, lse, scale, workspace):
         if workspace is None:

@@ -29,7 +29,7 @@ from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load
 
 
 def kernel_source(config: Config):
-    """The Python function of the kernel (compiled by cuda.jit, or by compile_ptx in the compile check)."""
+    """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
 
     def flash_v2(q, k, v, o, lse, scale):
@@ -89,9 +89,12 @@ def kernel_source(config: Config):
 class FlashV2(CompiledKernel):
     """A compiled v2 specialisation (it needs no workspace)."""
 
-    def grid(self, q):
-        batch, heads, n_q, _ = q.shape
+    def launch_shape(self, batch, heads, n_q):
         return ((n_q + self.config.block_q - 1) // self.config.block_q, batch * heads), (self.config.block_q,)
+
+    def argtypes(self, dtype):
+        inp, out, stat = self.array_types(dtype)
+        return (inp, inp, inp, out, stat, float32)
 
     def launch(self, kernel, q, k, v, o, lse, scale, workspace):
         kernel(q, k, v, o, lse, scale)

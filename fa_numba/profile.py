@@ -1,0 +1,550 @@
+"""The static profile of every kernel variant, read from the SASS a launch on an H100/H200 would run.
+
+    python -m fa_numba profile [--orders v1,v2] [--head-dims 64,128,256] [--dtypes float32,float16]
+                               [--causal off|on|both] [--arch sm_90a] [--json PATH]
+
+No GPU is needed. For each registered variant and configuration this module
+
+1. compiles the kernel exactly as `cuda.jit` does before a launch: Numba's NVVM IR, compiled to LTO-IR for
+   `compute_90a` and linked by nvJitLink with `-lto` for `sm_90a` (numba-cuda adds the "a" suffix for
+   compute capability >= 9.0). The link adds `-verbose`, which prints ptxas's resource line and changes no
+   instruction (a test compares the SASS with the cubin of Numba's own `get_cubin`);
+2. reads registers, spill bytes, stack frame and static shared memory from that log;
+3. disassembles the cubin with `nvdisasm` (the `profile` extra: `pip install "fa_numba[profile]"`, NVIDIA's
+   CUDA 13 wheel `nvidia-cuda-nvdisasm`), finds the innermost loops of the control flow (a branch back to
+   an earlier address closes a loop spanning [target, branch]; a loop that contains no other is innermost)
+   and counts each one's instruction mix per iteration;
+4. computes the theoretical occupancy from the sm_90 limits in `SM90` and names the limiting resource;
+5. derives a static FP32 throughput bound (`bound`): **a bound read from the code, never a measurement**.
+
+The bound. An H200 SM issues at most one warp instruction per cycle on each of its 4 schedulers, and
+its 128 FP32 lanes retire 4 warp-wide FFMAs (2 flops per lane each) per cycle: peak = SMs x 128 x 2 x
+clock. In the hot loops (`hot_loops`: the innermost loops with FFMAs nested deepest, each counted once per
+iteration), a fraction
+FFMA / issued of the issue slots does useful work (`issue_fraction`), and the shared/local memory pipe
+accepts at most one warp instruction per cycle per SM, so FFMA / (4 x (LDS + STS + LDL + STL)) is a second
+cap (`lsu_fraction`; a wider or bank-conflicting access takes longer, so this is optimistic). Finally a
+launch of B=4, H=16, N=4096 (by default) keeps each scheduler busy only if the SM holds at least 4 warps:
+`fill` = min(1, resident warps per SM / 4), the resident warps being the launch's warps spread over the
+SMs, capped by the occupancy. bound = peak x min(issue_fraction, lsu_fraction) x fill. It ignores latency,
+exp/reduction work outside the hot loops, the tail of the last wave and global-memory bandwidth: a real
+kernel runs below it, never above.
+
+The SASS of a kernel is only visible through the real numba.cuda, so in a process where the CUDA simulator
+is active `main` re-runs itself in a subprocess with NUMBA_ENABLE_CUDASIM=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+ARCH = "sm_90a"  # what numba-cuda compiles for on an H100/H200 (compute capability 9.0 + "a")
+
+# ----------------------------------------------------------------------------------------------------
+# The machine: sm_90 limits (CUDA occupancy calculator, compute capability 9.0) and the H200's size.
+
+
+@dataclass(frozen=True)
+class Limits:
+    registers_per_sm: int = 65536
+    max_warps_per_sm: int = 64
+    max_blocks_per_sm: int = 32
+    shared_per_sm: int = 228 * 1024  # bytes, the largest carveout
+    shared_reserved_per_block: int = 1024  # bytes the runtime reserves in every block's shared memory
+    shared_alloc_unit: int = 128  # bytes
+    register_alloc_unit: int = 256  # registers, allocated per warp
+    max_registers_per_thread: int = 255
+    warp_size: int = 32
+    schedulers_per_sm: int = 4
+    fp32_lanes_per_sm: int = 128
+
+
+SM90 = Limits()
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str = "H200 SXM"
+    sms: int = 132
+    clock_ghz: float = 1.98  # boost clock
+
+    @property
+    def peak_fp32_tflops(self) -> float:
+        """FFMA counts 2 flops per lane: SMs x 128 lanes x 2 x clock."""
+        return self.sms * SM90.fp32_lanes_per_sm * 2 * self.clock_ghz / 1e3
+
+
+H200 = Device()
+DEFAULT_LAUNCH = dict(batch=4, heads=16, n=4096)  # the shape the issue's targets are stated at
+
+# ----------------------------------------------------------------------------------------------------
+# SASS: instructions, categories, innermost loops. Pure text processing (tested without nvdisasm).
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+CATEGORIES = ("FFMA", "FMUL", "FADD", "HFMA2/HMMA", "LDS/STS", "LDL/STL", "LDG/STG", "MUFU", "integer", "branch",
+              "other")
+_BY_OPCODE = {
+    "FFMA": "FFMA", "FFMA32I": "FFMA", "FMUL": "FMUL", "FMUL32I": "FMUL", "FADD": "FADD", "FADD32I": "FADD",
+    "HFMA2": "HFMA2/HMMA", "HMMA": "HFMA2/HMMA", "HADD2": "HFMA2/HMMA", "HMUL2": "HFMA2/HMMA",
+    "LDS": "LDS/STS", "STS": "LDS/STS", "LDSM": "LDS/STS", "ATOMS": "LDS/STS",
+    "LDL": "LDL/STL", "STL": "LDL/STL",
+    "LDG": "LDG/STG", "STG": "LDG/STG", "LDGSTS": "LDG/STG", "RED": "LDG/STG", "ATOMG": "LDG/STG", "LD": "LDG/STG",
+    "ST": "LDG/STG", "ATOM": "LDG/STG",
+    "MUFU": "MUFU",
+    "BRA": "branch", "BRX": "branch", "JMP": "branch", "JMX": "branch", "CALL": "branch", "RET": "branch",
+    "EXIT": "branch", "BSSY": "branch", "BSYNC": "branch", "BREAK": "branch", "WARPSYNC": "branch",
+}
+# Integer and data-movement ALU work, uniform-datapath forms included (U prefix): address arithmetic, loop
+# counters, index wraparound, moves and selects.
+_INTEGER = {"IMAD", "IADD3", "IADD", "IADD32I", "LOP3", "LOP", "LOP32I", "SHF", "SHL", "SHR", "ISETP", "LEA",
+            "IMNMX", "VIMNMX", "VIADD", "VIADDMNMX", "IABS", "POPC", "FLO", "BREV", "PRMT", "SEL", "ISCADD", "IMUL",
+            "MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "UMOV", "IDP", "BMSK", "SGXT", "PLOP3", "P2R", "R2P"}
+LSU_CATEGORIES = ("LDS/STS", "LDL/STL")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    opcode: str  # with its modifiers, e.g. "LDS.128"
+    operands: str
+    predicated: bool
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    @property
+    def category(self) -> str:
+        base = self.base
+        if base in _BY_OPCODE:
+            return _BY_OPCODE[base]
+        if base in _INTEGER or (base.startswith("U") and base[1:] in _INTEGER) or base in ("ULDC", "LDC"):
+            return "integer" if base not in ("ULDC", "LDC") else "other"
+        return "other"
+
+
+@dataclass(frozen=True)
+class Loop:
+    start: int  # address of the first instruction (the back edge's target)
+    end: int  # address of the branch that closes the loop
+    depth: int  # loops enclosing it, itself included: 1 for a loop at the kernel's top level
+    instructions: tuple[Instruction, ...]
+
+    @property
+    def mix(self) -> dict[str, int]:
+        counts = Counter(i.category for i in self.instructions)
+        return {c: counts.get(c, 0) for c in CATEGORIES}
+
+    @property
+    def opcodes(self) -> dict[str, int]:
+        return dict(Counter(i.opcode for i in self.instructions).most_common())
+
+    @property
+    def ffma(self) -> int:
+        return self.mix["FFMA"]
+
+    @property
+    def issued(self) -> int:
+        return len(self.instructions)
+
+    @property
+    def issued_per_ffma(self) -> float:
+        return self.issued / self.ffma if self.ffma else math.inf
+
+    def as_dict(self) -> dict:
+        return {"start": f"0x{self.start:04x}", "end": f"0x{self.end:04x}", "depth": self.depth, "issued": self.issued,
+                "ffma": self.ffma, "issued_per_ffma": round(self.issued_per_ffma, 3) if self.ffma else None,
+                "mix": self.mix, "opcodes": self.opcodes}
+
+
+def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int], list[tuple[int, str]]]:
+    """Instructions, label addresses and (branch address, target label) pairs of an `nvdisasm -c` listing."""
+    instructions, labels, branches = [], {}, []
+    pending = []
+    for line in text.splitlines():
+        found = _LABEL.match(line)
+        if found:
+            pending.append(found.group(1))
+            continue
+        found = _INSTRUCTION.search(line)
+        if not found:
+            continue
+        address = int(found.group(1), 16)
+        inst = Instruction(address, found.group(3), found.group(4).strip(), bool(found.group(2)))
+        instructions.append(inst)
+        for label in pending:
+            labels[label] = address
+        pending = []
+        target = _TARGET.search(inst.operands)
+        if target and inst.base in ("BRA", "JMP"):
+            branches.append((address, target.group(1)))
+    return instructions, labels, branches
+
+
+def innermost_loops(text: str) -> list[Loop]:
+    """The innermost loops of a kernel's SASS, in address order.
+
+    A branch to a label at an address <= its own closes a loop over [target, branch] (ptxas lays a loop
+    out contiguously); the one-instruction `BRA` to itself that ends every kernel is not a loop. A loop is
+    innermost when no other loop lies strictly inside its range. Its mix counts each instruction once:
+    the instructions issued by one iteration that takes every path.
+    """
+    instructions, labels, branches = parse_sass(text)
+    spans = set()
+    for address, label in branches:
+        start = labels.get(label)
+        if start is not None and start < address:
+            spans.add((start, address))
+    inner = [(s, e) for s, e in spans
+             if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in spans)]
+    return [Loop(s, e, sum(1 for s2, e2 in spans if s2 <= s and e <= e2),
+                 tuple(i for i in instructions if s <= i.address <= e)) for s, e in sorted(inner)]
+
+
+def hot_loops(loops: list[Loop]) -> list[Loop]:
+    """The innermost loops with FFMAs at the deepest nesting level among those: the loops that run most.
+
+    The SASS does not say how often a loop runs, but a loop nested deeper runs once per iteration of every
+    loop around it. In the one-thread-per-row kernels these are the Q K^T dot product and the P V loops
+    (depth 3: key tiles, then columns or features, then the sum); the exp loop (depth 2) and the epilogue
+    (depth 1) run far less often and are left out.
+    """
+    with_ffma = [loop for loop in loops if loop.ffma]
+    deepest = max((loop.depth for loop in with_ffma), default=0)
+    return [loop for loop in with_ffma if loop.depth == deepest]
+
+
+def float64_instructions(text: str) -> list[str]:
+    """Opcodes of double-precision arithmetic or conversions in a listing (a stray float64 literal)."""
+    instructions, _, _ = parse_sass(text)
+    return sorted({i.opcode for i in instructions
+                   if i.base in ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DMMA") or ".F64" in i.opcode})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resources, occupancy, bound.
+
+def parse_ptxas(log: str) -> dict:
+    """Registers, spill bytes, stack frame and static shared memory of the single kernel in a verbose link log."""
+
+    def grab(pattern, default=None):
+        found = re.search(pattern, log)
+        return int(found.group(1)) if found else default
+
+    return dict(
+        registers=grab(r"[Uu]sed (\d+) registers"),
+        spill_stores=grab(r"(\d+) bytes spill stores", 0),
+        spill_loads=grab(r"(\d+) bytes spill loads", 0),
+        stack=grab(r"(\d+) bytes stack frame", 0),
+        smem=grab(r"(\d+) bytes smem", 0),
+    )
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit
+
+
+def occupancy(threads: int, registers: int, smem: int, limits: Limits = SM90) -> dict:
+    """Theoretical resident blocks and warps per SM, and the resource that limits them."""
+    warps = -(-threads // limits.warp_size)
+    regs_per_warp = _round_up(max(registers, 1) * limits.warp_size, limits.register_alloc_unit)
+    by = {
+        "registers": (limits.registers_per_sm // regs_per_warp) // warps,
+        "shared memory": limits.shared_per_sm // (_round_up(smem, limits.shared_alloc_unit)
+                                                  + limits.shared_reserved_per_block),
+        "warps": limits.max_warps_per_sm // warps,
+        "blocks": limits.max_blocks_per_sm,
+    }
+    blocks = min(by.values())
+    limiter = min(by, key=lambda k: (by[k], list(by).index(k)))
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps, "warps_per_block": warps, "limiter": limiter,
+            "by_resource": by}
+
+
+def bound(loops: list[Loop], occ: dict, launch_warps: int, device: Device = H200) -> dict:
+    """The static FP32 bound (see the module docstring) from the hot loops, the occupancy and the launch."""
+    hot = hot_loops(loops)
+    ffma = sum(loop.ffma for loop in hot)
+    issued = sum(loop.issued for loop in hot)
+    lsu = sum(loop.mix[c] for loop in hot for c in LSU_CATEGORIES)
+    issue_fraction = ffma / issued if issued else 0.0
+    lsu_fraction = min(1.0, ffma / (SM90.schedulers_per_sm * lsu)) if lsu else 1.0
+    resident = min(occ["warps_per_sm"], launch_warps / device.sms)
+    fill = min(1.0, resident / SM90.schedulers_per_sm)
+    fraction = min(issue_fraction, lsu_fraction) * fill
+    return {"hot_loops": len(hot), "ffma_fraction": round(issue_fraction, 4), "lsu_fraction": round(lsu_fraction, 4),
+            "fill": round(fill, 4), "fraction_of_peak": round(fraction, 4),
+            "tflops": round(fraction * device.peak_fp32_tflops, 2), "peak_tflops": round(device.peak_fp32_tflops, 1)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compiling through the launch path (needs the real numba.cuda, not the simulator).
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm from NVIDIA's wheel (the `profile` extra), the CUDA toolkit, or PATH; None if absent."""
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        found = find_nvidia_binary_utility("nvdisasm")
+        if found:
+            return str(found)
+    except Exception:  # noqa: BLE001 - an older cuda-pathfinder, or none: fall back to PATH
+        pass
+    return shutil.which("nvdisasm")
+
+
+MISSING_NVDISASM = ("nvdisasm was not found: install the profile extra (pip install 'fa_numba[profile]', "
+                    "NVIDIA's nvidia-cuda-nvdisasm wheel) or put a CUDA toolkit's nvdisasm on PATH")
+
+
+def _cc(arch: str) -> tuple:
+    found = re.fullmatch(r"sm_(\d)(\d)(a?)", arch)
+    if not found:
+        raise ValueError(f"arch must look like sm_90 or sm_90a, got {arch!r}")
+    major, minor, suffix = found.groups()
+    if (int(major), int(minor)) != (9, 0):
+        raise ValueError(f"arch: the occupancy limits and the bound are known for sm_90 only, got {arch!r}")
+    return (int(major), int(minor), suffix) if suffix else (int(major), int(minor))
+
+
+def compile_for_launch(pyfunc, argtypes, arch: str = ARCH, max_registers: int | None = None):
+    """Compile a kernel as cuda.jit does for a launch (LTO through nvJitLink) and return (cubin, link log)."""
+    from cuda.bindings import nvjitlink
+    from numba.core import types
+    from numba.cuda.compiler import compile_cuda, kernel_fixup
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        raise RuntimeError("compiling SASS needs the real numba.cuda: run with NUMBA_ENABLE_CUDASIM=0")
+    cc = _cc(arch)
+    cres = compile_cuda(pyfunc, types.void, argtypes, debug=False, lineinfo=False, fastmath=False,
+                        nvvm_options={"fastmath": False, "opt": 3}, cc=cc[:2], lto=True)
+    library = cres.library
+    kernel_fixup(library.get_function(cres.fndesc.llvm_func_name), False)
+    ltoir = library.get_ltoir(cc=cc)
+    options = [f"-arch={arch}", "-lto", "-verbose"]
+    if max_registers:
+        options.append(f"-maxrregcount={max_registers}")
+    handle = nvjitlink.create(len(options), options)
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, ltoir, len(ltoir), "kernel.ltoir")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+    finally:
+        nvjitlink.destroy(handle)
+    return bytes(cubin), log.decode(errors="replace"), library
+
+
+def disassemble(cubin: bytes, tool: str | None = None) -> str:
+    tool = tool or nvdisasm_path()
+    if tool is None:
+        raise FileNotFoundError(MISSING_NVDISASM)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        done = subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+@dataclass
+class Profile:
+    """Everything the profile says about one compiled kernel."""
+
+    name: str
+    threads: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    smem: int
+    occupancy: dict
+    loops: list[Loop]
+    float64: list[str]
+    bound: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.spill_loads)
+
+    @property
+    def hot_loops(self) -> list[Loop]:
+        return hot_loops(self.loops)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "loops"}
+        out["loops"] = [{k: v for k, v in loop.as_dict().items() if k != "opcodes"} for loop in self.loops]
+        out["hot_loops"] = [loop.as_dict() for loop in self.hot_loops]  # with every opcode and its count
+        return out
+
+
+def profile_kernel(pyfunc, argtypes, threads: int, *, name: str = "kernel", arch: str = ARCH,
+                   launch_warps: int | None = None, max_registers: int | None = None) -> Profile:
+    """Compile, disassemble and profile one kernel; launch_warps (default: one full SM's worth per SM) sets the fill."""
+    cubin, log, _ = compile_for_launch(pyfunc, argtypes, arch, max_registers)
+    sass = disassemble(cubin)
+    res = parse_ptxas(log)
+    occ = occupancy(threads, res["registers"] or 0, res["smem"])
+    loops = innermost_loops(sass)
+    warps = launch_warps if launch_warps is not None else occ["warps_per_sm"] * H200.sms
+    return Profile(name, threads, res["registers"], res["spill_stores"], res["spill_loads"], res["stack"],
+                   res["smem"], occ, loops, float64_instructions(sass), bound(loops, occ, warps))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The shipped configurations.
+
+SHIPPED_HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float32", "float16")
+
+
+def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
+    from fa_numba.kernels import VARIANTS, default_tiles
+
+    for name in orders or VARIANTS:
+        for head_dim in head_dims:
+            block_q, block_k = default_tiles(head_dim)
+            for dtype in dtypes:
+                for causal in causals:
+                    yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
+                               causal=causal)
+
+
+def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:
+    from fa_numba.kernels import VARIANTS
+
+    built = VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"])
+    grid, block = built.launch_shape(launch["batch"], launch["heads"], launch["n"])
+    threads = math.prod(block)
+    warps = math.prod(grid) * -(-threads // SM90.warp_size)
+    start = time.perf_counter()
+    prof = profile_kernel(built.source, built.argtypes(cfg["dtype"]), threads, name=cfg["variant"], arch=arch,
+                          launch_warps=warps)
+    prof.config = {**cfg, "arch": arch, "launch": dict(launch, grid=list(grid), block=list(block)),
+                   "seconds": round(time.perf_counter() - start, 2)}
+    return prof
+
+
+def table(profiles: list[Profile]) -> str:
+    """One aligned line per configuration: resources, occupancy, hot-loop mix, bound."""
+    header = ["variant", "d", "dtype", "causal", "tiles", "thr", "regs", "spill", "stack", "smem", "warps/SM",
+              "limiter", "hot loops", "issued/FFMA", "FFMA %", "LDS", "LDL", "bound TFLOP/s", "% peak"]
+    rows = [header]
+    for p in profiles:
+        c = p.config
+        hot = p.hot_loops
+        mixes = [loop.mix for loop in hot]
+        issued = sum(loop.issued for loop in hot)
+        ffma = sum(loop.ffma for loop in hot)
+        rows.append([p.name, str(c["head_dim"]), c["dtype"], "on" if c["causal"] else "off",
+                     f"{c['block_q']}x{c['block_k']}", str(p.threads), str(p.registers),
+                     f"{p.spill_stores}/{p.spill_loads}", str(p.stack), str(p.smem), str(p.occupancy["warps_per_sm"]),
+                     p.occupancy["limiter"], str(len(hot)), f"{issued / ffma:.1f}" if ffma else "-",
+                     f"{100 * ffma / issued:.0f}" if issued else "-", str(sum(m["LDS/STS"] for m in mixes)),
+                     str(sum(m["LDL/STL"] for m in mixes)), f"{p.bound['tflops']:.1f}",
+                     f"{100 * p.bound['fraction_of_peak']:.1f}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(r, widths))) for r in rows)
+
+
+def _csv(text: str, kind=str) -> list:
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fa_numba profile", description=__doc__.splitlines()[0])
+    p.add_argument("--orders", type=_csv, default=None, help="variants, e.g. v1,v2 (default: all registered)")
+    p.add_argument("--head-dims", type=lambda t: _csv(t, int), default=list(SHIPPED_HEAD_DIMS))
+    p.add_argument("--dtypes", type=_csv, default=list(DTYPES), help="float32,float16")
+    p.add_argument("--causal", choices=["off", "on", "both"], default="both")
+    p.add_argument("--arch", default=ARCH, help="sm_90a (what a launch on an H100/H200 uses) or sm_90")
+    p.add_argument("--json", metavar="PATH", help="write every number (loops and opcodes included) as JSON")
+    p.add_argument("--batch", type=int, default=DEFAULT_LAUNCH["batch"], help="launch shape of the bound")
+    p.add_argument("--heads", type=int, default=DEFAULT_LAUNCH["heads"])
+    p.add_argument("--n", type=int, default=DEFAULT_LAUNCH["n"], help="N_q of the launch shape of the bound")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    from fa_numba.kernels import VARIANTS
+
+    bad = [o for o in (args.orders or []) if o not in VARIANTS]
+    if bad:
+        parser().error(f"argument --orders: expected a comma list of {', '.join(sorted(VARIANTS))}, got {bad}")
+    bad = [d for d in args.dtypes if d not in DTYPES]
+    if bad:
+        parser().error(f"argument --dtypes: expected a comma list of {', '.join(DTYPES)}, got {bad}")
+    try:
+        _cc(args.arch)
+    except ValueError as err:
+        parser().error(f"argument --arch: {err}")
+    if nvdisasm_path() is None:
+        print(MISSING_NVDISASM, file=sys.stderr)
+        return 2
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or _simulated():
+        # The simulator cannot compile SASS: run this again in a process with the real numba.cuda.
+        env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+        return subprocess.run([sys.executable, "-m", "fa_numba.profile", *argv], env=env).returncode
+    causals = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
+    launch = dict(batch=args.batch, heads=args.heads, n=args.n)
+    configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
+    profiles, start = [], time.perf_counter()
+    for index, cfg in enumerate(configs, 1):
+        print(f"[{index}/{len(configs)}] {cfg['variant']} d={cfg['head_dim']} {cfg['dtype']} "
+              f"causal={cfg['causal']} ...", file=sys.stderr, flush=True)
+        profiles.append(profile_configuration(cfg, args.arch, launch))
+    print(f"static profile, {args.arch} SASS compiled on the CPU through the launch path (LTO); "
+          f"bound at B={launch['batch']} H={launch['heads']} N={launch['n']} on an {H200.name} "
+          f"({H200.sms} SMs, {H200.clock_ghz} GHz, FP32 peak {H200.peak_fp32_tflops:.1f} TFLOP/s)")
+    print(table(profiles))
+    print("bound = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in the hot loops x scheduler fill: "
+          "a bound from the code, not a measurement")
+    print(f"({len(profiles)} configurations in {time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"note": "static profile from SASS compiled on a CPU through the launch path; "
+                               "the bound is read from the code, not measured",
+                       "date": time.strftime("%Y-%m-%d"), "arch": args.arch, "device_model": dataclasses.asdict(H200),
+                       "limits": dataclasses.asdict(SM90), "numba_cuda": _numba_cuda_version(),
+                       "profiles": [p.as_dict() for p in profiles]}, fh, indent=1)
+    return 0
+
+
+def _simulated() -> bool:
+    from numba import config
+
+    return bool(getattr(config, "ENABLE_CUDASIM", False))
+
+
+def _numba_cuda_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("numba-cuda")
+    except Exception:  # noqa: BLE001 - metadata lookups fail in many harmless ways
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

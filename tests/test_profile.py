@@ -1,0 +1,202 @@
+"""The static SASS profile: its parsing and arithmetic on hand-written input, and on real compiled kernels.
+
+The SASS tests compile for sm_90a on the CPU in a subprocess with the real numba.cuda (the simulator is
+chosen in this one) and need nvdisasm (the `profile` extra, installed by CI): without it they skip.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fa_numba import profile
+from fa_numba.kernels import VARIANTS
+from fa_numba.kernels.common import SHARED_BYTES_LIMIT
+
+HERE = pathlib.Path(__file__).resolve().parent
+NEEDS_NVDISASM = pytest.mark.skipif(profile.nvdisasm_path() is None,
+                                    reason="nvdisasm is missing: install the profile extra (pip install -e '.[profile]')")
+REAL_CUDA = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+
+# A made-up listing in nvdisasm's format: a top-level loop 0x0010-0x0090 holding an inner loop 0x0030-0x0060,
+# a separate loop 0x00b0-0x00c0, and the self-branch that ends every kernel.
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/                   IMAD.WIDE R4, R0, 0x4, R4 ;
+.L_x_1:
+        /*0030*/                   LDS R3, [R6] ;
+        /*0040*/                   FFMA R8, R3, R2, R8 ;
+        /*0050*/                   LDL R9, [R1+0x10] ;
+        /*0060*/               @P0 BRA `(.L_x_1) ;
+        /*0070*/                   MUFU.EX2 R10, R8 ;
+        /*0080*/                   FMUL R10, R10, R10 ;
+        /*0090*/              @!P1 BRA `(.L_x_0) ;
+        /*00a0*/                   BSSY B0, `(.L_x_3) ;
+.L_x_2:
+        /*00b0*/                   FFMA R11, R11, R11, R12 ;
+        /*00c0*/               @P2 BRA `(.L_x_2) ;
+.L_x_3:
+        /*00d0*/                   STG.E desc[UR4][R4.64], R8 ;
+        /*00e0*/                   EXIT ;
+.L_x_4:
+        /*00f0*/                   BRA `(.L_x_4) ;
+"""
+
+
+def test_innermost_loops_depth_and_mix_of_a_known_listing():
+    loops = profile.innermost_loops(LISTING)
+    assert [(loop.start, loop.end, loop.depth) for loop in loops] == [(0x30, 0x60, 2), (0xB0, 0xC0, 1)]
+    inner = loops[0]
+    assert inner.issued == 4 and inner.ffma == 1 and inner.issued_per_ffma == 4
+    assert inner.mix == {"FFMA": 1, "FMUL": 0, "FADD": 0, "HFMA2/HMMA": 0, "LDS/STS": 1, "LDL/STL": 1,
+                         "LDG/STG": 0, "MUFU": 0, "integer": 0, "branch": 1, "other": 0}
+    assert inner.instructions[-1].predicated and not inner.instructions[0].predicated
+    assert profile.hot_loops(loops) == [inner]  # the deeper of the two loops with FFMAs
+
+
+def test_instruction_categories():
+    cases = {"FFMA.FTZ": "FFMA", "FMUL": "FMUL", "FADD.FTZ": "FADD", "HFMA2.MMA": "HFMA2/HMMA", "HMMA.16816.F32": "HFMA2/HMMA",
+             "LDS.128": "LDS/STS", "STS.64": "LDS/STS", "LDL.64": "LDL/STL", "STL.128": "LDL/STL", "LDG.E.128": "LDG/STG",
+             "STG.E": "LDG/STG", "MUFU.EX2": "MUFU", "IMAD.WIDE.U32": "integer", "UIADD3": "integer", "LOP3.LUT": "integer",
+             "ISETP.GE.AND": "integer", "BRA": "branch", "EXIT": "branch", "BAR.SYNC.DEFER_BLOCKING": "other",
+             "FSETP.GEU.AND": "other", "ULDC.64": "other"}
+    for opcode, category in cases.items():
+        assert profile.Instruction(0, opcode, "", False).category == category, opcode
+
+
+def test_no_loop_and_self_branch_only():
+    assert profile.innermost_loops("        /*0000*/  EXIT ;\n.L_x_9:\n        /*0010*/  BRA `(.L_x_9) ;\n") == []
+    assert profile.hot_loops([]) == []
+
+
+def test_float64_instructions_are_found():
+    listing = "        /*0000*/  DFMA R2, R2, R4, R6 ;\n        /*0010*/  F2F.F64.F32 R2, R0 ;\n        /*0020*/  FFMA R0, R0, R0, R0 ;\n"
+    assert profile.float64_instructions(listing) == ["DFMA", "F2F.F64.F32"]
+    assert profile.float64_instructions(LISTING) == []
+
+
+def test_ptxas_log_is_parsed():
+    log = """ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 16 bytes cumulative stack size, 32768 bytes smem"""
+    assert profile.parse_ptxas(log) == dict(registers=40, spill_stores=8, spill_loads=12, stack=16, smem=32768)
+
+
+@pytest.mark.parametrize("threads, registers, smem, warps, limiter", [
+    (64, 72, 32768, 12, "shared memory"),  # today's v2: 6 blocks of 33 KB (32 KB + 1 KB reserved)
+    (256, 128, 0, 16, "registers"),  # 4096 registers per warp: 16 warps
+    (1024, 32, 0, 64, "registers"),  # 64 warps by registers and by warps: the first limit named wins
+    (32, 16, 0, 32, "blocks"),  # 32 blocks of one warp
+    (256, 24, 0, 64, "warps"),  # 768 registers per warp would allow 85 warps; 8 blocks of 8 warps fill the SM
+    (96, 33, 1000, 51, "registers"),  # 1056 registers per warp round up to 1280: 51 warps, 17 blocks of 3
+])
+def test_occupancy_by_the_sm90_table(threads, registers, smem, warps, limiter):
+    occ = profile.occupancy(threads, registers, smem)
+    by = occ["by_resource"]
+    regs_per_warp = math.ceil(registers * 32 / 256) * 256
+    assert by["registers"] == 65536 // regs_per_warp // math.ceil(threads / 32)
+    assert by["shared memory"] == 233472 // (math.ceil(smem / 128) * 128 + 1024)
+    assert occ["warps_per_sm"] == min(by.values()) * math.ceil(threads / 32) == warps
+    assert occ["limiter"] == limiter
+
+
+def test_bound_arithmetic():
+    loops = profile.innermost_loops(LISTING)
+    occ = profile.occupancy(64, 72, 32768)  # 12 warps per SM
+    full = profile.bound(loops, occ, launch_warps=10**6)
+    # hot loop: 1 FFMA in 4 issued, 2 LDS/LDL: min(1/4, 1/(4*2)) = 1/8 of the peak, every scheduler busy
+    assert full["ffma_fraction"] == 0.25 and full["lsu_fraction"] == 0.125 and full["fill"] == 1.0
+    assert full["tflops"] == round(profile.H200.peak_fp32_tflops / 8, 2)
+    small = profile.bound(loops, occ, launch_warps=profile.H200.sms)  # one warp per SM: 1 of 4 schedulers
+    assert small["fill"] == 0.25 and small["fraction_of_peak"] == round(0.125 * 0.25, 4)
+    assert profile.bound([], occ, 10**6)["tflops"] == 0.0  # no FFMA loop: no FP32 claim
+    assert round(profile.H200.peak_fp32_tflops, 1) == 66.9
+
+
+def test_arch_is_checked():
+    assert profile._cc("sm_90a") == (9, 0, "a") and profile._cc("sm_90") == (9, 0)
+    for bad in ("sm_80", "90", "sm_9x"):
+        with pytest.raises(ValueError, match="arch"):
+            profile._cc(bad)
+
+
+@pytest.fixture(scope="module")
+def probe():
+    done = subprocess.run([sys.executable, str(HERE / "profile_probe.py")], env=REAL_CUDA, capture_output=True,
+                          text=True, timeout=600, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@NEEDS_NVDISASM
+def test_a_register_fma_loop_is_found_and_counted_exactly(probe):
+    found = probe["three_fmas"]
+    assert len(found["loops"]) == 1
+    loop = found["loops"][0]
+    assert loop["mix"]["FFMA"] == 3 and loop["mix"]["LDL/STL"] == 0 and loop["mix"]["LDS/STS"] == 0
+    assert [h["start"] for h in found["hot_loops"]] == [loop["start"]] and found["hot_loops"][0]["opcodes"]["FFMA"] == 3
+    assert found["spill_stores"] == found["spill_loads"] == 0
+
+
+@NEEDS_NVDISASM
+def test_a_local_array_read_is_one_ldl_per_iteration(probe):
+    assert len(probe["reads_a_local_array"]["loops"]) == 1
+    (loop,) = probe["reads_a_local_array"]["hot_loops"]
+    assert loop["mix"]["FFMA"] == 1 and loop["mix"]["LDL/STL"] == 1 and loop["opcodes"].get("LDL") == 1
+
+
+@NEEDS_NVDISASM
+def test_spills_are_reported(probe):
+    free, capped = probe["many_live_values"], probe["many_live_values_capped"]
+    assert free["spill_stores"] == 0 and free["registers"] > 24
+    assert capped["registers"] <= 24 and capped["spill_stores"] > 0 and capped["spill_loads"] > 0
+    assert capped["hot_loops"][0]["mix"]["LDL/STL"] > 0  # the spills land in the loop
+
+
+@NEEDS_NVDISASM
+def test_the_profiled_sass_is_what_a_launch_links(probe):
+    assert probe["same_sass_as_numba_launch_path"] is True
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "fa_numba.profile", "--json", str(path)], env=REAL_CUDA,
+                          capture_output=True, text=True, timeout=900, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    sys.stderr.write(done.stdout)  # the table, shown with -s or on failure
+    return json.loads(path.read_text())
+
+
+@NEEDS_NVDISASM
+def test_every_shipped_configuration_is_profiled(shipped):
+    configs = list(profile.configurations())
+    assert len(shipped["profiles"]) == len(configs) == len(VARIANTS) * len(profile.SHIPPED_HEAD_DIMS) * 2 * 2
+    assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs
+
+
+@NEEDS_NVDISASM
+def test_no_spills_no_float64_and_shared_memory_within_budget(shipped):
+    for p in shipped["profiles"]:
+        c = p["config"]
+        label = f"{c['variant']} d={c['head_dim']} {c['dtype']} causal={c['causal']}"
+        assert p["registers"] is not None and 0 < p["registers"] <= 255, label
+        assert p["spill_stores"] == 0 and p["spill_loads"] == 0, label
+        assert p["float64"] == [], label
+        assert 0 < p["smem"] <= SHARED_BYTES_LIMIT, label
+        assert p["occupancy"]["warps_per_sm"] > 0 and p["hot_loops"], label
+
+
+def test_cli_forwards_profile_and_names_bad_arguments(capsys):
+    from fa_numba import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["profile", "--dtypes", "float64"])
+    assert stop.value.code == 2
+    assert "--dtypes" in capsys.readouterr().err
