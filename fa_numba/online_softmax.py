@@ -9,10 +9,17 @@ For a set X of visible keys of one query row with scores s_j:
 `merge` combines the states of two disjoint sets; it is associative and commutative with `identity` as
 its neutral element, so the blocks of a row may be folded in any order and bracketing. `update` folds one
 tile of scores into a state; it is the NumPy twin of the kernels' device function and keeps its formulas
-in the same order. `finalize` gives O = acc / l and LSE = m + log l (O = 0, LSE = -inf on an empty row).
+in the same order. `finalize` gives O = acc / l and LSE = m + log l (O = 0, LSE = -inf on a row that sees
+no key).
 
 Numerical safety: every argument of exp is s - m_new or m_old - m_new with m_new >= both, so it is <= 0.
 When m_new = -inf (nothing visible yet) the shift is 0 instead, so exp(-inf - 0) = 0 rather than NaN.
+
+Non-finite inputs (proofs/L2.6). A masked pair is told by the `visible` mask, never by its score: its
+weight is exactly 0 and its value row is never multiplied. Whether a row saw any key is told to
+`finalize` by `alive` (the mask), not read from the state: the state of keys whose scores are all -inf is
+(-inf, 0, 0), the same as the empty set's. Everything else is IEEE arithmetic: a NaN score or value
+reaches l or acc through its weight and stays there (NaN * 0 = NaN), so the row finalises to NaN.
 All functions work on rows vectorised along axis 0 and keep the dtype they are given (float32 or float64).
 """
 
@@ -21,6 +28,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+
+from fa_numba.reference import visible_matmul
 
 
 class State(NamedTuple):
@@ -53,39 +62,54 @@ def identity(rows: int, d: int, dtype=np.float64) -> State:
 
 def merge(a: State, b: State) -> State:
     """State of the union of two disjoint key sets."""
-    m = np.maximum(a.m, b.m)
-    shift = _safe_shift(m)
-    alpha = _exp_nonpositive(a.m - shift)  # rescales a to the new max
-    beta = _exp_nonpositive(b.m - shift)  # rescales b to the new max
-    l = alpha * a.l + beta * b.l
-    acc = alpha[:, None] * a.acc + beta[:, None] * b.acc
+    with np.errstate(invalid="ignore"):  # inf - inf = NaN only where the scores hold an infinity
+        m = np.maximum(a.m, b.m)  # NaN-propagating, like the dense max
+        shift = _safe_shift(m)
+        alpha = _exp_nonpositive(a.m - shift)  # rescales a to the new max
+        beta = _exp_nonpositive(b.m - shift)  # rescales b to the new max
+        l = alpha * a.l + beta * b.l
+        acc = alpha[:, None] * a.acc + beta[:, None] * b.acc
     return State(m, l, acc)
 
 
-def update(state: State, scores: np.ndarray, values: np.ndarray) -> State:
-    """Fold one tile into the state: scores (rows, cols) with -inf where masked, values (cols, d).
+def update(state: State, scores: np.ndarray, values: np.ndarray, visible: np.ndarray | None = None) -> State:
+    """Fold one tile into the state: scores (rows, cols), values (cols, d), visible (rows, cols) bool.
 
-    Same order as the device function: tile max, new max, rescale factor, weights, then l and acc.
+    visible=None means every pair of the tile is visible (a FULL tile); masked pairs get weight exactly 0
+    whatever their score, and their value rows are never multiplied. Same order as the device function:
+    tile max, new max, rescale factor, weights, then l and acc.
     """
-    m_tile = scores.max(axis=1)
-    m_new = np.maximum(state.m, m_tile)
-    shift = _safe_shift(m_new)
-    alpha = _exp_nonpositive(state.m - shift)
-    p = _exp_nonpositive(scores - shift[:, None])
-    l_new = alpha * state.l + p.sum(axis=1)
-    acc_new = alpha[:, None] * state.acc + p @ values
+    if visible is not None:
+        scores = np.where(visible, scores, scores.dtype.type(-np.inf))
+    with np.errstate(invalid="ignore"):
+        m_tile = scores.max(axis=1)
+        m_new = np.maximum(state.m, m_tile)
+        shift = _safe_shift(m_new)
+        alpha = _exp_nonpositive(state.m - shift)
+        p = _exp_nonpositive(scores - shift[:, None])
+        if visible is not None:
+            p = np.where(visible, p, p.dtype.type(0))
+        l_new = alpha * state.l + p.sum(axis=1)
+        acc_new = alpha[:, None] * state.acc + visible_matmul(p, values, visible)
     return State(m_new, l_new, acc_new)
 
 
-def from_block(scores: np.ndarray, values: np.ndarray) -> State:
-    """The state of one block of keys on its own: update(identity, scores, values)."""
-    return update(identity(scores.shape[0], values.shape[1], scores.dtype), scores, values)
+def from_block(scores: np.ndarray, values: np.ndarray, visible: np.ndarray | None = None) -> State:
+    """The state of one block of keys on its own: update(identity, scores, values, visible)."""
+    return update(identity(scores.shape[0], values.shape[1], scores.dtype), scores, values, visible)
 
 
-def finalize(state: State) -> tuple[np.ndarray, np.ndarray]:
-    """(O, LSE) = (acc / l, m + log l); an empty row (l = 0) gives O = 0 and LSE = -inf, without warnings."""
-    visible = state.l > 0
-    out = np.divide(state.acc, state.l[:, None], where=visible[:, None], out=np.zeros_like(state.acc))
-    log_l = np.log(state.l, where=visible, out=np.zeros_like(state.l))
-    lse = np.where(visible, state.m + log_l, state.m.dtype.type(-np.inf))
+def finalize(state: State, alive: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(O, LSE) = (acc / l, m + log l) on rows that see a key; O = 0 and LSE = -inf on the others.
+
+    alive (rows,) bool says which rows see at least one key: the mask decides, not the state. With
+    alive=None a row is taken as empty iff its state is the identity's, (-inf, 0, 0), which is right for
+    finite scores; a NaN state is never taken for empty. On an alive row the arithmetic is IEEE: l = 0
+    (every visible score -inf) gives O = 0/0 = NaN and LSE = log 0 = -inf, as the dense formula does.
+    """
+    if alive is None:
+        alive = ~((state.m == -np.inf) & (state.l == 0) & (state.acc == 0).all(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(alive[:, None], state.acc / state.l[:, None], state.acc.dtype.type(0))
+        lse = np.where(alive, state.m + np.log(state.l), state.m.dtype.type(-np.inf))
     return out, lse

@@ -16,7 +16,14 @@ sums (BLAS matmul, and plain loops forward and reversed that round every product
 FMA does), and the floor is the ulp bound its DESIGN.md formula tends to on large tensors.
 
 Causal masking is bottom-right aligned (FlashAttention >= 2.1): query i sees key j iff j <= i + N_k - N_q.
-A row with no visible key (possible when N_q > N_k) has O = 0 and LSE = -inf; no NaN and no warning.
+
+Non-finite values (proofs/L2, L3). Whether a row sees any key is decided by the mask alone: a row with no
+visible key (possible when N_q > N_k) has O = 0 and LSE = -inf, whatever its query holds; no NaN, no
+warning. Every other row follows the dense formula with max shift, in IEEE arithmetic: a NaN in its query,
+in a visible key or in a visible score makes its O (all columns) and LSE NaN; a NaN in column x of a
+visible value makes O[:, x] NaN and leaves the LSE alone; a +inf score makes the row NaN (exp(inf - inf));
+visible scores that are all -inf give O = 0/0 = NaN and LSE = log 0 = -inf. A masked key is never
+touched: its scores are -inf by the mask and its value row is never multiplied (0 * NaN would be NaN).
 """
 
 from __future__ import annotations
@@ -33,6 +40,33 @@ def causal_mask(n_q: int, n_k: int) -> np.ndarray:
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
     return j <= i + (n_k - n_q)
+
+
+def visible_mask(n_q: int, n_k: int, causal: bool) -> np.ndarray:
+    """Boolean (N_q, N_k) mask of the pairs a query sees: `causal_mask`, or every pair."""
+    return causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), dtype=bool)
+
+
+def visible_matmul(p: np.ndarray, v: np.ndarray, visible: np.ndarray | None = None,
+                   contraction: str = "matmul") -> np.ndarray:
+    """sum_j p_ij v_j over the visible pairs only, (..., rows, keys) x (..., keys, d) -> (..., rows, d).
+
+    A plain p @ v multiplies the value row of a masked key by its weight 0, and 0 * NaN = NaN would poison
+    a row that cannot see that key. Here the finite part of v goes through the contraction and each
+    non-finite value entry is added to the visible rows only, so the result is the dense formula's sum
+    over visible keys, NaN and infinity included (they make the sum non-finite in any order).
+    """
+    finite = np.isfinite(v)
+    if finite.all():
+        return _contract(p, v, contraction)
+    out = _contract(p, np.where(finite, v, v.dtype.type(0)), contraction)
+    if visible is None:
+        visible = np.ones(p.shape[-2:], dtype=bool)
+    for *lead, j, x in np.argwhere(~finite):
+        lead = tuple(lead)
+        column = out[lead + (Ellipsis, x)] if lead else out[..., x]
+        column += np.where(visible[..., j], p[lead + (Ellipsis, j)] * v[lead + (j, x)], p.dtype.type(0))
+    return out
 
 
 CONTRACTIONS = ("matmul", "loop", "loop_reversed")
@@ -60,17 +94,17 @@ def _dense(q, k, v, causal, scale, dtype, contraction="matmul"):
     k4 = np.repeat(k4, prob.group, axis=1)
     v4 = np.repeat(v4, prob.group, axis=1)
     s = scale * _contract(q4, np.swapaxes(k4, -1, -2), contraction)  # S: (B, H, N_q, N_k)
-    if causal:
-        s = np.where(causal_mask(prob.n_q, prob.n_k), s, dtype(-np.inf))
-    m = s.max(axis=-1)  # row max, -inf on a fully masked row
-    m_safe = np.where(np.isfinite(m), m, dtype(0))  # shift by 0 on empty rows: exp(-inf - 0) = 0, not NaN
-    p = np.exp(s - m_safe[..., None])  # every exponent argument <= 0
-    l = _contract(p, np.ones(p.shape[-1:] + (1,), dtype=dtype), contraction)[..., 0]
-    visible = l > 0
-    lse = np.full_like(m, -np.inf)
-    np.add(m_safe, np.log(l, where=visible, out=np.zeros_like(l)), out=lse, where=visible)
-    p = np.divide(p, l[..., None], where=visible[..., None], out=np.zeros_like(p))
-    out = _contract(p, v4, contraction)
+    visible = visible_mask(prob.n_q, prob.n_k, causal)
+    alive = visible.any(axis=-1)  # rows with a visible key: decided by the mask, never by the values
+    s = np.where(visible, s, dtype(-np.inf))
+    with np.errstate(invalid="ignore", divide="ignore"):  # IEEE: NaN and log 0 = -inf where the inputs say so
+        m = s.max(axis=-1)  # row max over visible scores: -inf on a dead row, NaN if a visible score is
+        shift = np.where(m == -np.inf, dtype(0), m)  # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN
+        p = np.where(visible, np.exp(s - shift[..., None]), dtype(0))  # every finite exponent argument <= 0
+        l = _contract(p, np.ones(p.shape[-1:] + (1,), dtype=dtype), contraction)[..., 0]
+        lse = np.where(alive, shift + np.log(l), dtype(-np.inf))
+        p = np.where(alive[:, None], p / l[..., None], dtype(0))
+    out = visible_matmul(p, v4, visible, contraction)
     return shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim)
 
 
@@ -150,8 +184,10 @@ def assert_close(actual, expected, atol: float, *, name: str = "value") -> float
         raise AssertionError(f"{name}: shape {actual.shape} != expected {expected.shape}")
     finite = np.isfinite(expected)
     # Any disagreement in NaN/inf status is its own category: a non-finite reference entry (LSE = -inf on
-    # an empty row) must be reproduced exactly, and a NaN or inf where the reference is finite never passes.
-    nonfinite_bad = np.where(finite, ~np.isfinite(actual), ~(actual == expected))
+    # an empty row, NaN where the inputs hold one) must be reproduced exactly (NaN by NaN, inf by the same
+    # inf), and a NaN or inf where the reference is finite never passes.
+    same_nonfinite = (actual == expected) | (np.isnan(actual) & np.isnan(expected))
+    nonfinite_bad = np.where(finite, ~np.isfinite(actual), ~same_nonfinite)
     with np.errstate(invalid="ignore"):
         finite_bad = finite & np.isfinite(actual) & ~(np.abs(actual - expected) <= atol)
     problems = []

@@ -47,17 +47,36 @@ class Ledger:
 
 
 def _scores(q_i, k_j, scale, grid, i, j, kind):
-    """S_ij = scale * Q_i K_j^T, with the causal mask applied only on PARTIAL (or visited SKIP) tiles."""
-    s = scale * (q_i @ k_j.T)
+    """S_ij = scale * Q_i K_j^T and the tile's visible pairs: None (all) on a FULL tile, the causal mask
+    on PARTIAL (or visited SKIP) tiles."""
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 and inf - inf where the inputs hold them
+        s = scale * (q_i @ k_j.T)
     if kind in (PARTIAL, SKIP):
         r0, r1 = grid.rows(i)
         c0, c1 = grid.cols(j)
-        visible = np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None] + grid.delta
-        s = np.where(visible, s, s.dtype.type(-np.inf))
-    return s
+        return s, np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None] + grid.delta
+    return s, None
 
 
-def _run_v1(q, k, v, scale, sched, ledger):
+def _alive(grid, r0, r1, causal):
+    """Rows [r0, r1) that see at least one key: every row, or with causal masking i + delta >= 0."""
+    rows = np.arange(r0, r1)
+    return rows + grid.delta >= 0 if causal else np.ones(r1 - r0, dtype=bool)
+
+
+def _encode(state):
+    """v1's HBM form of a state (Algorithm 1 keeps O normalised): O = acc / l where l > 0, else O = acc
+    (0, or NaN carried from the inputs), so that `_decode` gives the state back on every row."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((state.l > 0)[:, None], state.acc / state.l[:, None], state.acc)
+
+
+def _decode(m, l, O):
+    """acc = O l where l > 0, else acc = O: the inverse of `_encode`."""
+    return osm.State(m, l, np.where((l > 0)[:, None], O * l[:, None], O))
+
+
+def _run_v1(q, k, v, scale, sched, causal, ledger):
     grid = sched.grid
     n_q, d = q.shape
     # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.
@@ -76,23 +95,29 @@ def _run_v1(q, k, v, scale, sched, ledger):
             loaded_j = j
         r0, r1 = grid.rows(i)
         q_i = q[r0:r1]  # Q_i, O_i, l_i, m_i: read from HBM on every visit
-        state = osm.State(m[r0:r1], l[r0:r1], O[r0:r1] * l[r0:r1, None])  # O is stored normalised
+        state = _decode(m[r0:r1], l[r0:r1], O[r0:r1])  # O is stored normalised
         for name, count in (("Q", q_i.size), ("O", q_i.size), ("l", r1 - r0), ("m", r1 - r0)):
             ledger.read(name, count)
-        state = osm.update(state, _scores(q_i, k_j, scale, grid, i, j, kind), v_j)
-        O[r0:r1], _ = osm.finalize(state)
+        s, visible = _scores(q_i, k_j, scale, grid, i, j, kind)
+        state = osm.update(state, s, v_j, visible)
+        O[r0:r1] = _encode(state)
         l[r0:r1], m[r0:r1] = state.l, state.m
         for name, count in (("O", q_i.size), ("l", r1 - r0), ("m", r1 - r0)):
             ledger.write(name, count)
-    # Last pass: LSE = m + log l (-inf where l = 0).
-    _, lse = osm.finalize(osm.State(m, l, O))
+    # Last pass: LSE = m + log l (-inf on rows that see no key). O already holds acc / l, except on a row
+    # that sees keys whose scores are all -inf (l = 0: only infinite inputs do that), where it becomes 0/0.
+    alive = _alive(grid, 0, n_q, causal)
+    out, lse = osm.finalize(_decode(m, l, O), alive)
+    empty_sum = alive & ~(l > 0) & ~np.isnan(l)
+    O[empty_sum] = out[empty_sum]
     ledger.read("l", n_q)
     ledger.read("m", n_q)
     ledger.write("LSE", n_q)
+    ledger.write("O", int(empty_sum.sum()) * d)
     return O, lse
 
 
-def _run_v2(q, k, v, scale, sched, ledger):
+def _run_v2(q, k, v, scale, sched, causal, ledger):
     grid = sched.grid
     n_q, d = q.shape
     O = np.empty((n_q, d), dtype=q.dtype)
@@ -111,8 +136,9 @@ def _run_v2(q, k, v, scale, sched, ledger):
             k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: read once per query tile
             ledger.read("K", k_j.size)
             ledger.read("V", v_j.size)
-            state = osm.update(state, _scores(q_i, k_j, scale, grid, i, j, kind), v_j)
-        O[r0:r1], lse[r0:r1] = osm.finalize(state)  # written once
+            s, visible = _scores(q_i, k_j, scale, grid, i, j, kind)
+            state = osm.update(state, s, v_j, visible)
+        O[r0:r1], lse[r0:r1] = osm.finalize(state, _alive(grid, r0, r1, causal))  # written once
         ledger.write("O", (r1 - r0) * d)
         ledger.write("LSE", r1 - r0)
     return O, lse
@@ -143,5 +169,5 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     for b in range(prob.batch):
         for h in range(prob.heads):
             h_kv = h // prob.group
-            out[b, h], lse[b, h] = run(q4[b, h], k4[b, h_kv], v4[b, h_kv], scale, sched, ledger)
+            out[b, h], lse[b, h] = run(q4[b, h], k4[b, h_kv], v4[b, h_kv], scale, sched, causal, ledger)
     return shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim), ledger

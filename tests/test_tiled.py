@@ -69,8 +69,8 @@ def test_a_broken_update_is_caught(monkeypatch):
     """The spec test can fail: forget to rescale the old accumulator and v2 no longer matches."""
     from fa_numba import online_softmax as osm
 
-    def forgets_rescale(state, scores, values):
-        new = osm.State(*_correct_update(state, scores, values))
+    def forgets_rescale(state, scores, values, visible=None):
+        new = osm.State(*_correct_update(state, scores, values, visible))
         p = np.exp(scores - new.m[:, None])
         return osm.State(new.m, new.l, state.acc + p @ values)  # should be alpha * state.acc + p @ values
 

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32
 
+from fa_numba import backend
+
 NEG_INF = float32(-math.inf)
+NAN = float32(math.nan)
 ZERO = float32(0.0)
 SHARED_BYTES_LIMIT = 48 * 1024  # static shared memory per block
 MAX_HEAD_DIM = 256
 MAX_BLOCK_THREADS = 1024
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+BF16_BITS = (np.dtype(np.uint16), np.dtype(np.int16))  # how bfloat16 inputs reach the kernels (to_f32)
 
 
 @dataclass(frozen=True)
@@ -86,58 +90,117 @@ class CompiledKernel:
                 types.Array(types.float32, 3, "C"))
 
 
+def _to_f32_python(x):
+    """to_f32 as the CUDA simulator runs it (plain Python on NumPy scalars)."""
+    if isinstance(x, (np.uint16, np.int16)):
+        return np.uint32(np.uint16(x)).__lshift__(np.uint32(16)).view(np.float32)
+    return np.float32(x)
+
+
+def _to_f32_intrinsic():
+    """to_f32 for the CUDA compiler: an intrinsic lowers in the calling kernel, with no separate device
+    compilation (which would ask for a GPU and break fa_numba.profile on a CPU)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def to_f32(typingctx, x):
+        if x in (types.uint16, types.int16):
+            def from_bits(context, builder, sig, args):
+                wide = builder.zext(args[0], ir.IntType(32))
+                return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+            return types.float32(x), from_bits
+        if isinstance(x, types.Float):
+            return types.float32(x), lambda context, builder, sig, args: context.cast(builder, args[0], x,
+                                                                                     types.float32)
+        return None
+
+    return to_f32
+
+
+#: An input element as float32: float32 and float16 convert; bfloat16 arrives as its 16 bits (uint16 or
+#: int16, since NumPy and Numba have no bfloat16 array) and becomes the float32 with those high bits, exactly.
+to_f32 = _to_f32_python if backend.name() == "simulator" else _to_f32_intrinsic()
+
+
 @cuda.jit(device=True, inline=True)
 def load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, n_threads):
     """Cooperative load of K_j, V_j rows [c0, c0 + cols) into shared memory; rows past N_k are not read."""
     for idx in range(tid, cols * d, n_threads):
         c = idx // d
         x = idx - c * d
-        k_tile[c, x] = float32(k[b, h_kv, c0 + c, x])
-        v_tile[c, x] = float32(v[b, h_kv, c0 + c, x])
+        k_tile[c, x] = to_f32(k[b, h_kv, c0 + c, x])
+        v_tile[c, x] = to_f32(v[b, h_kv, c0 + c, x])
 
 
 @cuda.jit(device=True, inline=True)
-def score_row(q_row, k_tile, cols, d, scale, row, c0, delta, masked, s):
-    """s[c] = scale * <q_row, K_j[c]>, and -inf where key c0 + c is in the future of query `row`."""
-    for c in range(cols):
+def visible_cols(row, c0, cols, delta, masked):
+    """Keys of the tile [c0, c0 + cols) that query `row` sees: all of them, or on a PARTIAL tile the prefix
+    c0 + c <= row + delta. Masked keys are never touched, so a NaN in a masked value cannot leak in."""
+    if masked:
+        return max(0, min(cols, row + delta - c0 + 1))
+    return cols
+
+
+@cuda.jit(device=True, inline=True)
+def score_row(q_row, k_tile, n_vis, d, scale, s):
+    """s[c] = scale * <q_row, K_j[c]> for the visible keys c < n_vis."""
+    for c in range(n_vis):
         dot = ZERO
         for x in range(d):
             dot += q_row[x] * k_tile[c, x]
         s[c] = scale * dot
-        if masked and c0 + c > row + delta:
-            s[c] = NEG_INF
 
 
 @cuda.jit(device=True, inline=True)
-def online_update(m, l, acc, s, cols, d, v_tile):
-    """Fold one tile of scores into (m, l, acc); the twin of online_softmax.update, in the same order.
+def online_update(m, l, acc, s, n_vis, d, v_tile):
+    """Fold the visible keys c < n_vis of one tile into (m, l, acc); the twin of online_softmax.update.
 
     Returns (m_new, l_new); acc is updated in place and s is overwritten with the weights p.
-    Every exp argument is <= 0 (proofs/L2_online_softmax.md); shift = 0 while nothing is visible.
+    Every finite exp argument is <= 0 (proofs/L2_online_softmax.md); shift = 0 while nothing is visible.
+    The max may drop a NaN score (fmaxf does), but its weight exp(NaN - shift) = NaN still reaches l and
+    acc, so the row ends NaN as the dense formula says (proofs/L2.6).
     """
     m_tile = NEG_INF
-    for c in range(cols):
+    for c in range(n_vis):
         m_tile = max(m_tile, s[c])
     m_new = max(m, m_tile)
     shift = m_new if m_new != NEG_INF else ZERO
     alpha = math.exp(m - shift)  # rescales the old state to the new max
     l_tile = ZERO
-    for c in range(cols):
+    for c in range(n_vis):
         p = math.exp(s[c] - shift)
         s[c] = p
         l_tile += p
     l_new = alpha * l + l_tile
     for x in range(d):
         pv = ZERO
-        for c in range(cols):
+        for c in range(n_vis):
             pv += s[c] * v_tile[c, x]
         acc[x] = alpha * acc[x] + pv
     return m_new, l_new
 
 
 @cuda.jit(device=True, inline=True)
-def log_sum_exp(m, l):
-    """LSE = m + log l, or -inf for a row that saw no key (l = 0)."""
+def log_sum_exp(m, l, alive):
+    """LSE = m + log l on a row that sees a key (-inf if l = 0: every visible score was -inf; NaN if l is),
+    and -inf on a row that sees none (`alive` comes from the mask, not from l)."""
+    if not alive:
+        return NEG_INF
     if l > ZERO:
         return m + math.log(l)
-    return NEG_INF
+    if l == ZERO:
+        return NEG_INF
+    return NAN
+
+
+@cuda.jit(device=True, inline=True)
+def output(acc_x, l, alive):
+    """O = acc / l on a row that sees a key (0/0 = NaN when l = 0 or NaN), 0 on a row that sees none."""
+    if not alive:
+        return ZERO
+    if l > ZERO:
+        return acc_x / l
+    return NAN

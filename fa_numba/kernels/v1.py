@@ -1,7 +1,9 @@
 """FlashAttention (Algorithm 1) forward: K/V outer, Q inner, as a Numba CUDA kernel.
 
 Math (per query row i): the same online softmax as v2, but the running state lives in HBM between
-visits: O_i is stored normalised (acc / l), with l_i and m_i beside it, exactly as in the paper.
+visits: O_i is stored normalised (acc / l), with l_i and m_i beside it, exactly as in the paper. Where
+l = 0 (no visible score yet, or only -inf ones) O holds acc itself (0, or a NaN from the inputs), so the
+next visit rebuilds acc exactly (tiled._encode / _decode, proofs/L4).
 
 HBM traffic per (batch, head), in elements (iomodel.traffic("v1", ...), proofs/L5_hbm_traffic.md):
     init    writes O: N_q d, l: N_q, m: N_q                       (O = 0, l = 0, m = -inf)
@@ -27,8 +29,8 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
-                                     online_update, score_row)
+from fa_numba.kernels.common import (NAN, NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
+                                     online_update, score_row, to_f32, visible_cols)
 
 
 def kernel_source(config: Config):
@@ -76,22 +78,30 @@ def kernel_source(config: Config):
                 row = r0 + tid
                 if row < n_q:
                     masked = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: mask inside it
+                    n_vis = visible_cols(row, c0, cols, delta, masked)
                     for x in range(d):
-                        q_row[x] = float32(q[b, h, row, x])
+                        q_row[x] = to_f32(q[b, h, row, x])
                     m = m_hbm[b, h, row]
                     l = l_hbm[b, h, row]
-                    for x in range(d):  # O is stored normalised: acc = O l
-                        acc[x] = o[b, h, row, x] * l
-                    score_row(q_row, k_tile, cols, d, scale, row, c0, delta, masked, s)
-                    m, l = online_update(m, l, acc, s, cols, d, v_tile)
+                    for x in range(d):  # O is stored normalised: acc = O l (O itself where l = 0)
+                        acc[x] = o[b, h, row, x] * l if l > ZERO else o[b, h, row, x]
+                    score_row(q_row, k_tile, n_vis, d, scale, s)
+                    m, l = online_update(m, l, acc, s, n_vis, d, v_tile)
                     for x in range(d):
-                        o[b, h, row, x] = acc[x] / l if l > ZERO else ZERO
+                        o[b, h, row, x] = acc[x] / l if l > ZERO else acc[x]
                     l_hbm[b, h, row] = l
                     m_hbm[b, h, row] = m
 
-        # Last pass: LSE = m + log l. Same row ownership as above: no barrier needed.
+        # Last pass: LSE = m + log l. Same row ownership as above: no barrier needed. A row that sees keys
+        # whose scores are all -inf (l = 0, infinite inputs only) gets O = 0/0 = NaN here (tiled._run_v1).
         for row in range(tid, n_q, BR):
-            lse[b, h, row] = log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])
+            m = m_hbm[b, h, row]
+            l = l_hbm[b, h, row]
+            alive = not CAUSAL or row + delta >= 0
+            lse[b, h, row] = log_sum_exp(m, l, alive)
+            if alive and l == ZERO:
+                for x in range(d):
+                    o[b, h, row, x] = NAN
 
     return flash_v1
 

@@ -25,7 +25,7 @@ import functools
 from numba import cuda, float32
 
 from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
-                                     online_update, score_row)
+                                     online_update, output, score_row, to_f32, visible_cols)
 
 
 def kernel_source(config: Config):
@@ -63,7 +63,7 @@ def kernel_source(config: Config):
             acc[x] = ZERO
         if active and j_end > 0:  # a query tile that sees no key never reads Q
             for x in range(d):
-                q_row[x] = float32(q[b, h, row, x])
+                q_row[x] = to_f32(q[b, h, row, x])
 
         for j in range(j_end):  # invariant: (m, l, acc) is the state of keys [0, j B_c) (L2, L4)
             c0 = j * BC
@@ -75,13 +75,15 @@ def kernel_source(config: Config):
             cuda.syncthreads()
             if active:
                 masked = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: mask inside it
-                score_row(q_row, k_tile, cols, d, scale, row, c0, delta, masked, s)
-                m, l = online_update(m, l, acc, s, cols, d, v_tile)
+                n_vis = visible_cols(row, c0, cols, delta, masked)
+                score_row(q_row, k_tile, n_vis, d, scale, s)
+                m, l = online_update(m, l, acc, s, n_vis, d, v_tile)
 
-        if active:  # O_i and LSE_i written once; a row with no visible key gets 0 and -inf
+        if active:  # O_i and LSE_i written once; a row with no visible key (by the mask) gets 0 and -inf
+            alive = not CAUSAL or row + delta >= 0
             for x in range(d):
-                o[b, h, row, x] = acc[x] / l if l > ZERO else ZERO
-            lse[b, h, row] = log_sum_exp(m, l)
+                o[b, h, row, x] = output(acc[x], l, alive)
+            lse[b, h, row] = log_sum_exp(m, l, alive)
 
     return flash_v2
 
