@@ -19,8 +19,8 @@ No GPU is needed. For each registered variant and configuration this module
 
 The bound. An H200 SM issues at most one warp instruction per cycle on each of its 4 schedulers, and
 its 128 FP32 lanes retire 4 warp-wide FFMAs (2 flops per lane each) per cycle: peak = SMs x 128 x 2 x
-clock. In the hot loops (`hot_loops`: the innermost loops with FFMAs nested deepest, each counted once per
-iteration), a fraction
+clock. In the hot loops (`hot_loops`: the innermost loops whose FFMAs multiply operands loaded from shared or
+local memory, with no MUFU, each counted once per iteration), a fraction
 FFMA / issued of the issue slots does useful work (`issue_fraction`), and the shared/local memory pipe
 accepts at most one warp instruction per cycle per SM, so FFMA / (4 x (LDS + STS + LDL + STL)) is a second
 cap (`lsu_fraction`; a wider or bank-conflicting access takes longer, so this is optimistic). Finally a
@@ -216,16 +216,18 @@ def innermost_loops(text: str) -> list[Loop]:
 
 
 def hot_loops(loops: list[Loop]) -> list[Loop]:
-    """The innermost loops with FFMAs at the deepest nesting level among those: the loops that run most.
+    """The matrix-product loops: innermost loops whose FFMAs multiply operands loaded from on-chip memory
+    (the loop has LDS or LDL) and which evaluate no transcendental (no MUFU).
 
-    The SASS does not say how often a loop runs, but a loop nested deeper runs once per iteration of every
-    loop around it. In the one-thread-per-row kernels these are the Q K^T dot product and the P V loops
-    (depth 3: key tiles, then columns or features, then the sum); the exp loop (depth 2) and the epilogue
-    (depth 1) run far less often and are left out.
+    The SASS does not say how often a loop runs; what marks the Q K^T and P V loops of an attention kernel is
+    what they do. This keeps them however the compiler unrolled or nested them, and leaves out the exp
+    loops (FFMAs around MUFU.EX2), the divisions of the epilogue and the tile loads. If no loop qualifies,
+    every innermost loop with an FFMA is taken.
     """
     with_ffma = [loop for loop in loops if loop.ffma]
-    deepest = max((loop.depth for loop in with_ffma), default=0)
-    return [loop for loop in with_ffma if loop.depth == deepest]
+    matrix = [loop for loop in with_ffma
+              if (loop.mix["LDS/STS"] or loop.mix["LDL/STL"]) and not loop.mix["MUFU"]]
+    return matrix or with_ffma
 
 
 def float64_instructions(text: str) -> list[str]:
@@ -341,7 +343,13 @@ def compile_for_launch(pyfunc, argtypes, arch: str = ARCH, max_registers: int | 
     handle = nvjitlink.create(len(options), options)
     try:
         nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, ltoir, len(ltoir), "kernel.ltoir")
-        nvjitlink.complete(handle)
+        try:
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as failure:
+            error = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, error)
+            raise RuntimeError(f"nvJitLink could not link the kernel for {arch}: {error.decode(errors='replace')}") \
+                from failure
         log = bytearray(nvjitlink.get_info_log_size(handle))
         nvjitlink.get_info_log(handle, log)
         cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
