@@ -73,15 +73,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
 
     backend.warn_if_slow_in_simulator(prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
     ndim = len(q.shape)
-    dq, dk, dv = (_prepare(name, x, on_device) for name, x in (("q", q), ("k", k), ("v", v)))
-    out = cuda.device_array((prob.batch, prob.heads, prob.n_q, prob.d), dtype=np.float32)
-    lse = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32)
-    VARIANTS[order].make(block_q, block_k, prob.d, causal)(dq, dk, dv, out, lse, scale)
+    with backend.explain_driver_errors():  # numba.cuda imported first without a driver: say what to do
+        dq, dk, dv = (_prepare(name, x, on_device) for name, x in (("q", q), ("k", k), ("v", v)))
+        out = cuda.device_array((prob.batch, prob.heads, prob.n_q, prob.d), dtype=np.float32)
+        lse = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32)
+        VARIANTS[order].make(block_q, block_k, prob.d, causal)(dq, dk, dv, out, lse, scale)
 
-    if on_device:
-        out = out.reshape(out.shape[4 - ndim:])
-        lse = lse.reshape(lse.shape[4 - ndim:])
-    else:
-        out = shapes.drop_lead(out.copy_to_host(), ndim)
-        lse = shapes.drop_lead(lse.copy_to_host(), ndim)
+        if on_device:
+            out = out.reshape(out.shape[4 - ndim:])
+            lse = lse.reshape(lse.shape[4 - ndim:])
+        else:
+            out = shapes.drop_lead(out.copy_to_host(), ndim)
+            lse = shapes.drop_lead(lse.copy_to_host(), ndim)
     return (out, lse) if return_lse else out
