@@ -7,10 +7,12 @@ Layers, top to bottom (each imports only those above it):
     tiled           the executable NumPy spec of both schedules, with an HBM ledger
     iomodel         the same HBM traffic in closed form
     kernels         Numba CUDA kernels v1 and v2, and their registry
-    api             attention(q, k, v, ...): validate, pick tiles, launch
+    arrays          the caller's array library in and out: NumPy, Numba, PyTorch (CPU or CUDA), CuPy
+    api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library
     compare, cli    v1 vs v2 side by side (`python -m fa_numba compare | sweep`); timing, plots
 
-Without an NVIDIA driver, importing fa_numba selects Numba's CUDA simulator (see fa_numba.backend).
+Without an NVIDIA driver, importing fa_numba selects Numba's CUDA simulator (see fa_numba.backend): import
+it before numba, or set NUMBA_ENABLE_CUDASIM=1 before numba is imported.
 """
 
 from fa_numba import backend

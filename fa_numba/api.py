@@ -1,7 +1,9 @@
 """`fa_numba.attention`: validate, pick tiles, launch a kernel, return.
 
-Host NumPy arrays in, NumPy out (copied to and from the device). CUDA device arrays, or any object with
-`__cuda_array_interface__` (CuPy, PyTorch CUDA tensors), in: Numba device arrays out, no host copy.
+Results come back in the caller's array library (see fa_numba.arrays): NumPy in, NumPy out; PyTorch in,
+PyTorch out (a CPU tensor for CPU tensors, a CUDA tensor on the same device for CUDA tensors, launched on
+torch's current stream); CuPy in, CuPy out (on CuPy's current stream); Numba device arrays in, Numba
+device arrays out. Device inputs are read where they are, with no host copy.
 Everything is checked before any launch; errors name the argument.
 """
 
@@ -10,25 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import backend, shapes, tiling
+from fa_numba import arrays, backend, shapes, tiling
 from fa_numba.kernels import VARIANTS, default_tiles
 from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, Config
-
-
-def _is_device(x) -> bool:
-    if isinstance(x, np.ndarray):
-        return False
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
-    return backend.name() == "simulator" and isinstance(x, cuda.devicearray.FakeCUDAArray)
-
-
-def _as_array(x, on_device: bool):
-    """A Numba device array (a view, no copy) for a device input, a NumPy array for a host input, so that
-    shapes and dtypes read the same way for NumPy, Numba, CuPy and PyTorch inputs."""
-    if on_device:
-        return cuda.as_cuda_array(x) if hasattr(x, "__cuda_array_interface__") else x
-    return x if isinstance(x, np.ndarray) or not hasattr(x, "__array__") else np.asarray(x)
 
 
 def _prepare(name: str, x, on_device: bool):
@@ -48,7 +34,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     dividing H (GQA/MQA). float32 or float16, all the same dtype; arithmetic and outputs are float32.
     causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); a query that sees no key
     gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d). block_q / block_k default by head dim
-    (`kernels.default_tiles`). Returns O, or (O, LSE) with return_lse=True, in q's layout.
+    (`kernels.default_tiles`). Returns O, or (O, LSE) with return_lse=True, in q's layout and q's array
+    library: NumPy for NumPy (or other host array-likes), a torch tensor on q's device for a torch tensor
+    (CPU or CUDA; read through .detach(), so without autograd history), a CuPy array for CuPy, a Numba
+    device array for a Numba device array or another `__cuda_array_interface__` object. A CUDA tensor or
+    CuPy call is launched on that library's current stream, so work queued before and after it on that
+    stream stays ordered.
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
@@ -56,10 +47,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     >>> out.shape, out.dtype
     ((2, 8, 16), dtype('float32'))
     """
-    on_device = _is_device(q)
-    if on_device != _is_device(k) or on_device != _is_device(v):
-        raise TypeError("q, k, v must be all host arrays or all device arrays")
-    q, k, v = (_as_array(x, on_device) for x in (q, k, v))
+    call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES)
+    q, k, v = call.arrays
     prob = shapes.problem(q, k, v, allowed=INPUT_DTYPES)
     causal = shapes.check_causal(causal)
     scale = shapes.resolve_scale(scale, prob.d)
@@ -72,16 +61,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     Config(order, block_q, block_k, prob.d, causal).check()  # shared-memory budget, before any allocation
 
     backend.warn_if_slow_in_simulator(prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
-    ndim = len(q.shape)
-    dq, dk, dv = (_prepare(name, x, on_device) for name, x in (("q", q), ("k", k), ("v", v)))
-    out = cuda.device_array((prob.batch, prob.heads, prob.n_q, prob.d), dtype=np.float32)
-    lse = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32)
-    VARIANTS[order].make(block_q, block_k, prob.d, causal)(dq, dk, dv, out, lse, scale)
-
-    if on_device:
-        out = out.reshape(out.shape[4 - ndim:])
-        lse = lse.reshape(lse.shape[4 - ndim:])
-    else:
-        out = shapes.drop_lead(out.copy_to_host(), ndim)
-        lse = shapes.drop_lead(lse.copy_to_host(), ndim)
+    layout = tuple(q.shape[:-1])  # the caller's (B, H, N_q), (H, N_q) or (N_q,)
+    with backend.explain_driver_errors(), call.context():
+        dq, dk, dv = (_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v)))
+        out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
+        lse = call.empty((prob.batch, prob.heads, prob.n_q))
+        VARIANTS[order].make(block_q, block_k, prob.d, causal)(dq, dk, dv, out, lse, scale, stream=call.stream)
+        out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
     return (out, lse) if return_lse else out

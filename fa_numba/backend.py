@@ -4,13 +4,20 @@ The simulator must be chosen before numba.cuda is first imported, so `select()` 
 imported: if NUMBA_ENABLE_CUDASIM is unset and no NVIDIA driver is visible on this machine, it sets
 NUMBA_ENABLE_CUDASIM=1 so `import fa_numba` works on a laptop. Set NUMBA_ENABLE_CUDASIM=0 or 1 yourself to
 choose. FA_NUMBA_SIM=1 forces the simulator even where a GPU is present.
+
+If numba.cuda was imported before fa_numba (`from numba import cuda` first in a notebook) on a machine
+without an NVIDIA driver, numba is bound to the real driver and no launch can work: `select()` warns with
+IMPORT_ORDER_FIX, and `explain_driver_errors()` turns the first launch's driver error into a RuntimeError
+with the same sentence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+import warnings
 
 
 SIM_MAX_WORK = 2**20  # B H N_q N_k d multiply-adds the simulator runs in about 20 s per kernel (2 cores)
@@ -20,16 +27,48 @@ def gpu_driver_visible() -> bool:
     return os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
 
 
+IMPORT_ORDER_FIX = (
+    "numba.cuda was imported before fa_numba on a machine without an NVIDIA driver, so numba is bound to the "
+    "real CUDA driver and every launch fails: import fa_numba before numba (or anything that imports "
+    "numba.cuda), or set NUMBA_ENABLE_CUDASIM=1 before numba is imported"
+)
+
+_numba_cuda_came_first = False  # numba.cuda was already imported when select() ran
+
+
 def select() -> str:
-    if "NUMBA_ENABLE_CUDASIM" not in os.environ and "numba.cuda" not in sys.modules:
+    global _numba_cuda_came_first
+    if "numba.cuda" in sys.modules:  # too late to choose: numba.cuda is real or simulated for good
+        _numba_cuda_came_first = True
+        if stranded():
+            warnings.warn(IMPORT_ORDER_FIX, RuntimeWarning, stacklevel=3)  # at the `import fa_numba` line
+    elif "NUMBA_ENABLE_CUDASIM" not in os.environ:
         if os.environ.get("FA_NUMBA_SIM") == "1" or not gpu_driver_visible():
             os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     return name()
 
 
 def name() -> str:
-    """'simulator' or 'gpu' (what numba.cuda will use or uses)."""
+    """'simulator' or 'gpu': what numba.cuda uses once imported (read from numba itself), else will use."""
+    if "numba.cuda" in sys.modules:
+        return "simulator" if "numba.cuda.simulator_init" in sys.modules else "gpu"
     return "simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "gpu"
+
+
+def stranded() -> bool:
+    """numba.cuda was imported before fa_numba, it is the real one, and no NVIDIA driver is visible."""
+    return _numba_cuda_came_first and name() == "gpu" and not gpu_driver_visible()
+
+
+@contextlib.contextmanager
+def explain_driver_errors():
+    """Around a launch: when stranded(), numba's driver error becomes a RuntimeError saying what to do."""
+    try:
+        yield
+    except Exception as err:
+        if stranded() and type(err).__name__ == "CudaSupportError":
+            raise RuntimeError(IMPORT_ORDER_FIX) from err
+        raise
 
 
 def patch_simulator() -> None:
@@ -75,8 +114,6 @@ def patch_simulator() -> None:
 def warn_if_slow_in_simulator(work: int) -> None:
     """Warn before a launch the simulator will take minutes over (work = B H N_q N_k d)."""
     if name() == "simulator" and work > SIM_MAX_WORK:
-        import warnings
-
         seconds = 20 * work / SIM_MAX_WORK
         warnings.warn(f"running in the CUDA simulator (no GPU): B*H*N_q*N_k*d = {work:,} will take about "
                       f"{seconds:,.0f} s; shapes up to {SIM_MAX_WORK:,} take seconds", stacklevel=3)

@@ -20,7 +20,7 @@ from fa_numba import compare as cmp
 from fa_numba.kernels import VARIANTS
 
 GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None)
-SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=16, block_k=16)
+SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=None, block_k=None)  # tiles: compare.Shape
 
 
 def _positive(text: str) -> int:
@@ -56,8 +56,10 @@ def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
         p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"])
         p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    p.add_argument("--block-q", type=_positive, default=defaults["block_q"], help="default: by head dim")
-    p.add_argument("--block-k", type=_positive, default=defaults["block_k"], help="default: by head dim")
+    tiles_help = ("default: by head dim, as fa_numba.attention picks them (kernels.default_tiles); in the "
+                  "simulator 16 for a shape it can run")
+    p.add_argument("--block-q", type=_positive, default=defaults["block_q"], help=tiles_help)
+    p.add_argument("--block-k", type=_positive, default=defaults["block_k"], help=tiles_help)
     p.add_argument("--orders", type=_variants, default=sorted(VARIANTS), help="kernel variants, e.g. v1,v2")
     p.add_argument("--repeats", type=_positive, default=20, help="timed calls on a GPU (median reported)")
     p.add_argument("--seed", type=int, default=0)
@@ -92,7 +94,7 @@ def _shape(args, n_q, n_k, head_dim, causal) -> cmp.Shape:
 
 def _run_compare(args, top) -> int:
     try:
-        shape = _shape(args, args.n_q, args.n_k, args.head_dim, args.causal).resolved()
+        shape = _shape(args, args.n_q, args.n_k, args.head_dim, args.causal).resolved()  # tiles picked here
     except ValueError as err:
         top.error(str(err))
     if backend.name() != "gpu":
@@ -105,7 +107,7 @@ def _run_compare(args, top) -> int:
     return 0 if cmp.all_passed(result) else 1
 
 
-CSV_FIELDS = ["n", "head_dim", "causal", "variant", "ran", "passed", "err_out", "err_lse", "tiles_computed",
+CSV_FIELDS = ["n", "head_dim", "causal", "tile_size", "variant", "ran", "passed", "err_out", "err_lse", "tiles_computed",
               "tiles_skipped", "tiles_masked", "bytes_total", "scores_bytes", "dense_bytes", "median_ms", "tflops", "gbps"]
 
 
@@ -116,11 +118,15 @@ def _run_sweep(args, top) -> int:
     results, flat, ok = [], [], True
     if backend.name() != "gpu":
         print("no GPU found: kernels run in the CUDA simulator where feasible (no timings)", file=sys.stderr)
-    for index, (n, d, causal) in enumerate(configs, 1):
-        try:
-            shape = _shape(args, n, n, d, causal).resolved()
-        except ValueError as err:
-            top.error(str(err))
+    try:
+        picked = [_shape(args, n, n, d, causal).resolved() for n, d, causal in configs]
+    except ValueError as err:
+        top.error(str(err))
+    if len({(s.head_dim, s.block_q, s.block_k) for s in picked}) > len(set(head_dims)):
+        # the simulator would run the small sizes with its small tiles and not the large ones: keep one tile
+        # size per d, the launch defaults, so that bytes vs N compare like with like
+        picked = [_shape(args, n, n, d, causal).resolved(simulator_tiles=False) for n, d, causal in configs]
+    for index, ((n, d, causal), shape) in enumerate(zip(configs, picked), 1):
         print(f"[{index}/{len(configs)}] N={n} d={d} causal={causal} ...", file=sys.stderr, flush=True)
         result = cmp.run(shape, args.orders, repeats=args.repeats, count=False if args.no_count else None)
         for note in result["notes"]:
@@ -129,7 +135,8 @@ def _run_sweep(args, top) -> int:
         ok &= cmp.all_passed(result)
         results.append(result)
         for r in result["rows"]:
-            flat.append({"n": n, "head_dim": d, "causal": causal, "variant": r["variant"], "ran": result["ran"],
+            flat.append({"n": n, "head_dim": d, "causal": causal, "tile_size": f"{shape.block_q}x{shape.block_k}",
+                         "variant": r["variant"], "ran": result["ran"],
                          "passed": r.get("passed"), "err_out": r.get("err_out"), "err_lse": r.get("err_lse"),
                          "tiles_computed": r["tiles_computed"], "tiles_skipped": r["tiles_skipped"],
                          "tiles_masked": r["tiles_masked"], "bytes_total": r["bytes_total"],
@@ -153,26 +160,25 @@ def _run_sweep(args, top) -> int:
     if args.tile_map:
         from fa_numba import plots
 
-        n, block_q, block_k = _tile_map_shape(args, head_dims[0])
+        n, block_q, block_k = _tile_map_shape([s for s in picked if s.head_dim == head_dims[0]])
         plots.tile_map(tiling.classify(n, n, block_q, block_k, causal=True), n, n, block_q, block_k, args.tile_map)
     return 0 if ok else 1
 
 
-def _tile_map_shape(args, head_dim) -> tuple[int, int, int]:
-    """The first N of the sweep with at least 8 query tiles (else the largest): a readable grid."""
-    for n in sorted(args.n) + [max(args.n)]:
-        s = _shape(args, n, n, head_dim, True).resolved()
-        if -(-n // s.block_q) >= 8 or n == max(args.n):
-            return n, s.block_q, s.block_k
-    raise AssertionError("unreachable")
+def _tile_map_shape(swept: list) -> tuple[int, int, int]:
+    """The first N of the sweep (with its tiles) with >= 8 query tiles, else the largest: a readable grid."""
+    swept = sorted(swept, key=lambda s: s.n_q)
+    s = next((s for s in swept if -(-s.n_q // s.block_q) >= 8), swept[-1])
+    return s.n_q, s.block_q, s.block_k
 
 
 def _print_sweep(flat: list[dict]) -> None:
-    header = ["N", "d", "causal", "variant", "check", "err O", "tiles", "skipped", "HBM MiB", "S MiB", "median ms"]
+    header = ["N", "d", "causal", "tile size", "variant", "check", "err O", "tiles", "skipped", "HBM MiB", "S MiB",
+              "median ms"]
     table = [header]
     for r in flat:
         check = "-" if r["passed"] is None else ("pass" if r["passed"] else "FAIL")
-        table.append([str(r["n"]), str(r["head_dim"]), str(r["causal"]), r["variant"], check,
+        table.append([str(r["n"]), str(r["head_dim"]), str(r["causal"]), r["tile_size"], r["variant"], check,
                       "-" if r["err_out"] is None else f"{r['err_out']:.2e}", str(r["tiles_computed"]),
                       str(r["tiles_skipped"]), f"{r['bytes_total'] / 2**20:.2f}", f"{r['scores_bytes'] / 2**20:.2f}",
                       "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"])

@@ -5,6 +5,8 @@ tolerance rule; its tiles computed / skipped / masked; its HBM bytes per tensor 
 simulator, the bytes its element accesses actually counted; on a GPU, its time (CUDA events, median and
 10th-90th percentiles after warm-up), TFLOP/s, GB/s and the v2/v1 speed-up. A variant that fails its check
 is reported as failed and never timed. Shapes too large for the simulator get the analytic columns only.
+Tiles not chosen are those `fa_numba.attention` would launch with (in the simulator, 16 x 16 for a shape it
+runs); `Shape.tiles` and the rendered `tiles:` line say which were used and why.
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ EXACT_CHECK_MAX_SCORES = 2**22
 FULL_CHECK_MAX_SCORES = 2**27  # B H N_q N_k beyond this: check the first heads only (float64 S would be > 1 GiB)  # beyond B H N_q N_k this many, the naive baseline uses BLAS only (loops too slow)
 
 
+SIM_TILE = 16  # the simulator's tile when none was chosen: 16 threads per block keep a simulated run to seconds
+
+
 @dataclass(frozen=True)
 class Shape:
+    """One compare problem. block_q / block_k None means not chosen: `resolved()` fills them with the tiles
+    `fa_numba.attention` would launch with (`kernels.default_tiles(d)`), except that in the simulator a
+    shape it can run with 16 x 16 tiles gets those (small blocks keep a simulated run to seconds); a shape
+    too large for it keeps the launch defaults for its analytic columns. `tiles` records which tiles were
+    used and why ("chosen", "default for d=64", ...)."""
+
     batch: int = 1
     heads: int = 2
     heads_kv: int | None = None
@@ -41,27 +52,54 @@ class Shape:
     block_q: int | None = None
     block_k: int | None = None
     seed: int = 0
+    tiles: str | None = None  # how block_q x block_k were picked; filled by resolved()
 
-    def resolved(self) -> "Shape":
-        """Fill the defaults (n_k = n_q, heads_kv = heads, tiles by head dim) and validate."""
+    def resolved(self, simulator_tiles: bool | None = None) -> "Shape":
+        """Fill the defaults (n_k = n_q, heads_kv = heads, tiles as the class says) and validate.
+        simulator_tiles=False keeps the launch defaults even for a shape the simulator could run with 16 x 16
+        tiles (a sweep uses it to keep one tile size across its sizes); None: the simulator's rule."""
         for name in ("batch", "heads", "n_q", "head_dim"):
             shapes.check_block(name, getattr(self, name))
         if np.dtype(self.dtype) not in INPUT_DTYPES:
             raise ValueError(f"dtype must be float32 or float16, got {self.dtype!r}")
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {self.head_dim}")
-        block_q, block_k = default_tiles(self.head_dim)
-        out = replace(self, n_k=self.n_k or self.n_q, heads_kv=self.heads_kv or self.heads,
-                      block_q=self.block_q or min(block_q, _pow2_at_least(self.n_q)),
-                      block_k=self.block_k or min(block_k, _pow2_at_least(self.n_k or self.n_q)))
+        for name in ("block_q", "block_k"):
+            if getattr(self, name) is not None:
+                shapes.check_block(name, getattr(self, name))
+        out = replace(self, n_k=self.n_k or self.n_q, heads_kv=self.heads_kv or self.heads)
         if out.heads % out.heads_kv:
             raise ValueError(f"heads_kv ({out.heads_kv}) must divide heads ({out.heads})")
+        if out.tiles is None or out.block_q is None or out.block_k is None:
+            out = _pick_tiles(out, backend.name() == "simulator" and simulator_tiles is not False)
         Config("v2", out.block_q, out.block_k, out.head_dim, out.causal).check()
         return out
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _pick_tiles(s: Shape, try_simulator: bool) -> Shape:
+    """Fill the tiles not chosen: the simulator's if asked and the simulator runs the shape with them, else
+    the launch defaults for d; `tiles` says which."""
+    chosen = [name for name in ("block_q", "block_k") if getattr(s, name) is not None]
+    if len(chosen) == 2:
+        return replace(s, tiles="chosen")
+    launch_q, launch_k = default_tiles(s.head_dim)
+    launch = replace(s, block_q=s.block_q or launch_q, block_k=s.block_k or launch_k)
+    small = replace(s, block_q=s.block_q or SIM_TILE, block_k=s.block_k or SIM_TILE)
+    # one tile chosen: say which, and that the phrase after it is about the other one
+    prefix = f"{chosen[0]} chosen, {'block_k' if chosen == ['block_q'] else 'block_q'} " if chosen else ""
+    if try_simulator and _runs_in_simulator(small):
+        if (small.block_q, small.block_k) == (launch.block_q, launch.block_k):
+            return replace(small, tiles=f"{prefix}default for d={s.head_dim}")
+        would = f"{launch.block_q}x{launch.block_k}" + ("" if chosen else f", the default for d={s.head_dim}")
+        return replace(small, tiles=f"{prefix}simulator default; fa_numba.attention would use {would}")
+    return replace(launch, tiles=f"{prefix}default for d={s.head_dim}")
+
+
+def _runs_in_simulator(s: Shape) -> bool:
+    """Whether the simulator runs this shape (tiles filled) in about 20 s per variant."""
+    work = s.batch * s.heads * s.n_q * s.n_k * s.head_dim
+    blocks = math.ceil(s.n_q / s.block_q) * s.batch * s.heads
+    return work <= backend.SIM_MAX_WORK and blocks <= SIM_MAX_BLOCKS and s.block_q <= SIM_MAX_THREADS
 
 
 def simulator_feasible(shape: Shape) -> tuple[bool, str]:
@@ -69,7 +107,7 @@ def simulator_feasible(shape: Shape) -> tuple[bool, str]:
     s = shape.resolved()
     work = s.batch * s.heads * s.n_q * s.n_k * s.head_dim
     blocks = math.ceil(s.n_q / s.block_q) * s.batch * s.heads
-    if work <= backend.SIM_MAX_WORK and blocks <= SIM_MAX_BLOCKS and s.block_q <= SIM_MAX_THREADS:
+    if _runs_in_simulator(s):
         return True, ""
     n_max = min(int(math.sqrt(backend.SIM_MAX_WORK / (s.batch * s.heads * s.head_dim))),
                 SIM_MAX_BLOCKS * s.block_q // (s.batch * s.heads))
@@ -228,7 +266,8 @@ def render(result: dict) -> str:
     lines = [
         f"machine: {m['device']} | numba {m['numba']}, numba-cuda {m['numba_cuda']}, numpy {m['numpy']} | {m['date']}",
         f"shape: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} d={s['head_dim']} "
-        f"causal={s['causal']} dtype={s['dtype']} tiles {s['block_q']}x{s['block_k']} seed={s['seed']}",
+        f"causal={s['causal']} dtype={s['dtype']} seed={s['seed']}",
+        f"tiles: {s['block_q']}x{s['block_k']} ({s['tiles']})",
     ]
     unit, size = _unit(max(r["bytes_total"] for r in result["rows"]))
     header = ["variant", "check", "err O", "err LSE", "tiles", "skipped", "masked", f"Q+O {unit}", f"K+V {unit}",

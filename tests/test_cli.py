@@ -25,7 +25,8 @@ def test_compare_prints_every_variant_and_writes_json(tmp_path, capsys):
     assert set(result) >= {"machine", "shape", "rows", "ran", "notes"}
     assert set(result["machine"]) >= {"device", "backend", "numba", "numba_cuda", "numpy", "python", "date"}
     assert result["shape"] == dict(batch=1, heads=2, heads_kv=1, n_q=20, n_k=28, head_dim=4, causal=True,
-                                   dtype="float32", block_q=8, block_k=8, seed=0)
+                                   dtype="float32", block_q=8, block_k=8, seed=0, tiles="chosen")
+    assert "\ntiles: 8x8 (chosen)\n" in text
     for row in result["rows"]:
         model = iomodel.traffic(row["order"], 20, 28, 4, 8, 8, True, heads=2, heads_kv=1)
         assert row["bytes_model"] == iomodel.to_bytes(model, 4)
@@ -62,6 +63,63 @@ def test_too_large_for_the_simulator_is_refused_with_analytic_columns(capsys):
             assert row["tiles_computed"] == 64 * 64 * 2 and f" {row['tiles_computed']} " in out
             assert row["bytes_total"] == iomodel.total_bytes(iomodel.traffic(row["order"], 4096, 4096, 64, 64, 64,
                                                                               False, heads=2), 4)
+
+
+def test_analytic_columns_use_the_tiles_a_launch_would_use(tmp_path, capsys):
+    """A shape too large for the simulator is described with fa_numba.attention's tiles for d (64 x 64 at
+    d = 64), not the simulator's 16 x 16 (which overstated v1's traffic 4x at N = 100,000), and says so."""
+    shape = cmp.Shape(n_q=4096, head_dim=64).resolved()
+    assert (shape.block_q, shape.block_k, shape.tiles) == (64, 64, "default for d=64")
+    assert cmp.Shape(n_q=4096, head_dim=128).resolved().block_k == 32  # default_tiles(128) = (64, 32)
+    chosen = cmp.Shape(n_q=4096, head_dim=64, block_q=16, block_k=16).resolved()
+    assert (chosen.block_q, chosen.block_k, chosen.tiles) == (16, 16, "chosen")
+    one = cmp.Shape(n_q=4096, head_dim=64, block_k=32).resolved()
+    assert (one.block_q, one.block_k, one.tiles) == (64, 32, "block_k chosen, block_q default for d=64")
+    assert cmp.Shape(n_q=4096, head_dim=64).resolved(simulator_tiles=False) == shape
+    for tiles, flags, line in ((64, [], "tiles: 64x64 (default for d=64)"),
+                               (16, ["--block-q", "16", "--block-k", "16"], "tiles: 16x16 (chosen)")):
+        path = tmp_path / f"{tiles}.json"
+        argv = ["compare", "--batch", "1", "--heads", "2", "--n-q", "4096", "--head-dim", "64", "--no-count",
+                "--repeats", "1", "--json", str(path), *flags]
+        assert cli.main(argv) == 0
+        assert f"\n{line}\n" in capsys.readouterr().out
+        result = json.loads(path.read_text())
+        assert (result["shape"]["block_q"], result["shape"]["block_k"]) == (tiles, tiles)
+        for row in result["rows"]:
+            model = iomodel.traffic(row["order"], 4096, 4096, 64, tiles, tiles, False, heads=2)
+            assert row["bytes_total"] == iomodel.total_bytes(model, 4)
+            assert row["tiles_computed"] == (4096 // tiles) ** 2 * 2
+
+
+def test_readme_numbers_for_a_shape_too_large_for_the_simulator():
+    """README: at B = 1, H = 2, N = 100,000, d = 64, v1 moves 228.4 GiB with 64 x 64 tiles, 912.8 with 16 x 16."""
+    gib = [iomodel.total_bytes(iomodel.traffic("v1", 100_000, 100_000, 64, t, t, False, heads=2), 4) / 2**30
+           for t in (64, 16)]
+    assert [f"{g:.1f}" for g in gib] == ["228.4", "912.8"]
+    assert cmp.Shape(n_q=100_000, head_dim=64).resolved().block_q == 64
+
+
+@pytest.mark.skipif(cmp.backend.name() != "simulator", reason="the simulator's small default tiles")
+def test_simulator_runs_small_shapes_with_small_tiles_and_says_so(capsys):
+    shape = cmp.Shape().resolved()  # compare's default in the simulator: N = 64, d = 16
+    assert (shape.block_q, shape.block_k) == (16, 16)
+    assert shape.tiles == "simulator default; fa_numba.attention would use 64x64, the default for d=16"
+    one = cmp.Shape(block_q=8).resolved()
+    assert (one.block_q, one.block_k) == (8, 16)
+    assert one.tiles == "block_q chosen, block_k simulator default; fa_numba.attention would use 8x64"
+    assert cli.main(["compare", "--no-count"]) == 0
+    assert f"\ntiles: 16x16 ({shape.tiles})\n" in capsys.readouterr().out
+
+
+def test_sweep_keeps_one_tile_size_when_the_simulator_runs_only_some_sizes(tmp_path):
+    path = tmp_path / "s.csv"
+    assert cli.main(["sweep", "--n", "16,4096", "--head-dims", "16", "--no-count", "--csv", str(path)]) == 0
+    rows = list(csv.DictReader(path.open()))
+    assert {r["tile_size"] for r in rows} == {"64x64"}  # default_tiles(16), for N = 16 as for N = 4096
+    for row in rows:
+        n = int(row["n"])
+        model = iomodel.traffic(row["variant"], n, n, 16, 64, 64, False, heads=2)
+        assert int(row["bytes_total"]) == iomodel.total_bytes(model, 4)
 
 
 def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):

@@ -2,8 +2,8 @@
 
 Every variant is listed in `VARIANTS` with a one-line verdict; tests, `compare` and the benchmarks iterate
 it, so a new variant is validated and timed without new glue. A variant's `make(block_q, block_k,
-head_dim, causal)` returns a cached, callable kernel: kernel(q, k, v, o, lse, scale, workspace=None) on
-device arrays of shape (B, H, N, d), o float32 (B, H, N_q, d), lse float32 (B, H, N_q).
+head_dim, causal)` returns a cached, callable kernel: kernel(q, k, v, o, lse, scale, workspace=None, stream=0)
+on device arrays of shape (B, H, N, d), o float32 (B, H, N_q, d), lse float32 (B, H, N_q).
 """
 
 from __future__ import annotations

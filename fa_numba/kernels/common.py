@@ -74,12 +74,13 @@ class CompiledKernel:
         self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
         self.kernel = cuda.jit(self.source)
 
-    def __call__(self, q, k, v, o, lse, scale, workspace=None):
-        """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs."""
+    def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0):
+        """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs,
+        queued on `stream` (a Numba stream; 0: the default stream)."""
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
-        self.launch(self.kernel[grid, block], q, k, v, o, lse, float32(scale), workspace)
+        self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace)
 
     @staticmethod
     def array_types(dtype: str):
