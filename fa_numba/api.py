@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, shapes, tiling
+from fa_numba import arrays, backend, shapes
 from fa_numba.kernels import VARIANTS, default_tiles
-from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, Config
+from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM
 
 
 def _prepare(name: str, x, on_device: bool):
@@ -52,13 +52,14 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     prob = shapes.problem(q, k, v, allowed=INPUT_DTYPES)
     causal = shapes.check_causal(causal)
     scale = shapes.resolve_scale(scale, prob.d)
-    tiling.check_order(order)
+    if order not in VARIANTS:
+        raise ValueError(f"order must be one of {tuple(VARIANTS)}, got {order!r}")
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
-    Config(order, block_q, block_k, prob.d, causal).check()  # shared-memory budget, before any allocation
+    VARIANTS[order].config(block_q, block_k, prob.d, causal)  # threads, shared memory: before any allocation
 
     backend.warn_if_slow_in_simulator(prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
     layout = tuple(q.shape[:-1])  # the caller's (B, H, N_q), (H, N_q) or (N_q,)

@@ -1,7 +1,7 @@
 """The static profile of every kernel variant, read from the SASS a launch on an H100/H200 would run.
 
     python -m fa_numba profile [--orders v1,v2] [--head-dims 64,128,256] [--dtypes float32,float16]
-                               [--causal off|on|both] [--arch sm_90a] [--json PATH]
+                               [--causal off|on|both] [--arch sm_90a] [--json PATH] [--jobs N]
 
 No GPU is needed. For each registered variant and configuration this module
 
@@ -37,6 +37,8 @@ is active `main` re-runs itself in a subprocess with NUMBA_ENABLE_CUDASIM=0.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -489,6 +491,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=DEFAULT_LAUNCH["batch"], help="launch shape of the bound")
     p.add_argument("--heads", type=int, default=DEFAULT_LAUNCH["heads"])
     p.add_argument("--n", type=int, default=DEFAULT_LAUNCH["n"], help="N_q of the launch shape of the bound")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
     return p
 
 
@@ -517,11 +520,16 @@ def main(argv=None) -> int:
     causals = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
     launch = dict(batch=args.batch, heads=args.heads, n=args.n)
     configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
-    profiles, start = [], time.perf_counter()
-    for index, cfg in enumerate(configs, 1):
-        print(f"[{index}/{len(configs)}] {cfg['variant']} d={cfg['head_dim']} {cfg['dtype']} "
-              f"causal={cfg['causal']} ...", file=sys.stderr, flush=True)
-        profiles.append(profile_configuration(cfg, args.arch, launch))
+    start = time.perf_counter()
+    jobs = max(1, min(args.jobs, len(configs)))
+    with concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        submit = pool.submit if pool else lambda fn, *a: _Done(fn(*a))
+        futures = [submit(profile_configuration, cfg, args.arch, launch) for cfg in configs]
+        profiles = []
+        for index, (cfg, future) in enumerate(zip(configs, futures), 1):
+            profiles.append(future.result())
+            print(f"[{index}/{len(configs)}] {cfg['variant']} d={cfg['head_dim']} {cfg['dtype']} "
+                  f"causal={cfg['causal']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
     print(f"static profile, {args.arch} SASS compiled on the CPU through the launch path (LTO); "
           f"bound at B={launch['batch']} H={launch['heads']} N={launch['n']} on an {H200.name} "
           f"({H200.sms} SMs, {H200.clock_ghz} GHz, FP32 peak {H200.peak_fp32_tflops:.1f} TFLOP/s)")
@@ -537,6 +545,16 @@ def main(argv=None) -> int:
                        "limits": dataclasses.asdict(SM90), "numba_cuda": _numba_cuda_version(),
                        "profiles": [p.as_dict() for p in profiles]}, fh, indent=1)
     return 0
+
+
+class _Done:
+    """A computed result with the Future interface (the one-process path of `main`)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def _simulated() -> bool:

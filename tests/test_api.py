@@ -6,7 +6,7 @@ from numba import cuda
 
 import fa_numba
 from fa_numba import reference
-from fa_numba.kernels import default_tiles
+from fa_numba.kernels import VARIANTS, default_tiles
 from strategies import Case
 
 SMALL = dict(block_q=4, block_k=4)
@@ -40,10 +40,11 @@ def test_defaults_scale_and_tiles():
     default = fa_numba.attention(q, k, v, **SMALL)
     explicit = fa_numba.attention(q, k, v, scale=0.5, **SMALL)
     np.testing.assert_array_equal(default, explicit)  # 1/sqrt(4) = 0.5
-    assert default_tiles(64) == (64, 64) and default_tiles(128) == (64, 32) and default_tiles(256) == (64, 16)
-    for d in range(1, 257):
-        block_q, block_k = default_tiles(d)
-        assert 2 * block_k * d * 4 <= 48 * 1024
+    assert default_tiles(32) == (64, 64) and default_tiles(64) == (64, 32) and default_tiles(128) == (64, 16)
+    assert default_tiles(256) == (16, 16)
+    for d in range(1, 257):  # every registered kernel takes the default tiles of every head dim
+        for variant in VARIANTS.values():
+            assert variant.config(*default_tiles(d), d, True).shared_bytes <= 48 * 1024
 
 
 def test_float16_inputs_give_float32_outputs():
@@ -61,14 +62,21 @@ def _qkv(dtype=np.float32, d=8):
     (dict(order="v3"), ValueError, r"order must be one of"),
     (dict(block_q=0), ValueError, r"block_q must be a positive int"),
     (dict(block_k=2.5), TypeError, r"block_k must be a positive int"),
-    (dict(block_k=4096), ValueError, r"block_k = 4096 with d = 8 needs 262144 bytes of shared memory"),
-    (dict(block_q=2048), ValueError, r"block_q is the threads per block and must be <= 1024"),
+    (dict(block_k=4096), ValueError, r"block_q x block_k / \(tm x tn\) = 16384 threads per block, over 1024"),
+    (dict(block_k=4096, order="v2-rowwise"), ValueError, r"block_k = 4096 with d = 8 needs 262144 bytes of shared"),
+    (dict(block_q=2048, order="v2-rowwise"), ValueError, r"block_q is the threads per block and must be <= 1024"),
+    (dict(order="v2-fast"), ValueError, r"order must be one of \('v1', 'v2', 'v1-rowwise', 'v2-rowwise'\)"),
     (dict(causal=1), TypeError, r"causal must be a bool"),
     (dict(scale=float("nan")), ValueError, r"scale must be finite"),
 ])
 def test_bad_arguments_are_named(kwargs, error, message):
     with pytest.raises(error, match=message):
         fa_numba.attention(*_qkv(), **kwargs)
+
+
+def test_tiles_over_the_shared_memory_budget_are_named():
+    with pytest.raises(ValueError, match=r"block_q = 64, block_k = 64 with d = 256 need \d+ bytes of shared memory"):
+        fa_numba.attention(*_qkv(d=256), block_q=64, block_k=64)
 
 
 def test_bad_dtypes_and_shapes_are_named():

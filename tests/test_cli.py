@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from fa_numba import cli, iomodel
+from fa_numba.kernels import VARIANTS
 from fa_numba import compare as cmp
 
 TINY = ["--n-q", "20", "--n-k", "28", "--head-dim", "4", "--block-q", "8", "--block-k", "8"]
@@ -54,48 +55,48 @@ def test_too_large_for_the_simulator_is_refused_with_analytic_columns(capsys):
     feasible, why = cmp.simulator_feasible(shape)
     assert not feasible and "too large for the CUDA simulator" in why and "feasible here" in why
     if cmp.backend.name() == "simulator":
-        assert cli.main(["compare", "--n-q", "4096", "--head-dim", "64", "--block-q", "64", "--block-k", "64"]) == 0
+        assert cli.main(["compare", "--n-q", "4096", "--head-dim", "64", "--block-q", "64", "--block-k", "32"]) == 0
         out = capsys.readouterr().out
         assert "too large for the CUDA simulator" in out
         result = cmp.run(shape)
         assert not result["ran"] and all("passed" not in r for r in result["rows"])
-        for row in result["rows"]:  # the analytic columns are still there: 64 x 64 tiles of 64, H = 2
-            assert row["tiles_computed"] == 64 * 64 * 2 and f" {row['tiles_computed']} " in out
-            assert row["bytes_total"] == iomodel.total_bytes(iomodel.traffic(row["order"], 4096, 4096, 64, 64, 64,
+        for row in result["rows"]:  # the analytic columns are still there: 64 x 32 tiles of 64 x 128, H = 2
+            assert row["tiles_computed"] == 64 * 128 * 2 and f" {row['tiles_computed']} " in out
+            assert row["bytes_total"] == iomodel.total_bytes(iomodel.traffic(row["order"], 4096, 4096, 64, 64, 32,
                                                                               False, heads=2), 4)
 
 
 def test_analytic_columns_use_the_tiles_a_launch_would_use(tmp_path, capsys):
-    """A shape too large for the simulator is described with fa_numba.attention's tiles for d (64 x 64 at
-    d = 64), not the simulator's 16 x 16 (which overstated v1's traffic 4x at N = 100,000), and says so."""
+    """A shape too large for the simulator is described with fa_numba.attention's tiles for d (64 x 32 at
+    d = 64), not the simulator's 16 x 16 (which overstated v1's traffic 2x at N = 100,000), and says so."""
     shape = cmp.Shape(n_q=4096, head_dim=64).resolved()
-    assert (shape.block_q, shape.block_k, shape.tiles) == (64, 64, "default for d=64")
-    assert cmp.Shape(n_q=4096, head_dim=128).resolved().block_k == 32  # default_tiles(128) = (64, 32)
+    assert (shape.block_q, shape.block_k, shape.tiles) == (64, 32, "default for d=64")
+    assert cmp.Shape(n_q=4096, head_dim=128).resolved().block_k == 16  # default_tiles(128) = (64, 16)
     chosen = cmp.Shape(n_q=4096, head_dim=64, block_q=16, block_k=16).resolved()
     assert (chosen.block_q, chosen.block_k, chosen.tiles) == (16, 16, "chosen")
-    one = cmp.Shape(n_q=4096, head_dim=64, block_k=32).resolved()
-    assert (one.block_q, one.block_k, one.tiles) == (64, 32, "block_k chosen, block_q default for d=64")
+    one = cmp.Shape(n_q=4096, head_dim=64, block_k=16).resolved()
+    assert (one.block_q, one.block_k, one.tiles) == (64, 16, "block_k chosen, block_q default for d=64")
     assert cmp.Shape(n_q=4096, head_dim=64).resolved(simulator_tiles=False) == shape
-    for tiles, flags, line in ((64, [], "tiles: 64x64 (default for d=64)"),
-                               (16, ["--block-q", "16", "--block-k", "16"], "tiles: 16x16 (chosen)")):
-        path = tmp_path / f"{tiles}.json"
+    for (tq, tk), flags, line in (((64, 32), [], "tiles: 64x32 (default for d=64)"),
+                                  ((16, 16), ["--block-q", "16", "--block-k", "16"], "tiles: 16x16 (chosen)")):
+        path = tmp_path / f"{tq}x{tk}.json"
         argv = ["compare", "--batch", "1", "--heads", "2", "--n-q", "4096", "--head-dim", "64", "--no-count",
                 "--repeats", "1", "--json", str(path), *flags]
         assert cli.main(argv) == 0
         assert f"\n{line}\n" in capsys.readouterr().out
         result = json.loads(path.read_text())
-        assert (result["shape"]["block_q"], result["shape"]["block_k"]) == (tiles, tiles)
+        assert (result["shape"]["block_q"], result["shape"]["block_k"]) == (tq, tk)
         for row in result["rows"]:
-            model = iomodel.traffic(row["order"], 4096, 4096, 64, tiles, tiles, False, heads=2)
+            model = iomodel.traffic(row["order"], 4096, 4096, 64, tq, tk, False, heads=2)
             assert row["bytes_total"] == iomodel.total_bytes(model, 4)
-            assert row["tiles_computed"] == (4096 // tiles) ** 2 * 2
+            assert row["tiles_computed"] == (4096 // tq) * (4096 // tk) * 2
 
 
 def test_readme_numbers_for_a_shape_too_large_for_the_simulator():
-    """README: at B = 1, H = 2, N = 100,000, d = 64, v1 moves 228.4 GiB with 64 x 64 tiles, 912.8 with 16 x 16."""
-    gib = [iomodel.total_bytes(iomodel.traffic("v1", 100_000, 100_000, 64, t, t, False, heads=2), 4) / 2**30
-           for t in (64, 16)]
-    assert [f"{g:.1f}" for g in gib] == ["228.4", "912.8"]
+    """README: at B = 1, H = 2, N = 100,000, d = 64, v1 moves 456.5 GiB with 64 x 32 tiles, 912.8 with 16 x 16."""
+    gib = [iomodel.total_bytes(iomodel.traffic("v1", 100_000, 100_000, 64, tq, tk, False, heads=2), 4) / 2**30
+           for tq, tk in ((64, 32), (16, 16))]
+    assert [f"{g:.1f}" for g in gib] == ["456.5", "912.8"]
     assert cmp.Shape(n_q=100_000, head_dim=64).resolved().block_q == 64
 
 
@@ -118,7 +119,7 @@ def test_sweep_keeps_one_tile_size_when_the_simulator_runs_only_some_sizes(tmp_p
     assert {r["tile_size"] for r in rows} == {"64x64"}  # default_tiles(16), for N = 16 as for N = 4096
     for row in rows:
         n = int(row["n"])
-        model = iomodel.traffic(row["variant"], n, n, 16, 64, 64, False, heads=2)
+        model = iomodel.traffic(VARIANTS[row["variant"]].order, n, n, 16, 64, 64, False, heads=2)
         assert int(row["bytes_total"]) == iomodel.total_bytes(model, 4)
 
 
@@ -131,10 +132,10 @@ def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):
                      "--plot", str(plot), "--tile-map", str(tile_map)])
     assert code == 0
     rows = list(csv.DictReader(paths["csv"].open()))
-    assert len(rows) == 2 * 2 * 2  # sizes x causal x variants
+    assert len(rows) == 2 * 2 * len(VARIANTS)  # sizes x causal x variants
     for row in rows:
         n, causal = int(row["n"]), row["causal"] == "True"
-        model = iomodel.traffic(row["variant"], n, n, 4, 8, 8, causal, heads=2)
+        model = iomodel.traffic(VARIANTS[row["variant"]].order, n, n, 4, 8, 8, causal, heads=2)
         assert int(row["bytes_total"]) == iomodel.total_bytes(model, 4)
     assert len(json.loads(paths["json"].read_text())["results"]) == 4
     for png in (plot, tile_map):
@@ -149,7 +150,8 @@ def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):
     ([], "required: command"),
     (["compare", "--heads", "3", "--heads-kv", "2"], "--heads-kv: 2 must divide --heads (3)"),
     (["compare", "--head-dim", "512"], "head_dim must be <= 256"),
-    (["compare", "--head-dim", "64", "--block-k", "512"], "block_k = 512 with d = 64 needs"),
+    (["compare", "--head-dim", "64", "--block-k", "512"], "block_k = 512 with d = 64 need"),
+    (["compare", "--head-dim", "64", "--block-q", "64", "--block-k", "64"], "block_q = 64, block_k = 64 with d = 64 need"),
     (["sweep"], "the following arguments are required: --n"),
     (["sweep", "--n", "16,x"], "--n: expected a positive integer"),
 ])

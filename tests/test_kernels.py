@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from numba import cuda
 
 from fa_numba import backend, iomodel, reference, tiled
-from fa_numba.kernels import VARIANTS, poisoned_outputs
+from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from strategies import HARD_CASES, Case, kernel_cases, launch_blocks, with_hard_cases
 
 NAMES = sorted(VARIANTS)
@@ -128,7 +128,7 @@ def test_counting_harness_sees_an_extra_read():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_larger_shapes(name, causal, d):
-    case = Case(n_q=517, n_k=389 if causal else 1031, d=d, block_q=64, block_k=64 if d == 64 else 32,
+    case = Case(n_q=517, n_k=389 if causal else 1031, d=d, block_q=default_tiles(d)[0], block_k=default_tiles(d)[1],
                 causal=causal, batch=2, heads_kv=2, group=2, seed=d)
     for dtype in (np.float32, np.float16):
         q, k, v = inputs = case.inputs(dtype)

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fa_numba import backend
-from fa_numba.kernels.common import MAX_HEAD_DIM, SHARED_BYTES_LIMIT, Config
-from fa_numba.kernels.v1 import make_v1
-from fa_numba.kernels.v2 import make_v2
+from fa_numba.kernels.common import MAX_HEAD_DIM, Config
+from fa_numba.kernels.engine import default_config
+from fa_numba.kernels.engine_v1 import make_v1_engine
+from fa_numba.kernels.engine_v2 import make_v2_engine
+from fa_numba.kernels.rowwise_v1 import make_v1
+from fa_numba.kernels.rowwise_v2 import make_v2
 
 backend.patch_simulator()  # thread-safe shared arrays in the simulator (see backend.patch_simulator)
-
-DEFAULT_BLOCK_Q = 64  # threads per block: one per query row
-KV_BLOCK_CHOICES = (64, 32, 16, 8, 4, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -28,23 +28,32 @@ class Variant:
     order: str  # the loop order whose iomodel traffic it must match
     description: str
     make: Callable
+    engine: bool  # a register-tiled kernel of the tile engine (else one thread per query row)
+
+    def config(self, block_q: int, block_k: int, head_dim: int, causal: bool) -> Config:
+        """The checked compile-time configuration of a launch, without compiling anything (errors name the tile)."""
+        return Config(self.order, block_q, block_k, head_dim, bool(causal), engine=self.engine).check()
 
 
 VARIANTS = {
-    "v1": Variant("v1", "v1", "FlashAttention Alg. 1: K/V outer, O/l/m round-trip HBM per visit; grid (B*H)", make_v1),
-    "v2": Variant("v2", "v2", "FlashAttention-2: Q outer, (m, l, acc) on chip, O/LSE written once; grid (T_r, B*H)", make_v2),
+    "v1": Variant("v1", "v1", "FlashAttention Alg. 1 on the tile engine: K/V outer, O/l/m round-trip HBM per visit; "
+                  "grid (B*H), register micro-tiles", make_v1_engine, True),
+    "v2": Variant("v2", "v2", "FlashAttention-2 on the tile engine: Q outer, (m, l, acc) in registers; grid (T_r, B*H), "
+                  "register micro-tiles", make_v2_engine, True),
+    "v1-rowwise": Variant("v1-rowwise", "v1", "Alg. 1 line by line: one thread per query row, its row of Q, S and O "
+                          "in local memory", make_v1, False),
+    "v2-rowwise": Variant("v2-rowwise", "v2", "FlashAttention-2 line by line: one thread per query row, its row of Q, "
+                          "S and O in local memory", make_v2, False),
 }
 
 
 def default_tiles(head_dim: int) -> tuple[int, int]:
-    """(block_q, block_k) by head dim: 64 query rows, and the largest power-of-two key tile <= 64 whose
-    K_j and V_j fit the 48 KB static shared-memory budget."""
+    """(block_q, block_k) by head dim: the tile engine's shipped tiles (engine.DEFAULTS), which fit the 48 KB
+    static shared-memory budget of every variant (the one-thread-per-row kernels need only 2 B_c d 4 bytes)."""
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {head_dim}")
-    for block_k in KV_BLOCK_CHOICES:
-        if 2 * block_k * head_dim * 4 <= SHARED_BYTES_LIMIT:
-            return DEFAULT_BLOCK_Q, block_k
-    raise AssertionError("unreachable: block_k = 1 always fits for d <= MAX_HEAD_DIM")
+    block_q, block_k, _, _ = default_config(head_dim)
+    return block_q, block_k
 
 
 def poisoned_outputs(q_shape):
@@ -58,4 +67,4 @@ def poisoned_outputs(q_shape):
             (cuda.to_device(np.full(stats, np.nan, np.float32)), cuda.to_device(np.full(stats, np.nan, np.float32))))
 
 
-__all__ = ["Config", "VARIANTS", "Variant", "default_tiles", "make_v1", "poisoned_outputs", "make_v2"]
+__all__ = ["Config", "VARIANTS", "Variant", "default_tiles", "poisoned_outputs"]

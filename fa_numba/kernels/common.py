@@ -1,12 +1,13 @@
-"""Pieces shared by the v1 and v2 kernels: constants, the online-softmax device function, budgets.
+"""Pieces shared by every kernel: constants, the input conversion, the configuration, the launch wrapper,
+the finalisation rules, and the device functions of the one-thread-per-row kernels.
 
-Thread layout of both kernels: one thread per query row of the current tile (B_r threads per block).
-A thread keeps its row of Q, its scores and its accumulator in per-thread local arrays; the block shares
-the K_j and V_j tiles in shared memory (converted to float32 on load). Tile sizes and d are Python ints
-closed over by the factories, so Numba compiles them as constants (they size the shared and local arrays).
-Loop trip counts come from the arrays' runtime shapes (d = q.shape[3], the tile's column count), never from
-the constants: that is the DESIGN habit, and it also stops LLVM from fully unrolling the d loops, which at
-d = 128 ran out of registers and spilled.
+Two families use them. The tile engine (engine.py, engine_v1.py, engine_v2.py: registered as v1 and v2)
+gives each thread register micro-tiles of S and O. The one-thread-per-row kernels (rowwise_v1.py,
+rowwise_v2.py: v1-rowwise and v2-rowwise) mirror the papers line by line: a thread keeps its row of Q, its
+scores and its accumulator in per-thread local arrays and the block shares K_j and V_j in shared memory.
+Their loop trip counts come from the arrays' runtime shapes (d = q.shape[3], the tile's column count):
+that stops LLVM from fully unrolling the d loops, which at d = 128 ran out of registers and spilled.
+Tile sizes and d are Python ints closed over by the factories, so Numba compiles them as constants.
 """
 
 from __future__ import annotations
@@ -31,18 +32,36 @@ BF16_BITS = (np.dtype(np.uint16), np.dtype(np.int16))  # how bfloat16 inputs rea
 
 @dataclass(frozen=True)
 class Config:
-    """One compiled specialisation: tile sizes, head dim and masking are compile-time constants."""
+    """One compiled specialisation: tile sizes, head dim and masking are compile-time constants.
+
+    engine=False: a one-thread-per-row kernel (B_r threads, K_j and V_j in shared memory); engine=True: a
+    register-tiled kernel of the tile engine, whose thread layout and shared memory are in `layout`.
+    """
 
     order: str
     block_q: int
     block_k: int
     head_dim: int
     causal: bool
+    engine: bool = False
+    smem_budget: int = SHARED_BYTES_LIMIT  # the engine's static shared-memory budget (tests lower it)
+
+    @property
+    def layout(self):
+        """The engine's compile-time layout (micro-tiles, threads, shared-memory regions); engine kernels only."""
+        from fa_numba.kernels.engine import Layout, micro_for
+
+        return Layout(self.order, self.block_q, self.block_k, self.head_dim,
+                      *micro_for(self.block_q, self.block_k, self.head_dim), budget=self.smem_budget)
+
+    @property
+    def threads(self) -> int:
+        return self.layout.threads if self.engine else self.block_q
 
     @property
     def shared_bytes(self) -> int:
-        """K_j and V_j tiles, float32: 2 B_c d 4 bytes."""
-        return 2 * self.block_k * self.head_dim * 4
+        """Static shared memory: the engine's regions, or the rowwise K_j and V_j tiles (2 B_c d 4 bytes)."""
+        return self.layout.shared_bytes if self.engine else 2 * self.block_k * self.head_dim * 4
 
     def check(self) -> "Config":
         for name in ("block_q", "block_k", "head_dim"):
@@ -51,6 +70,9 @@ class Config:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {self.head_dim}")
+        if self.engine:
+            self.layout.check()
+            return self
         if self.block_q > MAX_BLOCK_THREADS:
             raise ValueError(f"block_q is the threads per block and must be <= {MAX_BLOCK_THREADS}, got {self.block_q}")
         if self.shared_bytes > SHARED_BYTES_LIMIT:

@@ -1,7 +1,8 @@
 """Count a kernel's global-memory traffic in the CUDA simulator, element by element.
 
 Each HBM tensor is a `CountingArray` (an ndarray subclass that counts the elements read by `__getitem__`
-and written by `__setitem__`) wrapped in the simulator's FakeCUDAArray, which the simulator passes to the
+and written by `__setitem__`; a view a kernel takes, such as one row, is a CountingArray too and counts
+the elements read through it, not its size) wrapped in the simulator's FakeCUDAArray, which the simulator passes to the
 kernel as-is instead of copying it. The counts land in a `tiled.Ledger`, the same type `iomodel` returns,
 so a test can assert ledger == iomodel.traffic(...). Simulator only.
 """
@@ -39,9 +40,13 @@ class CountingArray(np.ndarray):
 
     def __getitem__(self, idx):
         value = np.ndarray.__getitem__(self.view(np.ndarray), idx)
+        if isinstance(value, np.ndarray):  # a view (a kernel taking a row once): its elements count when read
+            view = value.view(CountingArray)
+            view._ledger, view._tensor = self._ledger, self._tensor
+            return view
         if self._ledger is not None:
             with _LOCK:
-                self._ledger.read(self._tensor, np.size(value))
+                self._ledger.read(self._tensor, 1)
         return value
 
     def __setitem__(self, idx, value):

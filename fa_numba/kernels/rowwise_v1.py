@@ -1,4 +1,4 @@
-"""FlashAttention (Algorithm 1) forward: K/V outer, Q inner, as a Numba CUDA kernel.
+"""FlashAttention (Algorithm 1) forward: K/V outer, Q inner, one thread per query row (registered as v1-rowwise).
 
 Math (per query row i): the same online softmax as v2, but the running state lives in HBM between
 visits: O_i is stored normalised (acc / l), with l_i and m_i beside it, exactly as in the paper. Where
@@ -14,6 +14,9 @@ Non-causal: Q read T_c N_q d, O read T_c N_q d and written (T_c + 1) N_q d.
 
 Launch: grid (B H,), block (B_r,): one block per (batch, head) runs the whole j-outer loop, as the original
 FlashAttention kernel does; within a block one thread per query row of the current query tile.
+
+The register-tiled kernel of the same order is engine_v1.py (registered as v1); this one mirrors the
+paper line by line.
 
 Limits and departures from the paper:
 - Parallelism is only B H blocks of B_r threads: that is the cost of keeping K and V read once, and it is

@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward (Q outer, K/V inner) as a Numba CUDA kernel.
+"""FlashAttention-2 forward (Q outer, K/V inner), one thread per query row (registered as v2-rowwise).
 
 Math (per query row i, proofs/L2 and L4): fold the visible key tiles j into (m, l, acc) with the online
 softmax, then O_i = acc / l, LSE_i = m + log l.
@@ -9,6 +9,9 @@ HBM traffic per (batch, head), in elements (iomodel.traffic("v2", ...), proofs/L
 Non-causal that is Q: N_q d, K and V: T_r N_k d each.
 
 Launch: grid (T_r, B H), block (B_r,): one block per query tile, one thread per query row.
+
+The register-tiled kernel of the same order is engine_v2.py (registered as v2); this one mirrors the
+paper line by line.
 
 Limits and departures from the paper:
 - One thread per row with its Q row, scores and accumulator in per-thread local arrays; K_j, V_j in shared

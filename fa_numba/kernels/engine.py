@@ -1,0 +1,412 @@
+"""The tile engine: the device functions both register-tiled kernels (v1 and v2) are built from.
+
+Thread layout. A block has T = RY x CX threads, RY = B_r / TM and CX = B_c / TN; thread t = ty CX + tx
+(tx fastest, so the threads of one row group are neighbouring lanes). Thread (ty, tx) owns
+    the TM x TN micro-tile of S:  rows ty TM + a (a < TM), key columns tx TN + b (b < TN);
+    the TM x TD micro-tile of O:  the same rows, head-dim columns tx TD + e (e < TD), TD = D / CX,
+in registers (`cuda.local.array` indexed only by compile-time constants in fully unrolled loops, which
+the compiler keeps in registers: `python -m fa_numba profile` shows no local memory in the hot loop).
+D is the head dim d rounded up to a multiple of CX; columns d..D-1 are zeros in shared memory.
+
+Shared memory: one flat float32 array, regions at compile-time offsets (`Layout`):
+    Q^T  D x B_r   Q_i transposed: the TM rows of a thread are adjacent (one vector load per step of d)
+    K^T  D x B_c   K_j transposed: likewise its TN columns
+    V    B_c x D   V_j as in HBM: the TD columns of a thread are adjacent
+    P^T  B_c x B_r the weights of the tile, transposed for the P V product
+    red  B_r x CX  one partial per (row, thread of the row group): row maxima, then row sums
+    stat 2 B_r     (v1 only) m_i and l_i read from HBM once per visit and shared by the row group
+When Q^T + K^T + V + P^T + red (+ stat) exceeds the static 48 KB, P^T, red and stat move (as many as fit)
+into the operand the order no longer needs once S is computed (K^T in v2, Q^T in v1): `Layout.aliased`,
+and each tile pays one more barrier, so that no thread overwrites K^T (Q^T) while another still reads it.
+
+Tiles are loaded cooperatively: Q^T and K^T with the tile's row index fastest across threads (stores to
+consecutive banks, conflict-free; the strided global reads hit the same cache lines, so HBM traffic is
+unchanged), V with d fastest (coalesced). Each element is read from HBM once per load, rows past N and
+columns past d are never read (zeros instead), and float16 / bfloat16 become float32 once, on load.
+
+The online softmax over a thread's rows is the twin of online_softmax.update (proofs/L2): the row max of
+the tile goes through `red` (each thread writes its partial, every thread of the row group reads all CX),
+p = exp(s - shift) with shift = 0 while the row has seen nothing, and each thread keeps its own partial
+row sum l, which only `row_sum` adds up (v2: once at the end; v1: at the end of each visit). Masking
+happens only in PARTIAL tiles and in the ragged last key tile; in a PARTIAL tile the P V product skips
+the masked pairs (a predicated FFMA), so a NaN in a masked value row never reaches a row that cannot see
+it (proofs/L3.5).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from numba import cuda, float32, uint64 as u64
+
+from fa_numba.kernels.common import NEG_INF, SHARED_BYTES_LIMIT, ZERO, to_f32
+
+FLOAT_BYTES = 4
+MICRO_CHOICES = (4, 2, 1)
+UNROLL_BUDGET = 120  # operations per unrolled loop body (see make_engine)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Compile-time shape of one engine kernel: tiles, micro-tiles, threads and shared-memory regions."""
+
+    order: str
+    block_q: int  # B_r
+    block_k: int  # B_c
+    head_dim: int  # d
+    tm: int  # rows of S (and O) per thread
+    tn: int  # key columns of S per thread
+    budget: int = SHARED_BYTES_LIMIT  # bytes of static shared memory (tests lower it to exercise aliasing)
+
+    @property
+    def ry(self) -> int:
+        return self.block_q // self.tm
+
+    @property
+    def cx(self) -> int:
+        return self.block_k // self.tn
+
+    @property
+    def threads(self) -> int:
+        return self.ry * self.cx
+
+    @property
+    def d_pad(self) -> int:
+        """D: d rounded up to a multiple of CX, so that every thread owns TD = D / CX columns of O."""
+        return -(-self.head_dim // self.cx) * self.cx
+
+    @property
+    def td(self) -> int:
+        return self.d_pad // self.cx
+
+    def _sizes(self) -> dict[str, int]:
+        d, br, bc = self.d_pad, self.block_q, self.block_k
+        sizes = {"q": d * br, "k": d * bc, "v": bc * d, "p": bc * br, "red": br * self.cx}
+        if self.order == "v1":
+            sizes["stat"] = 2 * br  # m_i and l_i of the visit, read from HBM once per row
+        return sizes
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, int]:
+        """Float offset of each region in the flat shared array, "_total" floats in all and "_aliased" (0/1):
+        every region on its own if that fits the budget, else P^T, red (and stat) inside the dead operand."""
+        sizes = self._sizes()
+        offsets, end = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = end
+            end += size
+        if end * FLOAT_BYTES <= self.budget:
+            return {**offsets, "_total": end, "_aliased": 0}
+        dead = "k" if self.order == "v2" else "q"  # the operand of S this order reloads before it is needed again
+        offsets, end = {}, 0
+        for name in ("q", "k", "v"):
+            offsets[name] = end
+            end += sizes[name]
+        inside, room = offsets[dead], sizes[dead]
+        for name in [n for n in sizes if n not in ("q", "k", "v")]:  # fill the dead operand first, then append
+            if sizes[name] <= room:
+                offsets[name], inside, room = inside, inside + sizes[name], room - sizes[name]
+            else:
+                offsets[name], end = end, end + sizes[name]
+        return {**offsets, "_total": end, "_aliased": 1}
+
+    @property
+    def aliased(self) -> bool:
+        return bool(self.offsets["_aliased"])
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.offsets["_total"] * FLOAT_BYTES
+
+    def check(self) -> "Layout":
+        for name in ("block_q", "block_k", "head_dim", "tm", "tn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.block_q % self.tm or self.block_k % self.tn:
+            raise ValueError(f"block_q = {self.block_q} must be a multiple of tm = {self.tm} and block_k = "
+                             f"{self.block_k} of tn = {self.tn}")
+        if self.threads > 1024:
+            raise ValueError(f"block_q x block_k / (tm x tn) = {self.threads} threads per block, over 1024: "
+                             f"use smaller tiles (block_q = {self.block_q}, block_k = {self.block_k})")
+        if self.shared_bytes > self.budget:
+            raise ValueError(
+                f"block_q = {self.block_q}, block_k = {self.block_k} with d = {self.head_dim} need {self.shared_bytes} "
+                f"bytes of shared memory for Q^T, K^T, V, P^T and the row partials, over the {self.budget}-byte "
+                f"static limit even with P^T aliased: use smaller tiles (e.g. kernels.default_tiles({self.head_dim}))")
+        return self
+
+
+# The shipped configurations by head dim: (B_r, B_c, TM, TN), each within 48 KB of static shared memory.
+# 256 threads per block (v1 runs one block per (batch, head): it needs many warps per block to fill an SM)
+# except at d > 128, where Q^T alone is 16 B_r KB.
+DEFAULTS = ((32, (64, 64, 4, 4)), (64, (64, 32, 4, 2)), (128, (64, 16, 4, 1)), (256, (16, 16, 2, 1)))
+
+
+def default_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(B_r, B_c, TM, TN) of the first DEFAULTS row whose head dim bound holds d."""
+    for bound, config in DEFAULTS:
+        if head_dim <= bound:
+            return config
+    raise ValueError(f"head dim d must be <= {DEFAULTS[-1][0]}, got {head_dim}")
+
+
+def micro_for(block_q: int, block_k: int, head_dim: int) -> tuple[int, int]:
+    """(TM, TN): the shipped micro-tile for the default tiles of d, otherwise the largest of 4, 2, 1 that
+    divides each tile side."""
+    if head_dim <= DEFAULTS[-1][0]:
+        br, bc, tm, tn = default_config(head_dim)
+        if (br, bc) == (block_q, block_k):
+            return tm, tn
+    return (next(t for t in MICRO_CHOICES if block_q % t == 0), next(t for t in MICRO_CHOICES if block_k % t == 0))
+
+
+def _per_thread(total: int, threads: int) -> int:
+    """Steps for `threads` threads to cover `total` elements, one element per thread per step."""
+    return -(-total // threads)
+
+
+@functools.lru_cache(maxsize=None)
+def make_engine(layout: Layout) -> SimpleNamespace:
+    """The engine's device functions, specialised (compile-time constants) for one layout.
+
+    Indices into shared and global memory are formed as non-negative int64 expressions and passed as
+    uint64 (`u64`): Numba then emits no negative-index wraparound, and a compile-time constant inside the
+    index becomes an immediate offset of the load. Thread-dependent parts go into array views once.
+    """
+    BR, BC, D, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.d_pad, layout.tm, layout.tn, layout.td,
+                                    layout.cx, layout.threads)
+    OFF = layout.offsets
+    Q, K, V, P, RED = OFF["q"], OFF["k"], OFF["v"], OFF["p"], OFF["red"]
+    # Steps unrolled per loop iteration, written as an inner loop the compiler unrolls: as many as keep the
+    # body (FFMAs plus fragment loads per step) within UNROLL_BUDGET operations. A larger body is not
+    # unrolled (and the loop then recomputes every address); a smaller one pays the loop's own branch and
+    # counter more often. `python -m fa_numba profile` shows the result.
+    STEP = next(t for t in (16, 8, 4, 2, 1) if D % t == 0 and t * (TM * TN + TM + TN) <= max(UNROLL_BUDGET, 1))
+    KSTEP = next(t for t in (8, 4, 2, 1) if BC % t == 0 and t * (TM * TD + TM + TD) <= max(UNROLL_BUDGET, 1))
+
+    def transposed_loader(W):
+        """A loader of a W-row tile (Q_i: W = B_r, K_j: W = B_c) into smem[off + x W + r], transposed."""
+        STEPS = _per_thread(D * W, T)
+        if T % W == 0:  # each thread keeps one row r = tid % W and walks the features x0, x0 + T / W, ...
+            XSTRIDE = T // W
+
+            @cuda.jit(device=True, inline=True)
+            def load(src, b, h, row0, rows, d, smem, off, tid):
+                """smem[off + x W + r] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (x < D).
+
+                Consecutive threads take consecutive r: conflict-free stores; one HBM read per element."""
+                r = tid % W
+                x0 = tid // W
+                inside = r < rows
+                row = src[b, h, u64(row0 + r if inside else row0)]
+                dst = smem[u64(off + tid):]  # element (r, x0 + step XSTRIDE) is step T floats further on
+                for step in range(STEPS):
+                    x = x0 + step * XSTRIDE
+                    if x < D:
+                        value = ZERO
+                        if inside and x < d:
+                            value = to_f32(row[u64(x)])
+                        dst[u64(step * T)] = value
+        else:
+            @cuda.jit(device=True, inline=True)
+            def load(src, b, h, row0, rows, d, smem, off, tid):
+                """smem[off + x W + r] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (x < D)."""
+                for step in range(STEPS):
+                    idx = tid + step * T
+                    if idx < D * W:
+                        x = idx // W
+                        r = idx - x * W
+                        value = ZERO
+                        if r < rows and x < d:
+                            value = to_f32(src[b, h, u64(row0 + r), u64(x)])
+                        smem[u64(off + idx)] = value
+        return load
+
+    V_STEPS = _per_thread(BC * D, T)
+    if T % D == 0:
+        RSTRIDE = T // D
+
+        @cuda.jit(device=True, inline=True)
+        def load_rows(src, b, h, row0, rows, d, smem, off, tid):
+            """smem[off + r D + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (coalesced).
+
+            Each thread keeps one feature x = tid % D and walks the rows r0, r0 + T / D, ..."""
+            x = tid % D
+            r0 = tid // D
+            slab = src[b, h]
+            dst = smem[u64(off + tid):]
+            for step in range(V_STEPS):
+                r = r0 + step * RSTRIDE
+                if r < BC:
+                    value = ZERO
+                    if r < rows and x < d:
+                        value = to_f32(slab[u64(row0 + r), u64(x)])
+                    dst[u64(step * T)] = value
+    else:
+        @cuda.jit(device=True, inline=True)
+        def load_rows(src, b, h, row0, rows, d, smem, off, tid):
+            """smem[off + r D + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (coalesced)."""
+            for step in range(V_STEPS):
+                idx = tid + step * T
+                if idx < BC * D:
+                    r = idx // D
+                    x = idx - r * D
+                    value = ZERO
+                    if r < rows and x < d:
+                        value = to_f32(src[b, h, u64(row0 + r), u64(x)])
+                    smem[u64(off + idx)] = value
+
+    load_q = transposed_loader(BR)
+    load_k = transposed_loader(BC)
+
+    @cuda.jit(device=True, inline=True)
+    def scores(smem, s, ty, tx, scale):
+        """s = scale Q_i K_j^T on the thread's TM x TN micro-tile; Q and K fragments from shared memory.
+
+        The thread's offsets go into views (pointers) once; inside the loop every index is a compile-time
+        offset from x, which the compiler turns into immediate offsets of (vector) shared-memory loads."""
+        qf = cuda.local.array(TM, float32)
+        kf = cuda.local.array(TN, float32)
+        for a in range(TM):
+            for c in range(TN):
+                s[a, c] = ZERO
+        qv = smem[u64(Q + ty * TM):]
+        kv = smem[u64(K + tx * TN):]
+        x0 = 0
+        while x0 < D:  # invariant: s holds the dot products over features 0..x0 - 1 (L1)
+            for xi in range(STEP):
+                x = x0 + xi
+                for a in range(TM):
+                    qf[a] = qv[u64(x * BR + a)]
+                for c in range(TN):
+                    kf[c] = kv[u64(x * BC + c)]
+                for a in range(TM):
+                    for c in range(TN):
+                        s[a, c] += qf[a] * kf[c]
+            x0 += STEP
+        for a in range(TM):
+            for c in range(TN):
+                s[a, c] *= scale
+
+    @cuda.jit(device=True, inline=True)
+    def mask(s, row, col, n_k, causal, delta):
+        """-inf where key col + c is past N_k or, with causal masking, in the future of query row + a."""
+        for a in range(TM):
+            for c in range(TN):
+                key = col + c
+                if key >= n_k or (causal and key > row + a + delta):
+                    s[a, c] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    def write_partials(smem, off, values, ty, tx):
+        """red[row, tx] = values[a] for the thread's rows (one partial per thread of the row group)."""
+        dst = smem[u64(off + ty * TM * CX + tx):]
+        for a in range(TM):
+            dst[u64(a * CX)] = values[a]
+
+    @cuda.jit(device=True, inline=True)
+    def row_max_partials(smem, s, ty, tx):
+        """The thread's max over its TN columns of each of its rows, into red."""
+        part = cuda.local.array(TM, float32)
+        for a in range(TM):
+            mx = NEG_INF
+            for c in range(TN):
+                mx = max(mx, s[a, c])
+            part[a] = mx
+        write_partials(smem, RED, part, ty, tx)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax(smem, s, m, l, alpha, ty):
+        """Fold the tile's scores into (m, l) per row: online_softmax.update, after `row_max_partials`.
+
+        s becomes the weights p = exp(s - shift); l (the thread's partial row sum) becomes
+        alpha l + sum of its p; alpha = exp(m_old - shift) is left for the P V step. Every finite exp
+        argument is <= 0, and shift = 0 while the row has seen nothing (L2.4)."""
+        red = smem[u64(RED + ty * TM * CX):]
+        for a in range(TM):
+            m_tile = NEG_INF
+            for t in range(CX):
+                m_tile = max(m_tile, red[u64(a * CX + t)])
+            m_new = max(m[a], m_tile)
+            shift = m_new if m_new != NEG_INF else ZERO
+            alpha[a] = math.exp(m[a] - shift)
+            total = ZERO
+            for c in range(TN):
+                p = math.exp(s[a, c] - shift)
+                s[a, c] = p
+                total += p
+            l[a] = alpha[a] * l[a] + total
+            m[a] = m_new
+
+    @cuda.jit(device=True, inline=True)
+    def store_p(smem, s, ty, tx):
+        """P^T[tx TN + c, ty TM + a] = p[a, c]: the weights of the tile, for every thread's P V product."""
+        dst = smem[u64(P + tx * TN * BR + ty * TM):]
+        for c in range(TN):
+            for a in range(TM):
+                dst[u64(c * BR + a)] = s[a, c]
+
+    @cuda.jit(device=True, inline=True)
+    def pv(smem, acc, alpha, ty, tx, guarded, limit):
+        """acc = alpha acc + P V on the thread's TM x TD micro-tile of O.
+
+        guarded (a PARTIAL tile): key k enters row a only if k <= limit[a] (float32: exact for these small
+        integers, and one FSETP against a constant), so that a masked value row, NaN or not, is never
+        multiplied into a row that cannot see it."""
+        pf = cuda.local.array(TM, float32)
+        vf = cuda.local.array(TD, float32)
+        for a in range(TM):
+            for e in range(TD):
+                acc[a, e] *= alpha[a]
+        pw = smem[u64(P + ty * TM):]
+        vw = smem[u64(V + tx * TD):]
+        if guarded:
+            rel = cuda.local.array(TM, float32)
+            k0 = 0
+            while k0 < BC:  # invariant: acc = alpha acc_old + sum over the visible keys < k0 of p v (L2, L3.5)
+                for a in range(TM):
+                    rel[a] = limit[a] - float32(k0)  # key k0 + ki is visible to row a iff ki <= rel[a]
+                for ki in range(KSTEP):
+                    k = k0 + ki
+                    for a in range(TM):
+                        pf[a] = pw[u64(k * BR + a)]
+                    for e in range(TD):
+                        vf[e] = vw[u64(k * D + e)]
+                    for a in range(TM):
+                        if float32(ki) <= rel[a]:  # a predicated FFMA: the product is never formed for a masked key
+                            for e in range(TD):
+                                acc[a, e] += pf[a] * vf[e]
+                k0 += KSTEP
+        else:
+            k0 = 0
+            while k0 < BC:  # invariant: acc = alpha acc_old + sum over keys < k0 of p v (L2)
+                for ki in range(KSTEP):
+                    k = k0 + ki
+                    for a in range(TM):
+                        pf[a] = pw[u64(k * BR + a)]
+                    for e in range(TD):
+                        vf[e] = vw[u64(k * D + e)]
+                    for a in range(TM):
+                        for e in range(TD):
+                            acc[a, e] += pf[a] * vf[e]
+                k0 += KSTEP
+
+    @cuda.jit(device=True, inline=True)
+    def row_sum(smem, off, total, ty):
+        """total[a] = the sum over the row group of the partials at smem[off], in the fixed order t = 0..CX-1.
+
+        The caller brackets it: `write_partials(smem, off, part, ...)`, a barrier, then this."""
+        src = smem[u64(off + ty * TM * CX):]
+        for a in range(TM):
+            acc = ZERO
+            for t in range(CX):
+                acc += src[u64(a * CX + t)]
+            total[a] = acc
+
+    return SimpleNamespace(load_q=load_q, load_k=load_k, load_rows=load_rows, scores=scores, mask=mask,
+                           row_max_partials=row_max_partials, softmax=softmax, store_p=store_p, pv=pv,
+                           write_partials=write_partials, row_sum=row_sum)

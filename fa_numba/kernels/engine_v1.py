@@ -1,0 +1,193 @@
+"""FlashAttention (Algorithm 1) forward on the tile engine: the register-tiled v1 kernel (K/V outer, Q inner).
+
+Math (per query row i): the same online softmax as v2, but the running state lives in HBM between visits:
+O_i is stored normalised (acc / l, or acc itself where l = 0: tiled._encode), with l_i and m_i beside it,
+exactly as in the paper.
+
+HBM traffic per (batch, head), in elements: exactly that of the one-thread-per-row v1 (iomodel.traffic("v1",
+...), proofs/L5): init writes O, l, m; K and V read once (N_k d each); per visit of query tile i: Q_i and
+O_i read, O_i written (r_i d each), l_i and m_i read and written (r_i each); the last pass reads l, m and
+writes LSE. Non-causal: Q read T_c N_q d, O read T_c N_q d and written (T_c + 1) N_q d.
+
+Launch: grid (B H,), block (B_c / TN, B_r / TM) threads (engine.Layout): one block per (batch, head) runs
+the whole j-outer loop, as the original FlashAttention kernel does. Per visit (i, j): load Q_i^T, S = scale
+Q_i K_j^T; read m_i, l_i once per row (into shared memory, beside the row maxima) and each thread's O
+micro-tile, rebuild acc = O l; p, P^T and the row sums through shared memory, acc = alpha acc + P V; write
+O = acc / l, m and l back.
+
+Limits and departures from the paper:
+- Parallelism is B H blocks: the cost of reading K and V once. A block holds 256 threads (default tiles,
+  d <= 128) so that even B H = 64 blocks keep most of an H200's 132 SMs issuing.
+- The paper keeps l and m as outputs; a last pass turns them into LSE = m + log l so that both orders
+  return the same thing. l and m are float32 workspaces of shape (B, H, N_q).
+- FP32 CUDA cores only; static shared memory <= 48 KB (kernels.default_tiles); inputs float32, float16 or
+  bfloat16 (its bits), arithmetic, O, l, m and LSE in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32, uint64 as u64
+
+from fa_numba.kernels.common import NAN, NEG_INF, ZERO, CompiledKernel, Config, log_sum_exp
+from fa_numba.kernels.engine import make_engine
+
+
+def kernel_source(config: Config):
+    """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
+    layout = config.layout
+    E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
+    load_q, load_k, load_rows, scores, mask = E.load_q, E.load_k, E.load_rows, E.scores, E.mask
+    row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
+    write_partials, row_sum = E.write_partials, E.row_sum
+    BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
+                                 layout.threads)
+    CAUSAL, ALIASED = config.causal, layout.aliased
+    OFF = layout.offsets
+    SMEM, Q, K, V, RED, STAT = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"], OFF["stat"]
+
+    def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale):
+        bh = cuda.blockIdx.x  # (batch, head)
+        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features tx TD + e of O
+        ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the query tile
+        tid = ty * CX + tx
+        heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        delta = n_k - n_q
+        t_r = (n_q + BR - 1) // BR
+        t_c = (n_k + BC - 1) // BC
+
+        smem = cuda.shared.array(SMEM, float32)  # Q^T | K^T | V | P^T | red | stat at layout.offsets
+        s = cuda.local.array((TM, TN), float32)  # S_ij then P_ij: registers
+        acc = cuda.local.array((TM, TD), float32)  # O_i l_i, rebuilt on every visit: registers
+        m = cuda.local.array(TM, float32)
+        l = cuda.local.array(TM, float32)  # l_i read from HBM, then the new l_i
+        part = cuda.local.array(TM, float32)  # the thread's part of the tile's row sums
+        alpha = cuda.local.array(TM, float32)
+        limit = cuda.local.array(TM, float32)  # last visible key of each row, relative to the tile
+
+        # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM, every element written once.
+        for idx in range(tid, n_q * d, T):
+            row = idx // d
+            o[b, h, row, idx - row * d] = ZERO
+        for row in range(tid, n_q, T):
+            l_hbm[b, h, row] = ZERO
+            m_hbm[b, h, row] = NEG_INF
+        stats = smem[u64(STAT):]  # m_i at [0, B_r), l_i at [B_r, 2 B_r)
+
+        for j in range(t_c):  # invariant: O, l, m in HBM hold the state of keys [0, j B_c) (L2, L4)
+            c0 = j * BC
+            cols = min(BC, n_k - c0)
+            i_first = 0  # first query tile with tile (i, j) not SKIP (iomodel's I_j; L3)
+            if CAUSAL:
+                i_first = min(max(-((-(c0 + 1 - delta)) // BR) - 1, 0), t_r - 1)
+            # every thread has finished the last visit (reads of K^T, V) before they are overwritten; also
+            # orders the initialisation above before the first visit's reads of O, l, m
+            cuda.syncthreads()
+            load_k(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j^T: loaded once per j
+            load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: loaded once per j
+            for i in range(i_first, t_r):  # invariant: query tiles i_first..i-1 have folded tile j (L4)
+                r0 = i * BR
+                rows = min(BR, n_q - r0)
+                row = r0 + ty * TM  # the thread's first row
+                load_q(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i^T: reloaded on every visit
+                # Q_i^T (and on the first visit K_j^T, V_j) is complete before any thread reads it
+                cuda.syncthreads()
+                scores(smem, s, ty, tx, scale)
+                partial = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: the mask is needed inside it
+                if partial or cols < BC:
+                    mask(s, row, c0 + tx * TN, n_k, CAUSAL, delta)
+                if ALIASED:
+                    # P^T, red and stat live in Q^T's space: every thread has read Q^T before they are written
+                    cuda.syncthreads()
+                if tx == 0:  # m_i, l_i: read from HBM once per row, shared through shared memory
+                    for a in range(TM):
+                        r = row + a
+                        if r < n_q:
+                            stats[u64(ty * TM + a)] = m_hbm[b, h, r]
+                            stats[u64(BR + ty * TM + a)] = l_hbm[b, h, r]
+                row_max_partials(smem, s, ty, tx)
+                # every partial row max and m_i, l_i are written before any thread reads them
+                cuda.syncthreads()
+                for a in range(TM):  # the state from HBM; O is stored normalised: acc = O l (O itself where l = 0)
+                    r = row + a
+                    m[a] = NEG_INF
+                    l[a] = ZERO
+                    if r < n_q:
+                        m[a] = stats[u64(ty * TM + a)]
+                        l[a] = stats[u64(BR + ty * TM + a)]
+                    for e in range(TD):
+                        x = tx * TD + e
+                        value = ZERO
+                        if r < n_q and x < d:
+                            value = o[b, h, r, x]
+                            if l[a] > ZERO:
+                                value *= l[a]
+                        acc[a, e] = value
+                    part[a] = ZERO
+                softmax(smem, s, m, part, alpha, ty)  # m becomes the new max, part the thread's row sums
+                store_p(smem, s, ty, tx)
+                # P^T is complete, and every thread has read the row maxima before red takes the row sums
+                cuda.syncthreads()
+                write_partials(smem, RED, part, ty, tx)
+                for a in range(TM):
+                    limit[a] = float32(row + a + delta - c0)
+                pv(smem, acc, alpha, ty, tx, partial, limit)
+                # every partial row sum is written before any thread adds them up
+                cuda.syncthreads()
+                row_sum(smem, RED, part, ty)
+                for a in range(TM):
+                    r = row + a
+                    l_new = alpha[a] * l[a] + part[a]
+                    if r < n_q:
+                        for e in range(TD):
+                            x = tx * TD + e
+                            if x < d:
+                                o[b, h, r, x] = acc[a, e] / l_new if l_new > ZERO else acc[a, e]
+                        if tx == 0:
+                            l_hbm[b, h, r] = l_new
+                            m_hbm[b, h, r] = m[a]
+                # every thread has read Q^T, P^T, red and stat before the next visit overwrites them
+                cuda.syncthreads()
+
+        # Last pass: LSE = m + log l, from HBM (the threads that wrote them are others: the barrier at the end
+        # of the last visit orders their writes before these reads). A row that sees keys whose scores are
+        # all -inf (l = 0, infinite inputs only) gets O = 0/0 = NaN here (tiled._run_v1).
+        cuda.syncthreads()
+        for row in range(tid, n_q, T):
+            m_row = m_hbm[b, h, row]
+            l_row = l_hbm[b, h, row]
+            alive = not CAUSAL or row + delta >= 0
+            lse[b, h, row] = log_sum_exp(m_row, l_row, alive)
+            if alive and l_row == ZERO:
+                for x in range(d):
+                    o[b, h, row, x] = NAN
+
+    return flash_v1_engine
+
+
+class FlashV1Engine(CompiledKernel):
+    """A compiled register-tiled v1 specialisation; the l, m workspace is allocated unless given."""
+
+    def launch_shape(self, batch, heads, n_q):
+        layout = self.config.layout
+        return (batch * heads,), (layout.cx, layout.ry)
+
+    def argtypes(self, dtype):
+        inp, out, stat = self.array_types(dtype)
+        return (inp, inp, inp, out, stat, stat, stat, float32)
+
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
+        if workspace is None:
+            workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
+        l_hbm, m_hbm = workspace
+        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV1Engine:
+    """Build (once per configuration) the register-tiled v1 kernel for these compile-time tile sizes."""
+    return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True).check(), kernel_source)

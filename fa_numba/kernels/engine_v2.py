@@ -1,0 +1,143 @@
+"""FlashAttention-2 forward (Q outer, K/V inner) on the tile engine: the register-tiled v2 kernel.
+
+Math (per query row i, proofs/L2 and L4): fold the visible key tiles j into (m, l, acc) with the online
+softmax, then O_i = acc / l, LSE_i = m + log l. A row that sees no key (by the mask) gets 0 and -inf.
+
+HBM traffic per (batch, head), in elements: exactly that of the one-thread-per-row v2 (iomodel.traffic("v2",
+...), proofs/L5): Q read once per query tile that sees a key, K and V read d K_i per query tile, O written
+N_q d, LSE written N_q. Non-causal: Q N_q d, K and V T_r N_k d each.
+
+Launch: grid (T_r, B H), block (B_r / TM) (B_c / TN) threads (engine.Layout); each thread owns a TM x TN
+micro-tile of S and a TM x TD micro-tile of O in registers. Per key tile: load K_j^T and V_j, S = scale Q_i
+K_j^T, row max through shared memory, p = exp(s - shift), P^T through shared memory, O = alpha O + P V.
+
+Limits and departures from the paper:
+- FP32 CUDA cores only (FFMA): no tensor cores, no asynchronous copies, no warp shuffles (the simulator
+  has none; the reductions go through shared memory). Scalar global loads (Numba has no vector load).
+- Static shared memory <= 48 KB: tiles and micro-tiles per head dim in `kernels.default_tiles`.
+- Inputs float32, float16 or bfloat16 (as its bits); arithmetic, O and LSE in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32
+
+from fa_numba.kernels.common import NEG_INF, ZERO, CompiledKernel, Config, log_sum_exp, output
+from fa_numba.kernels.engine import Layout, make_engine
+
+
+def kernel_source(config: Config):
+    """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
+    layout = config.layout
+    E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
+    load_q, load_k, load_rows, scores, mask = E.load_q, E.load_k, E.load_rows, E.scores, E.mask
+    row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
+    write_partials, row_sum = E.write_partials, E.row_sum
+    BR, BC, TM, TN, TD, CX = layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx
+    CAUSAL, ALIASED = config.causal, layout.aliased
+    OFF = layout.offsets
+    SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
+
+    def flash_v2_engine(q, k, v, o, lse, scale):
+        i = cuda.blockIdx.x  # query tile
+        bh = cuda.blockIdx.y  # (batch, head)
+        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features tx TD + e of O
+        ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the tile
+        tid = ty * CX + tx
+        heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        delta = n_k - n_q
+        r0 = i * BR
+        rows = min(BR, n_q - r0)
+        row = r0 + ty * TM  # the thread's first row
+        # Key tiles this query tile visits: 0 .. j_end - 1; the rest are SKIP (proofs/L3_causal_tiles.md).
+        j_end = (n_k + BC - 1) // BC
+        if CAUSAL:
+            last_key = r0 + rows - 1 + delta
+            j_end = min(j_end, last_key // BC + 1) if last_key >= 0 else 0
+
+        smem = cuda.shared.array(SMEM, float32)  # Q^T | K^T | V | P^T | red at layout.offsets
+        s = cuda.local.array((TM, TN), float32)  # S_ij then P_ij: registers
+        acc = cuda.local.array((TM, TD), float32)  # O_i, unnormalised: registers, across the whole j loop
+        m = cuda.local.array(TM, float32)  # row max so far
+        l = cuda.local.array(TM, float32)  # the thread's partial row sum (its columns only)
+        alpha = cuda.local.array(TM, float32)
+        limit = cuda.local.array(TM, float32)  # last visible key of each row, relative to the tile
+
+        for a in range(TM):
+            m[a] = NEG_INF
+            l[a] = ZERO
+            for e in range(TD):
+                acc[a, e] = ZERO
+        if j_end > 0:  # a query tile that sees no key never reads Q
+            load_q(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i^T: loaded once
+
+        for j in range(j_end):  # invariant: (m, l, acc) is the state of keys [0, j B_c) (L2, L4)
+            c0 = j * BC
+            cols = min(BC, n_k - c0)
+            # every thread has finished the previous tile's P V (reads of V and P^T) before they are overwritten
+            cuda.syncthreads()
+            load_k(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j^T: reloaded per j
+            load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: reloaded per j
+            # K_j^T, V_j (and Q_i^T) are complete before any thread reads them
+            cuda.syncthreads()
+            scores(smem, s, ty, tx, scale)
+            partial = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: the mask is needed inside it
+            if partial or cols < BC:
+                mask(s, row, c0 + tx * TN, n_k, CAUSAL, delta)
+            if ALIASED:
+                # P^T and red live in K^T's space: every thread has read K^T before they are written
+                cuda.syncthreads()
+            row_max_partials(smem, s, ty, tx)
+            # every partial row max is written before any thread reads them
+            cuda.syncthreads()
+            softmax(smem, s, m, l, alpha, ty)
+            store_p(smem, s, ty, tx)
+            # P^T is complete before the P V product reads it
+            cuda.syncthreads()
+            for a in range(TM):
+                limit[a] = float32(row + a + delta - c0)
+            pv(smem, acc, alpha, ty, tx, partial, limit)
+
+        # The row sum: add the row group's partial sums (red was last read before the last P^T barrier).
+        write_partials(smem, RED, l, ty, tx)
+        # every partial row sum is written before any thread adds them up
+        cuda.syncthreads()
+        row_sum(smem, RED, l, ty)
+        for a in range(TM):  # O_i and LSE_i written once; a row with no visible key (by the mask) gets 0, -inf
+            r = row + a
+            if r < n_q:
+                alive = not CAUSAL or r + delta >= 0
+                for e in range(TD):
+                    x = tx * TD + e
+                    if x < d:
+                        o[b, h, r, x] = output(acc[a, e], l[a], alive)
+                if tx == 0:
+                    lse[b, h, r] = log_sum_exp(m[a], l[a], alive)
+
+    return flash_v2_engine
+
+
+class FlashV2Engine(CompiledKernel):
+    """A compiled register-tiled v2 specialisation (it needs no workspace)."""
+
+    def launch_shape(self, batch, heads, n_q):
+        layout = self.config.layout
+        return ((n_q + self.config.block_q - 1) // self.config.block_q, batch * heads), (layout.cx, layout.ry)
+
+    def argtypes(self, dtype):
+        inp, out, stat = self.array_types(dtype)
+        return (inp, inp, inp, out, stat, float32)
+
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
+        kernel(q, k, v, o, lse, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV2Engine:
+    """Build (once per configuration) the register-tiled v2 kernel for these compile-time tile sizes."""
+    return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True).check(), kernel_source)

@@ -1,0 +1,145 @@
+"""The tile engine: its layouts (threads, micro-tiles, shared-memory regions, aliasing) and its kernels on the
+edges of the micro-tiles, against the float64 reference, the tiled spec and the IO model.
+
+The registry's kernels are checked by tests/test_kernels.py; here the engine is driven with layouts that
+test_kernels' small tiles rarely reach: several threads per row group, d not a multiple of the column groups,
+ragged tails in both directions, and P^T and the row partials aliased into the dead operand (with the
+budget lowered, since at simulator sizes everything fits in 48 KB).
+"""
+
+import numpy as np
+import pytest
+
+from fa_numba import backend, iomodel, reference, tiled
+from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
+from fa_numba.kernels.common import SHARED_BYTES_LIMIT, Config
+from fa_numba.kernels.engine import DEFAULTS, Layout, default_config, micro_for
+from fa_numba.kernels.engine_v1 import FlashV1Engine
+from fa_numba.kernels.engine_v1 import kernel_source as v1_source
+from fa_numba.kernels.engine_v2 import FlashV2Engine
+from fa_numba.kernels.engine_v2 import kernel_source as v2_source
+from strategies import Case
+
+KERNEL = {"v1": (FlashV1Engine, v1_source), "v2": (FlashV2Engine, v2_source)}
+SIMULATOR = backend.name() == "simulator"
+
+
+def test_layout_threads_and_micro_tiles():
+    layout = Layout("v2", 64, 32, 64, 4, 2)
+    assert (layout.ry, layout.cx, layout.threads, layout.d_pad, layout.td) == (16, 16, 256, 64, 4)
+    odd = Layout("v1", 10, 6, 5, 2, 2)  # 5 x 3 threads, d = 5 padded to 6 so that each of 3 owns 2 columns
+    assert (odd.threads, odd.d_pad, odd.td) == (15, 6, 2)
+    assert micro_for(64, 32, 64) == (4, 2) and micro_for(64, 16, 128) == (4, 1)  # the shipped table
+    assert micro_for(10, 6, 5) == (2, 2) and micro_for(3, 8, 4) == (1, 4)  # other tiles: largest of 4, 2, 1
+    with pytest.raises(ValueError, match="threads per block, over 1024"):
+        Layout("v2", 128, 128, 16, 1, 1).check()
+    with pytest.raises(ValueError, match="must be a multiple of tm"):
+        Layout("v2", 6, 8, 16, 4, 4).check()
+
+
+def test_shipped_layouts_fit_and_alias_only_where_needed():
+    for bound, (block_q, block_k, tm, tn) in DEFAULTS:
+        assert default_tiles(bound) == (block_q, block_k) and default_config(bound) == (block_q, block_k, tm, tn)
+        for order in ("v1", "v2"):
+            layout = Layout(order, block_q, block_k, bound, tm, tn).check()
+            assert layout.shared_bytes <= SHARED_BYTES_LIMIT
+            sizes = layout._sizes()
+            assert layout.aliased == (sum(sizes.values()) * 4 > SHARED_BYTES_LIMIT)
+            _assert_regions_disjoint(layout)
+
+
+def _assert_regions_disjoint(layout: Layout):
+    """Q^T, K^T and V never overlap; P^T, red (and stat) never overlap each other, and lie inside the dead
+    operand (K^T for v2, Q^T for v1) or outside every operand."""
+    off, sizes = layout.offsets, layout._sizes()
+    spans = {name: (off[name], off[name] + size) for name, size in sizes.items()}
+
+    def overlap(a, b):
+        return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+
+    operands = ("q", "k", "v")
+    extras = [n for n in sizes if n not in operands]
+    dead = "k" if layout.order == "v2" else "q"
+    for i, a in enumerate(operands):
+        for b in operands[i + 1:]:
+            assert not overlap(a, b), (a, b)
+    for i, a in enumerate(extras):
+        for b in extras[i + 1:]:
+            assert not overlap(a, b), (a, b)
+        for b in operands:
+            assert not overlap(a, b) or (b == dead and layout.aliased), (a, b)
+    assert max(end for _, end in spans.values()) <= layout.offsets["_total"]
+
+
+def _aliasing_budget(order, block_q, block_k, d):
+    """The bytes of the aliased layout: a budget under which the dedicated layout does not fit, it does."""
+    tm, tn = micro_for(block_q, block_k, d)
+    aliased = Layout(order, block_q, block_k, d, tm, tn, budget=4).offsets  # forced to alias
+    return aliased["_total"] * 4
+
+
+def _engine(order, block_q, block_k, d, causal, budget=SHARED_BYTES_LIMIT):
+    cls, source = KERNEL[order]
+    return cls(Config(order, block_q, block_k, d, causal, engine=True, smem_budget=budget).check(), source)
+
+
+# Cases at the micro-tile edges: several threads per row group and column group (tiles 6, 10, 12 give
+# TM, TN = 2), d not a multiple of CX (padding columns), N not a multiple of the tile (ragged tails),
+# N_q > N_k causal (rows that see nothing), GQA. (name, order, case)
+EDGES = [
+    Case(n_q=13, n_k=11, d=5, block_q=6, block_k=6, causal=True, seed=11),
+    Case(n_q=11, n_k=7, d=3, block_q=10, block_k=6, causal=True, seed=12),  # N_q > N_k: 4 empty rows
+    Case(n_q=9, n_k=14, d=7, block_q=12, block_k=6, causal=False, heads_kv=1, group=2, seed=13),
+    Case(n_q=7, n_k=7, d=1, block_q=6, block_k=10, causal=True, logit=30.0, seed=14),
+]
+
+
+# With d >= the tiles, P^T and the row partials fit inside the dead operand: the aliased layout differs.
+ALIASED = [
+    Case(n_q=13, n_k=11, d=12, block_q=6, block_k=6, causal=True, seed=15),
+    Case(n_q=12, n_k=5, d=13, block_q=10, block_k=6, causal=True, heads_kv=1, group=2, seed=16),
+]
+
+
+def _name(c: Case) -> str:
+    return f"nq{c.n_q}-nk{c.n_k}-d{c.d}-b{c.block_q}x{c.block_k}-{'causal' if c.causal else 'full'}"
+
+
+@pytest.mark.lemma("L5")
+@pytest.mark.parametrize("order", ["v1", "v2"])
+@pytest.mark.parametrize("case, aliased", [(c, False) for c in EDGES] + [(c, True) for c in ALIASED],
+                         ids=lambda x: _name(x) if isinstance(x, Case) else ("aliased" if x else "dedicated"))
+def test_engine_at_the_micro_tile_edges(order, case: Case, aliased):
+    budget = _aliasing_budget(order, case.block_q, case.block_k, case.d) if aliased else SHARED_BYTES_LIMIT
+    kernel = _engine(order, case.block_q, case.block_k, case.d, case.causal, budget)
+    layout = kernel.config.layout
+    assert layout.aliased == aliased and layout.threads > 1
+    _assert_regions_disjoint(layout)
+    q, k, v = case.inputs(np.float32)
+    scale = 1 / np.sqrt(case.d)
+    if SIMULATOR:  # count the traffic too: the engine reads and writes exactly what iomodel says
+        from fa_numba.kernels.counting import run_counted
+
+        out, lse, ledger = run_counted(kernel, q, k, v, scale)
+        model = iomodel.traffic(order, case.n_q, case.n_k, case.d, case.block_q, case.block_k, case.causal,
+                                batch=case.batch, heads=case.heads, heads_kv=case.heads_kv)
+        assert ledger.reads == model.reads and ledger.writes == model.writes
+    else:
+        from numba import cuda
+
+        d_out, d_lse, workspace = poisoned_outputs(q.shape)
+        kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), d_out, d_lse, scale, workspace)
+        out, lse = d_out.copy_to_host(), d_lse.copy_to_host()
+    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"engine {order}")
+    spec_out, spec_lse, _ = tiled.attention(q, k, v, order=order, block_q=case.block_q, block_k=case.block_k,
+                                            causal=case.causal, dtype=np.float32)
+    reference.assert_close(out, spec_out, check.atol_out, name=f"engine {order} vs tiled spec out")
+    reference.assert_close(lse, spec_lse, check.atol_lse, name=f"engine {order} vs tiled spec lse")
+
+
+def test_the_registry_runs_the_engine_under_the_names_users_know():
+    assert VARIANTS["v1"].engine and VARIANTS["v2"].engine
+    assert not VARIANTS["v1-rowwise"].engine and not VARIANTS["v2-rowwise"].engine
+    assert {VARIANTS[n].order for n in ("v1", "v1-rowwise")} == {"v1"}
+    assert {VARIANTS[n].order for n in ("v2", "v2-rowwise")} == {"v2"}
+    assert VARIANTS["v2"].config(*default_tiles(64), 64, True).threads == 256
