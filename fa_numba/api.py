@@ -14,7 +14,7 @@ from numba import cuda
 
 from fa_numba import arrays, backend, shapes
 from fa_numba.kernels import VARIANTS, default_tiles
-from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM
+from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM
 
 
 def _prepare(name: str, x, on_device: bool):
@@ -31,7 +31,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
     q: (N_q, d), (H, N_q, d) or (B, H, N_q, d); k, v: same number of axes with N_k keys and H_kv heads
-    dividing H (GQA/MQA). float32 or float16, all the same dtype; arithmetic and outputs are float32.
+    dividing H (GQA/MQA). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same
+    dtype; arithmetic and outputs are float32.
     causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); a query that sees no key
     gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d). block_q / block_k default by head dim
     (`kernels.default_tiles`). Returns O, or (O, LSE) with return_lse=True, in q's layout and q's array
@@ -47,9 +48,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     >>> out.shape, out.dtype
     ((2, 8, 16), dtype('float32'))
     """
-    call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES)
+    call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
-    prob = shapes.problem(q, k, v, allowed=INPUT_DTYPES)
+    prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES,
+                          names=arrays.accepted(INPUT_DTYPES, bfloat16=True))
     causal = shapes.check_causal(causal)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in VARIANTS:

@@ -63,12 +63,35 @@ def on_device(x, x_kind: str) -> bool:
     return x_kind in ("numba", "cupy", "cuda")
 
 
-def _torch_dtype_ok(name: str, x, allowed) -> None:
-    """A torch dtype without a NumPy twin (bfloat16) would fail deep in a conversion: name it here."""
+def accepted(allowed, bfloat16: bool) -> str:
+    """The dtypes an error message names: the allowed NumPy dtypes, and bfloat16 where it is taken."""
+    return ", ".join([str(a) for a in allowed] + (["bfloat16"] if bfloat16 else []))
+
+
+def _torch_dtype_ok(name: str, x, allowed, bfloat16: bool) -> None:
+    """A torch dtype without a NumPy twin would fail deep in a conversion: name it here."""
     twin = getattr(np, str(x.dtype).removeprefix("torch."), None)
     if allowed is not None and (twin is None or np.dtype(twin) not in allowed):
-        names = ", ".join(str(a) for a in allowed)
-        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+        raise TypeError(f"{name} must have dtype in ({accepted(allowed, bfloat16)}), got {x.dtype}")
+
+
+def is_bfloat16(x, x_kind: str) -> bool:
+    """A bfloat16 array: a torch tensor, or an array whose NumPy dtype is named bfloat16 (ml_dtypes)."""
+    if x_kind == "torch":
+        import torch
+
+        return x.dtype == torch.bfloat16
+    return getattr(getattr(x, "dtype", None), "name", None) == "bfloat16"
+
+
+def _bits(x, x_kind: str):
+    """The 16 bits of each bfloat16 element, as an int16 / uint16 array of the same shape, without a copy:
+    NumPy and Numba have no bfloat16 array type, and the kernels turn the bits into float32 exactly."""
+    if x_kind == "torch":
+        import torch
+
+        return x.view(torch.int16)
+    return x.view(np.uint16)
 
 
 @dataclass
@@ -82,6 +105,7 @@ class Call:
     arrays: tuple
     stream: object = 0
     device: object = None
+    bfloat16: bool = False  # the inputs were bfloat16: `arrays` hold their bits (int16 / uint16)
     _owners: dict = field(default_factory=dict, repr=False)
 
     def context(self):
@@ -134,6 +158,11 @@ class Call:
         return array
 
 
+def _as_bits(call: Call) -> Call:
+    call.bfloat16 = True
+    return call
+
+
 def _device_of(x, x_kind: str):
     if x_kind == "torch":
         return x.device
@@ -167,14 +196,22 @@ def _host_view(x, x_kind: str):
     return x if isinstance(x, np.ndarray) or not hasattr(x, "__array__") else np.asarray(x)
 
 
-def adopt(named: dict, allowed=None) -> Call:
+def adopt(named: dict, allowed=None, bfloat16: bool = False) -> Call:
     """Read named inputs ({"q": q, "k": k, ...}) for one launch: all host or all device, and all from one
     library if any is a PyTorch tensor or CuPy array (the outputs come back as that library's arrays); the
     first input decides the output kind and the stream. `allowed` (NumPy dtypes) lets a torch dtype NumPy
-    cannot read, such as bfloat16, be refused by name before any conversion."""
+    cannot read be refused by name before any conversion. With bfloat16=True, bfloat16 inputs (torch
+    tensors, ml_dtypes NumPy arrays, Numba arrays of them) are taken, all or none, and read as their bits
+    (`Call.bfloat16`)."""
     names, values = list(named), list(named.values())
     listed = ", ".join(names)
     kinds = [kind(x) for x in values]
+    halves = [bfloat16 and is_bfloat16(x, k) for x, k in zip(values, kinds)]
+    if any(halves):
+        if not all(halves):
+            raise TypeError(f"{listed} must share one dtype, got "
+                            + ", ".join(f"{n} {x.dtype}" for n, x in zip(names, values)))
+        return _as_bits(adopt({n: _bits(x, k) for n, x, k in zip(names, values, kinds)}))
     sides = [on_device(x, k) for x, k in zip(values, kinds)]
     if len(set(sides)) > 1:
         raise TypeError(f"{listed} must be all host arrays or all device arrays, got "
@@ -185,7 +222,7 @@ def adopt(named: dict, allowed=None) -> Call:
     first, device_side = kinds[0], sides[0]
     if first == "torch":
         for n, x in zip(names, values):
-            _torch_dtype_ok(n, x, allowed)
+            _torch_dtype_ok(n, x, allowed, bfloat16)
         if device_side and any(x.device.type != "cuda" for x in values):
             raise TypeError(f"{listed} must be CPU or CUDA tensors, got "
                             + ", ".join(f"{n} on {x.device}" for n, x in zip(names, values)))

@@ -32,10 +32,10 @@ class Problem:
         return self.heads // self.heads_kv
 
 
-def _check_array(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
+def _check_array(name: str, x, allowed: tuple[np.dtype, ...], names: str | None = None) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
-    names = ", ".join(str(a) for a in allowed)
+    names = names or ", ".join(str(a) for a in allowed)
     try:
         dtype = np.dtype(x.dtype)
     except TypeError:
@@ -48,10 +48,11 @@ def _check_array(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
         )
 
 
-def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES) -> Problem:
-    """Validate q, k, v against the layout convention and return their sizes."""
+def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | None = None) -> Problem:
+    """Validate q, k, v against the layout convention and return their sizes (`names`: the accepted dtypes
+    as an error message should name them, if not the allowed dtypes themselves)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_array(name, x, allowed)
+        _check_array(name, x, allowed, names)
     if not (len(q.shape) == len(k.shape) == len(v.shape)):
         raise ValueError(
             f"q, k, v must have the same number of dimensions, got q {tuple(q.shape)}, "

@@ -80,7 +80,7 @@ def test_tiles_over_the_shared_memory_budget_are_named():
 
 
 def test_bad_dtypes_and_shapes_are_named():
-    with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16\), got float64"):
+    with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16, bfloat16\), got float64"):
         fa_numba.attention(*_qkv(np.float64))
     with pytest.raises(ValueError, match=r"q must have head dim d <= 256, got 300"):
         fa_numba.attention(*_qkv(d=300))
@@ -124,7 +124,7 @@ def test_array_likes_and_foreign_dtypes():
     class ForeignDtype:  # has a shape and a dtype NumPy cannot read
         shape, dtype = (4, 2), "torch.bfloat16"
 
-    with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16\), got torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16, bfloat16\), got torch.bfloat16"):
         fa_numba.attention(ForeignDtype(), q, q)
 
 

@@ -89,9 +89,9 @@ def test_torch_cpu_tensors_float16_grad_and_strides():
 def test_torch_dtypes_and_mixed_libraries_are_named():
     torch = pytest.importorskip("torch", reason=NO_TORCH)
     q, k, v = (torch.from_numpy(x) for x in _inputs())
-    with pytest.raises(TypeError, match=r"q must have dtype in \(float32, float16\), got torch.bfloat16"):
-        fa_numba.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    with pytest.raises(TypeError, match=r"k must have dtype in \(float32, float16\), got torch.float64"):
+    with pytest.raises(TypeError, match=r"q, k, v must share one dtype, got q torch.bfloat16, k torch.float32"):
+        fa_numba.attention(q.bfloat16(), k, v)
+    with pytest.raises(TypeError, match=r"k must have dtype in \(float32, float16, bfloat16\), got torch.float64"):
         fa_numba.attention(q, k.double(), v)
     with pytest.raises(TypeError, match=r"q, k, v must all come from one array library, got q torch, k numpy, v torch"):
         fa_numba.attention(q, k.numpy(), v)
