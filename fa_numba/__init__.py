@@ -20,7 +20,7 @@ from fa_numba import backend
 backend.select()  # before anything imports numba.cuda
 
 from fa_numba import iomodel, online_softmax, reference, tiled, tiling  # noqa: E402
-from fa_numba.api import attention  # noqa: E402
+from fa_numba.api import attention, attention_backward  # noqa: E402
 
-__all__ = ["attention", "backend", "iomodel", "online_softmax", "reference", "tiled", "tiling"]
+__all__ = ["attention", "attention_backward", "backend", "iomodel", "online_softmax", "reference", "tiled", "tiling"]
 __version__ = "0.1.0"

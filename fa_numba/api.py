@@ -72,3 +72,91 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         VARIANTS[order].make(block_q, block_k, prob.d, causal)(dq, dk, dv, out, lse, scale, stream=call.stream)
         out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
     return (out, lse) if return_lse else out
+
+
+BACKWARD_ORDERS = ("kv", "q")
+
+
+def _prepare_stats(name: str, x, on_device: bool, ndim: int):
+    """A C-contiguous (B, H, N) float32 array on the device, from the caller's LSE layout."""
+    if on_device:
+        if not x.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
+        return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return cuda.to_device(x.reshape((1,) * (3 - x.ndim) + x.shape))
+
+
+def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
+                       order: str = "kv", deterministic: bool = False, block_q: int | None = None,
+                       block_k: int | None = None):
+    """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
+
+    q, k, v as for `attention`; out and lse are that forward's outputs (out like q, float32 or q's dtype;
+    lse float32, q's layout without its last axis), dout like q (q's dtype or float32). Returns (dq, dk, dv) in float32 in the
+    inputs' layout and array library: dq like q, dk and dv like k (H_kv heads: the sums over each group's
+    query heads). order "kv" (K/V outer, FlashAttention-2's backward: dK, dV on chip, dQ added into HBM with
+    atomic adds, or with deterministic=True computed by a second, Q-outer pass without atomics, bitwise
+    repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
+    default by head dim (kernels.backward.DEFAULTS). HBM traffic: iomodel.traffic_backward; the kernels:
+    fa_numba/kernels/backward.py. Finite inputs (a row that sees no key gets zero gradient).
+
+    >>> import numpy as np, fa_numba
+    >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
+    >>> out, lse = fa_numba.attention(q, q, q, causal=True, return_lse=True)
+    >>> dq, dk, dv = fa_numba.attention_backward(q, q, q, out, lse, np.ones_like(q), causal=True)
+    >>> dq.shape, dk.dtype
+    ((2, 8, 4), dtype('float32'))
+    """
+    from fa_numba.kernels import backward
+
+    call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
+    saved = arrays.adopt({"out": out, "lse": lse, "dout": dout}, allowed=INPUT_DTYPES, bfloat16=call.bfloat16)
+    if (saved.kind, saved.on_device) != (call.kind, call.on_device):
+        raise TypeError(f"out, lse and dout must be arrays of the same kind as q, k, v ({call.kind}, "
+                        f"{'device' if call.on_device else 'host'}), got {saved.kind}, "
+                        f"{'device' if saved.on_device else 'host'}")
+    q, k, v = call.arrays
+    out, lse, dout = saved.arrays
+    accepted = arrays.accepted(INPUT_DTYPES, bfloat16=True)
+    prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted)
+    for name, x, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:-1])):
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)} (from q), got {tuple(x.shape)}")
+    if np.dtype(dout.dtype) not in (np.dtype(q.dtype), np.dtype(np.float32)):
+        raise TypeError(f"dout must have q's dtype {q.dtype} or float32 (the forward's output), got {dout.dtype}")
+    if np.dtype(lse.dtype) != np.dtype(np.float32):
+        raise TypeError(f"lse must have dtype float32 (the forward's), got {lse.dtype}")
+    causal = shapes.check_causal(causal)
+    scale = shapes.resolve_scale(scale, prob.d)
+    if order not in BACKWARD_ORDERS:
+        raise ValueError(f"order must be one of {BACKWARD_ORDERS}, got {order!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if deterministic and order != "kv":
+        raise ValueError("deterministic=True is the K/V-outer order's mode (a Q-outer pass for dQ): use order='kv'")
+    if prob.d > MAX_HEAD_DIM:
+        raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
+    block = backward.default_backward_tiles(prob.d)[0]
+    block_q = block if block_q is None else shapes.check_block("block_q", block_q)
+    block_k = block_q if block_k is None else shapes.check_block("block_k", block_k)
+    if block_q != block_k:
+        raise ValueError(f"block_q and block_k must be equal for the backward kernels (square tiles), got "
+                         f"{block_q} and {block_k}")
+    for kind in ("kv", "q"):  # threads and shared memory, before any allocation
+        backward.BackwardConfig(kind, block_q, prob.d, causal).check()
+
+    backend.warn_if_slow_in_simulator(3 * prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
+    with backend.explain_driver_errors(), call.context():
+        dq_, dk_, dv_, do_ = (_prepare(name, x, call.on_device)
+                              for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)))
+        o_ = _prepare("out", out, call.on_device)
+        lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
+        grad_q = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
+        grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
+        grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
+        dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
+        backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
+                     deterministic=bool(deterministic), block=block_q, stream=call.stream)
+        return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
+                call.output(grad_v, tuple(v.shape)))

@@ -72,7 +72,8 @@ def explain_driver_errors():
 
 
 def patch_simulator() -> None:
-    """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race).
+    """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race), and its
+    atomic add read its element once.
 
     numba-cuda's FakeCUDAShared.array looks up the array for its call site and creates it if missing,
     without a lock. The simulator runs every CUDA thread of a block as a Python thread, so two threads can
@@ -109,6 +110,16 @@ def patch_simulator() -> None:
 
     array._fa_numba_locked = True
     kernelapi.FakeCUDAShared.array = array
+
+    def atomic_add(self, array, index, val, _lock=threading.Lock()):
+        """One read and one write, like the hardware's read-modify-write (the simulator's own reads the
+        element twice, which the traffic counts of kernels.counting would see)."""
+        with _lock:
+            old = array[index]
+            array[index] = old + val
+        return old
+
+    kernelapi.FakeCUDAAtomic.add = atomic_add
 
 
 def warn_if_slow_in_simulator(work: int) -> None:

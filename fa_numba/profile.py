@@ -426,22 +426,44 @@ SHIPPED_HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float32", "float16")
 
 
-def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
-    from fa_numba.kernels import VARIANTS, default_tiles
+def kernel_names() -> list[str]:
+    """Every registered kernel: the forward variants, then the backward ones (kernels.backward.VARIANTS)."""
+    from fa_numba.kernels import VARIANTS
+    from fa_numba.kernels import backward
 
-    for name in orders or VARIANTS:
+    return list(VARIANTS) + list(backward.VARIANTS)
+
+
+def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
+    """The shipped configurations: every kernel at the default tiles of each head dim, each dtype (the
+    backward kernels at float32 only: they read float16 through the same conversion) and causal or not."""
+    from fa_numba.kernels import backward, default_tiles
+
+    for name in orders or kernel_names():
+        is_backward = name in backward.VARIANTS
         for head_dim in head_dims:
             block_q, block_k = default_tiles(head_dim)
+            if is_backward:
+                block_q = block_k = backward.default_backward_tiles(head_dim)[0]
             for dtype in dtypes:
+                if is_backward and dtype != "float32" and "float32" in dtypes:
+                    continue
                 for causal in causals:
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
                                causal=causal)
 
 
-def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:
-    from fa_numba.kernels import VARIANTS
+def _build(cfg: dict):
+    from fa_numba.kernels import VARIANTS, backward
 
-    built = VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"])
+    if cfg["variant"] in backward.VARIANTS:
+        kind, flag, _ = backward.VARIANTS[cfg["variant"]]
+        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag)
+    return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"])
+
+
+def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:
+    built = _build(cfg)
     grid, block = built.launch_shape(launch["batch"], launch["heads"], launch["n"])
     threads = math.prod(block)
     warps = math.prod(grid) * -(-threads // SM90.warp_size)
@@ -482,7 +504,8 @@ def _csv(text: str, kind=str) -> list:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fa_numba profile", description=__doc__.splitlines()[0])
-    p.add_argument("--orders", type=_csv, default=None, help="variants, e.g. v1,v2 (default: all registered)")
+    p.add_argument("--orders", type=_csv, default=None,
+                   help="kernels, e.g. v1,v2,bwd-kv (default: every registered forward and backward kernel)")
     p.add_argument("--head-dims", type=lambda t: _csv(t, int), default=list(SHIPPED_HEAD_DIMS))
     p.add_argument("--dtypes", type=_csv, default=list(DTYPES), help="float32,float16")
     p.add_argument("--causal", choices=["off", "on", "both"], default="both")
@@ -498,11 +521,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    from fa_numba.kernels import VARIANTS
-
-    bad = [o for o in (args.orders or []) if o not in VARIANTS]
+    names = kernel_names()
+    bad = [o for o in (args.orders or []) if o not in names]
     if bad:
-        parser().error(f"argument --orders: expected a comma list of {', '.join(sorted(VARIANTS))}, got {bad}")
+        parser().error(f"argument --orders: expected a comma list of {', '.join(names)}, got {bad}")
     bad = [d for d in args.dtypes if d not in DTYPES]
     if bad:
         parser().error(f"argument --dtypes: expected a comma list of {', '.join(DTYPES)}, got {bad}")

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from fa_numba import profile
-from fa_numba.kernels import VARIANTS
+from fa_numba.kernels import VARIANTS, backward
 from fa_numba.kernels.common import SHARED_BYTES_LIMIT
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -178,7 +178,8 @@ def shipped(tmp_path_factory):
 @NEEDS_NVDISASM
 def test_every_shipped_configuration_is_profiled(shipped):
     configs = list(profile.configurations())
-    assert len(shipped["profiles"]) == len(configs) == len(VARIANTS) * len(profile.SHIPPED_HEAD_DIMS) * 2 * 2
+    heads = len(profile.SHIPPED_HEAD_DIMS)
+    assert len(shipped["profiles"]) == len(configs) == (len(VARIANTS) * 2 + len(backward.VARIANTS)) * heads * 2
     assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs
 
 

@@ -1,0 +1,511 @@
+"""The backward pass with recomputation (proofs/L7): dQ, dK, dV from Q, K, V, O, LSE and dO, never storing P.
+
+    D_i = rowsum(dO_i o O_i),  P_ij = exp(S_ij - sigma(LSE_i)) (0 where masked),  dV_j = sum_i P_ij dO_i,
+    dP_ij = dO_i . V_j,  dS_ij = P_ij (dP_ij - D_i),  dQ_i = scale sum_j dS_ij K_j,  dK_j = scale sum_i dS_ij Q_i
+
+with sigma(LSE) = 0 on a row that sees no key (LSE = -inf), whose P is all zeros (it is masked everywhere):
+its gradient is exactly zero. Domain: finite inputs (the forward's NaN rules are not extended here).
+
+Kernels (each a `CompiledBackward`, HBM traffic in elements per (batch, head); tiled.attention_backward and
+iomodel.traffic_backward give the same counts, and the simulator's counted accesses equal them):
+- `preprocess`: D = rowsum(dO o O) per query row (reads O, dO: N_q d each; writes D: N_q), and with
+  zero_dq dQ = 0 (writes N_q d), or with zero_kv dK = dV = 0 (writes N_k d each per K/V head).
+- `kv` (K/V outer, FlashAttention-2's backward): one block per (key tile j, batch, K/V head). K_j, V_j are
+  read once; dK_j, dV_j stay in registers while the block walks the query heads of its group and their
+  query tiles that see j (the forward's I_j rule), reading Q_i, dO_i, LSE_i, D_i per visit; dK_j, dV_j
+  are written once. dQ is either added into HBM per visit (atomic add: a read and a write of r_i d) or,
+  deterministic, left to the `q` kernel in its dq-only mode.
+- `q` (Q outer): one block per (query tile i, batch, query head); Q_i, dO_i, LSE_i, D_i read once, dQ_i in
+  registers, K_j and V_j read per visible tile, dQ_i written once. In dq-only mode (the deterministic dQ
+  of order "kv") that is all; as order "q" it also adds dK_j and dV_j into HBM per visit (atomic adds: a
+  read and a write of c_j d each), after `preprocess` zeroed them.
+The deterministic mode recomputes S, P and dP a second time in the dq-only pass: 3 more matrix products
+per tile (7 in all, against 5) and K, V read once per query tile, for bitwise-repeatable dQ.
+
+Thread layout: square tiles B_r = B_c = B; T = (B / t)^2 threads; thread (ty, tx) owns the t x t
+micro-tile of S and dP (query rows ty t.., key columns tx t..), and TD = D / (B / t) features of the
+B x D products: dV_j and dK_j (key rows ty t..), dQ_i (query rows ty t..). Shared memory holds Q, dO, K,
+V row-major with rows of D + 4 floats (16-byte aligned rows, fewer bank conflicts than D) and P, dS as
+B x (B + 4); every matrix product is one `make_gemm` loop over its reduction index with register
+micro-tiles, like the forward engine's.
+
+Limits: FP32 CUDA cores; the S and dP products read their fragments with scalar loads (the B x D
+products with vector loads); B = 32 up to d = 64, 16 up to 128, 8 up to 256 (static shared memory
+<= 48 KB); block_q must equal block_k.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from numba import cuda, float32, uint64 as u64
+
+from fa_numba.kernels.common import NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, to_f32
+from fa_numba.kernels.engine import UNROLL_BUDGET
+
+PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
+FLOAT_BYTES = 4
+# (largest head dim, (B, t)) : square tiles of B rows and keys, t x t micro-tiles of S per thread
+DEFAULTS = ((64, (32, 4)), (128, (16, 2)), (256, (8, 1)))
+PRE_THREADS = 128  # one query row per thread in `preprocess`
+
+
+def default_backward_tiles(head_dim: int) -> tuple[int, int]:
+    """(B, t) of the first DEFAULTS row whose head dim bound holds d."""
+    for bound, config in DEFAULTS:
+        if head_dim <= bound:
+            return config
+    raise ValueError(f"head dim d must be <= {DEFAULTS[-1][0]}, got {head_dim}")
+
+
+def micro_for(block: int, head_dim: int) -> int:
+    """t: the shipped micro-tile for the default tile of d, else the largest of 4, 2, 1 dividing B."""
+    if head_dim <= DEFAULTS[-1][0] and default_backward_tiles(head_dim)[0] == block:
+        return default_backward_tiles(head_dim)[1]
+    return next(t for t in (4, 2, 1) if block % t == 0)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """One compiled backward specialisation: its kind ("preprocess", "kv", "q"), tile, head dim, masking
+    and flags (kv: deterministic; q: dq_only; preprocess: zero_dq, zero_kv)."""
+
+    kind: str
+    block: int
+    head_dim: int
+    causal: bool
+    flag: bool = False
+
+    @property
+    def t(self) -> int:
+        return micro_for(self.block, self.head_dim)
+
+    @property
+    def side(self) -> int:  # threads per side of the block: RY = CX = B / t
+        return self.block // self.t
+
+    @property
+    def threads(self) -> int:
+        return PRE_THREADS if self.kind == "preprocess" else self.side * self.side
+
+    @property
+    def d_pad(self) -> int:
+        return -(-self.head_dim // self.side) * self.side
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        qs, ps, b = self.d_pad + PAD, self.block + PAD, self.block
+        sizes = {"q": b * qs, "do": b * qs, "k": b * qs, "v": b * qs, "p": b * ps, "ds": b * ps, "lse": b, "dd": b}
+        offsets, end = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = end
+            end += size
+        return {**offsets, "_total": end}
+
+    @property
+    def shared_bytes(self) -> int:
+        return 0 if self.kind == "preprocess" else self.offsets["_total"] * FLOAT_BYTES
+
+    def check(self) -> "BackwardConfig":
+        for name in ("block", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.threads > 1024:
+            raise ValueError(f"block_q = block_k = {self.block} gives {self.threads} threads per block, over 1024")
+        if self.shared_bytes > SHARED_BYTES_LIMIT:
+            raise ValueError(f"block_q = block_k = {self.block} with d = {self.head_dim} needs {self.shared_bytes} bytes "
+                             f"of shared memory for Q, dO, K, V, P and dS, over the {SHARED_BYTES_LIMIT}-byte static "
+                             f"limit: use block_q = block_k = {default_backward_tiles(self.head_dim)[0]}")
+        return self
+
+
+def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS):
+    """acc[a, e] += sum_{k < KLEN} A(k, a) B(k, e), A(k, a) = smem[a_base + a A_RS + k A_KS] and
+    B(k, e) = smem[b_base + e B_CS + k B_KS]: one register micro-tile of a product of two shared tiles.
+
+    The reduction runs in chunks of STEP (an inner loop the compiler unrolls; see engine.make_engine)."""
+    STEP = next(t for t in (8, 4, 2, 1) if KLEN % t == 0 and t * (MA * MB + MA + MB) <= max(UNROLL_BUDGET, 1))
+
+    @cuda.jit(device=True, inline=True)
+    def gemm(smem, acc, a_base, b_base):
+        af = cuda.local.array(MA, float32)
+        bf = cuda.local.array(MB, float32)
+        av = smem[u64(a_base):]
+        bv = smem[u64(b_base):]
+        k0 = 0
+        while k0 < KLEN:  # invariant: acc holds its start plus the terms of k < k0 (L7: sums over any partition)
+            for ki in range(STEP):
+                k = k0 + ki
+                for a in range(MA):
+                    af[a] = av[u64(a * A_RS + k * A_KS)]
+                for e in range(MB):
+                    bf[e] = bv[u64(e * B_CS + k * B_KS)]
+                for a in range(MA):
+                    for e in range(MB):
+                        acc[a, e] += af[a] * bf[e]
+            k0 += STEP
+
+    return gemm
+
+
+def _kernel_parts(config: BackwardConfig):
+    """The device functions and constants a kv or q kernel of this configuration is built from."""
+    B, D, t, side = config.block, config.d_pad, config.t, config.side
+    TD, T, QS, PS = D // side, config.threads, D + PAD, B + PAD
+    off = config.offsets
+    P, DS, LSE, DD = off["p"], off["ds"], off["lse"], off["dd"]  # closed over by the device functions below
+    parts = dict(B=B, D=D, t=t, side=side, TD=TD, T=T, QS=QS, PS=PS, SMEM=off["_total"], Q=off["q"], DO=off["do"],
+                 K=off["k"], V=off["v"], P=off["p"], DS=off["ds"], LSE=off["lse"], DD=off["dd"])
+    # S, dP (t x t): rows of Q / dO and rows of K / V, reduced over the features
+    parts["gemm_rows"] = make_gemm(t, t, D, QS, 1, QS, 1)
+    # dV, dK (t x TD, key rows): P or dS [r][c] against dO or Q [r][x], reduced over the query rows
+    parts["gemm_keys"] = make_gemm(t, TD, B, 1, PS, 1, QS)
+    # dQ (t x TD, query rows): dS [r][c] against K [c][x], reduced over the keys
+    parts["gemm_queries"] = make_gemm(t, TD, B, PS, 1, 1, QS)
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(src, b, h, row0, rows, d, smem, dst, tid):
+        """smem[dst + r QS + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros up to B x D (coalesced)."""
+        for step in range((B * D + T - 1) // T):
+            idx = tid + step * T
+            if idx < B * D:
+                r = idx // D
+                x = idx - r * D
+                value = ZERO
+                if r < rows and x < d:
+                    value = to_f32(src[b, h, u64(row0 + r), u64(x)])
+                smem[u64(dst + r * QS + x)] = value
+
+    @cuda.jit(device=True, inline=True)
+    def load_stats(lse, dvec, b, h, row0, rows, smem, tid):
+        """sigma(LSE_i) (0 where LSE = -inf: a row that sees no key) and D_i of the tile's rows, 0 past N_q."""
+        for r in range(tid, B, T):
+            shift = ZERO
+            dd = ZERO
+            if r < rows:
+                value = lse[b, h, row0 + r]
+                shift = value if value != NEG_INF else ZERO
+                dd = dvec[b, h, row0 + r]
+            smem[u64(LSE + r)] = shift
+            smem[u64(DD + r)] = dd
+
+    @cuda.jit(device=True, inline=True)
+    def probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, scale, store_p):
+        """s := P = exp(scale S - sigma(LSE)) and dp := dS = P (dP - D) on the thread's micro-tile, both 0 at
+        masked pairs and past the tile's rows and keys; dS (and P if store_p) go to shared memory [r][c]."""
+        for a in range(t):
+            r = ty * t + a
+            shift = smem[u64(LSE + r)]
+            dd = smem[u64(DD + r)]
+            for c in range(t):
+                col = tx * t + c
+                visible = r < rows and col < cols and (not causal or c0 + col <= r0 + r + delta)
+                p = ZERO
+                ds = ZERO
+                if visible:
+                    p = math.exp(scale * s[a, c] - shift)  # <= 0 exponent: S <= LSE on a visible pair
+                    ds = p * (dp[a, c] - dd)
+                s[a, c] = p
+                dp[a, c] = ds
+                smem[u64(DS + r * PS + col)] = ds
+                if store_p:
+                    smem[u64(P + r * PS + col)] = p
+
+    parts.update(load_tile=load_tile, load_stats=load_stats, probabilities=probabilities)
+    return parts
+
+
+def kv_source(config: BackwardConfig):
+    """The K/V-outer backward kernel (FlashAttention-2's): dK_j, dV_j on chip, dQ added into HBM unless
+    deterministic (config.flag), when the q kernel computes dQ instead."""
+    p = _kernel_parts(config)
+    B, t, side, TD, QS, PS = p["B"], p["t"], p["side"], p["TD"], p["QS"], p["PS"]
+    SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
+    gemm_rows, gemm_keys, gemm_queries = p["gemm_rows"], p["gemm_keys"], p["gemm_queries"]
+    load_tile, load_stats, probabilities = p["load_tile"], p["load_stats"], p["probabilities"]
+    CAUSAL, DETERMINISTIC = config.causal, config.flag
+
+    def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale):
+        j = cuda.blockIdx.x  # key tile
+        bhk = cuda.blockIdx.y  # (batch, K/V head)
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tid = ty * side + tx
+        heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        heads_kv = k.shape[1]
+        group = heads // heads_kv
+        b = bhk // heads_kv
+        h_kv = bhk - b * heads_kv
+        delta = n_k - n_q
+        t_r = (n_q + B - 1) // B
+        c0 = j * B
+        cols = min(B, n_k - c0)
+        i_first = 0  # first query tile with tile (i, j) not SKIP (iomodel's I_j; L3)
+        if CAUSAL:
+            i_first = min(max(-((-(c0 + 1 - delta)) // B) - 1, 0), t_r - 1)
+
+        smem = cuda.shared.array(SMEM, float32)  # Q | dO | K | V | P | dS | sigma(LSE) | D (offsets in config)
+        s = cuda.local.array((t, t), float32)  # S, then P: registers
+        dp = cuda.local.array((t, t), float32)  # dP, then dS: registers
+        dk_acc = cuda.local.array((t, TD), float32)  # dK_j: registers for the whole block
+        dv_acc = cuda.local.array((t, TD), float32)  # dV_j: registers for the whole block
+        dq_part = cuda.local.array((t, TD), float32)
+        for a in range(t):
+            for e in range(TD):
+                dk_acc[a, e] = ZERO
+                dv_acc[a, e] = ZERO
+
+        load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read once
+        load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read once
+        for hq in range(group):  # the query heads that read K/V head h_kv
+            h = h_kv * group + hq
+            for i in range(i_first, t_r):  # invariant: dK_j, dV_j hold the terms of the visits so far (L7)
+                r0 = i * B
+                rows = min(B, n_q - r0)
+                # every thread has finished the last visit's products (reads of Q, dO, P, dS) before they are
+                # overwritten
+                cuda.syncthreads()
+                load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read per visit
+                load_tile(dout, b, h, r0, rows, d, smem, DO, tid)  # dO_i: read per visit
+                load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read per visit
+                # Q_i, dO_i, LSE_i, D_i (and on the first visit K_j, V_j) are complete before any thread reads them
+                cuda.syncthreads()
+                for a in range(t):
+                    for c in range(t):
+                        s[a, c] = ZERO
+                        dp[a, c] = ZERO
+                gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
+                gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
+                probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, scale, True)
+                # P and dS are complete in shared memory before the products read them
+                cuda.syncthreads()
+                gemm_keys(smem, dv_acc, P + ty * t, DO + tx * TD)  # dV_j += P^T dO_i
+                gemm_keys(smem, dk_acc, DS + ty * t, Q + tx * TD)  # dK_j += dS^T Q_i (scale at the end)
+                if not DETERMINISTIC:
+                    for a in range(t):
+                        for e in range(TD):
+                            dq_part[a, e] = ZERO
+                    gemm_queries(smem, dq_part, DS + ty * t * PS, K + tx * TD)  # dS K_j
+                    for a in range(t):
+                        r = ty * t + a
+                        if r < rows:
+                            for e in range(TD):
+                                x = tx * TD + e
+                                if x < d:
+                                    cuda.atomic.add(dq, (b, h, r0 + r, x), scale * dq_part[a, e])
+        for a in range(t):  # dK_j, dV_j written once
+            c = ty * t + a
+            if c < cols:
+                for e in range(TD):
+                    x = tx * TD + e
+                    if x < d:
+                        dk[b, h_kv, c0 + c, x] = scale * dk_acc[a, e]
+                        dv[b, h_kv, c0 + c, x] = dv_acc[a, e]
+
+    return flash_backward_kv
+
+
+def q_source(config: BackwardConfig):
+    """The Q-outer backward kernel: dQ_i on chip and written once; with config.flag (dq_only) that is all
+    (the deterministic dQ of order kv), else dK, dV are added into HBM per visit (order q)."""
+    p = _kernel_parts(config)
+    B, t, side, TD, QS, PS = p["B"], p["t"], p["side"], p["TD"], p["QS"], p["PS"]
+    SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
+    gemm_rows, gemm_keys, gemm_queries = p["gemm_rows"], p["gemm_keys"], p["gemm_queries"]
+    load_tile, load_stats, probabilities = p["load_tile"], p["load_stats"], p["probabilities"]
+    CAUSAL, DQ_ONLY = config.causal, config.flag
+
+    def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale):
+        i = cuda.blockIdx.x  # query tile
+        bh = cuda.blockIdx.y  # (batch, query head)
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tid = ty * side + tx
+        heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])
+        delta = n_k - n_q
+        r0 = i * B
+        rows = min(B, n_q - r0)
+        j_end = (n_k + B - 1) // B  # key tiles 0 .. j_end - 1 are visited; the rest are SKIP (L3)
+        if CAUSAL:
+            last_key = r0 + rows - 1 + delta
+            j_end = min(j_end, last_key // B + 1) if last_key >= 0 else 0
+
+        smem = cuda.shared.array(SMEM, float32)
+        s = cuda.local.array((t, t), float32)
+        dp = cuda.local.array((t, t), float32)
+        dq_acc = cuda.local.array((t, TD), float32)  # dQ_i: registers for the whole block
+        part = cuda.local.array((t, TD), float32)
+        for a in range(t):
+            for e in range(TD):
+                dq_acc[a, e] = ZERO
+        if j_end > 0:  # a query tile that sees no key reads nothing and writes dQ_i = 0
+            load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read once
+            load_tile(dout, b, h, r0, rows, d, smem, DO, tid)  # dO_i: read once
+            load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read once
+        for j in range(j_end):  # invariant: dQ_i holds the terms of key tiles 0..j-1 (L7)
+            c0 = j * B
+            cols = min(B, n_k - c0)
+            # every thread has finished the last tile's products (reads of K, V, P, dS) before they are overwritten
+            cuda.syncthreads()
+            load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read per visit
+            load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read per visit
+            # K_j, V_j (and Q_i, dO_i, LSE_i, D_i) are complete before any thread reads them
+            cuda.syncthreads()
+            for a in range(t):
+                for c in range(t):
+                    s[a, c] = ZERO
+                    dp[a, c] = ZERO
+            gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)
+            gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)
+            probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, scale, not DQ_ONLY)
+            # dS (and P) are complete in shared memory before the products read them
+            cuda.syncthreads()
+            gemm_queries(smem, dq_acc, DS + ty * t * PS, K + tx * TD)  # dQ_i += dS K_j (scale at the end)
+            if not DQ_ONLY:
+                for a in range(t):
+                    for e in range(TD):
+                        part[a, e] = ZERO
+                gemm_keys(smem, part, DS + ty * t, Q + tx * TD)  # dS^T Q_i
+                for a in range(t):
+                    c = ty * t + a
+                    if c < cols:
+                        for e in range(TD):
+                            x = tx * TD + e
+                            if x < d:
+                                cuda.atomic.add(dk, (b, h_kv, c0 + c, x), scale * part[a, e])
+                for a in range(t):
+                    for e in range(TD):
+                        part[a, e] = ZERO
+                gemm_keys(smem, part, P + ty * t, DO + tx * TD)  # P^T dO_i
+                for a in range(t):
+                    c = ty * t + a
+                    if c < cols:
+                        for e in range(TD):
+                            x = tx * TD + e
+                            if x < d:
+                                cuda.atomic.add(dv, (b, h_kv, c0 + c, x), part[a, e])
+        for a in range(t):  # dQ_i written once
+            r = ty * t + a
+            if r < rows:
+                for e in range(TD):
+                    x = tx * TD + e
+                    if x < d:
+                        dq[b, h, r0 + r, x] = scale * dq_acc[a, e]
+
+    return flash_backward_q
+
+
+def preprocess_source(config: BackwardConfig):
+    """D = rowsum(dO o O), one query row per thread; with zero_dq (flag, kind preprocess) dQ = 0 too. The
+    zeroing of dK, dV for order q is `zero_source`."""
+    ZERO_DQ = config.flag
+
+    def flash_backward_preprocess(out, dout, dvec, dq):
+        r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        bh = cuda.blockIdx.y
+        heads, n_q, d = out.shape[1], out.shape[2], out.shape[3]
+        b = bh // heads
+        h = bh - b * heads
+        if r < n_q:
+            total = ZERO
+            for x in range(d):
+                total += to_f32(dout[b, h, r, x]) * to_f32(out[b, h, r, x])
+            dvec[b, h, r] = total
+            if ZERO_DQ:
+                for x in range(d):
+                    dq[b, h, r, x] = ZERO
+
+    return flash_backward_preprocess
+
+
+def zero_source(config: BackwardConfig):
+    """dK = dV = 0 before order q adds into them (writes N_k d each per K/V head)."""
+
+    def flash_backward_zero(dk, dv):
+        r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        bh = cuda.blockIdx.y
+        heads_kv, n_k, d = dk.shape[1], dk.shape[2], dk.shape[3]
+        b = bh // heads_kv
+        h = bh - b * heads_kv
+        if r < n_k:
+            for x in range(d):
+                dk[b, h, r, x] = ZERO
+                dv[b, h, r, x] = ZERO
+
+    return flash_backward_zero
+
+
+SOURCES = {"kv": kv_source, "q": q_source, "preprocess": preprocess_source, "zero": zero_source}
+
+# The backward kernels `compare --backward` and `profile` list: name -> (kind, flag, one-line verdict).
+VARIANTS = {
+    "bwd-kv": ("kv", False, "K/V outer (FlashAttention-2): dK, dV on chip, dQ by atomic adds into HBM"),
+    "bwd-kv-det": ("kv", True, "K/V outer without dQ, for deterministic=True (dQ by bwd-q-dq)"),
+    "bwd-q-dq": ("q", True, "Q outer, dQ only: the second pass of deterministic=True, no atomics"),
+    "bwd-q": ("q", False, "Q outer: dQ on chip, dK, dV by atomic adds into HBM"),
+}
+
+
+class CompiledBackward(CompiledKernel):
+    """One compiled backward kernel; `launch_shape` and `argtypes` as the forward's (for fa_numba.profile)."""
+
+    def __init__(self, config: BackwardConfig):
+        self.config = config
+        self.source = SOURCES[config.kind](config)
+        self.kernel = cuda.jit(self.source)
+
+    def launch_shape(self, batch, heads, n_rows):
+        """Grid and block for `heads` heads (query heads for preprocess and q, K/V heads for kv and zero)
+        of n_rows rows (N_q for preprocess and q, N_k for kv and zero)."""
+        if self.config.kind in ("preprocess", "zero"):
+            return ((n_rows + PRE_THREADS - 1) // PRE_THREADS, batch * heads), (PRE_THREADS,)
+        side = self.config.side
+        return ((n_rows + self.config.block - 1) // self.config.block, batch * heads), (side, side)
+
+    def argtypes(self, dtype):
+        from numba import types
+
+        inp, out, stat = self.array_types(dtype)
+        if self.config.kind == "preprocess":
+            return (out, inp, stat, out)
+        if self.config.kind == "zero":
+            return (out, out)
+        return (inp, inp, inp, inp, stat, stat, out, out, out, types.float32)
+
+    def launch(self, *args, **kwargs):
+        raise TypeError("call a backward kernel through kernels.backward.run, not as a forward kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False) -> CompiledBackward:
+    """Build (once per configuration) one backward kernel."""
+    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag)).check())
+
+
+def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv", deterministic=False, block=None,
+        stream=0):
+    """Launch the backward of one call on (B, H, N, d) device arrays: dq (B, H, N_q, d), dk, dv (B, H_kv, N_k,
+    d) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q"."""
+    batch, heads, n_q, d = q.shape
+    heads_kv, n_k = k.shape[1], k.shape[2]
+    block = block or default_backward_tiles(d)[0]
+    scale = float32(scale)
+
+    def launch(kernel, heads_, rows, *args):
+        grid, threads = kernel.launch_shape(batch, heads_, rows)
+        kernel.kernel[grid, threads, stream](*args)
+
+    launch(make("preprocess", block, d, False, order == "kv" and not deterministic), heads, n_q, out, dout, dvec, dq)
+    if order == "q":
+        launch(make("zero", block, d, False), heads_kv, n_k, dk, dv)
+        launch(make("q", block, d, causal, False), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale)
+        return
+    launch(make("kv", block, d, causal, deterministic), heads_kv, n_k, q, k, v, dout, lse, dvec, dq, dk, dv, scale)
+    if deterministic:
+        launch(make("q", block, d, causal, True), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale)
