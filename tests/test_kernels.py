@@ -114,7 +114,7 @@ def test_counting_harness_sees_an_extra_read():
     q, k, v = case.inputs(np.float32)
     kernel = VARIANTS["v2"].make(4, 4, 2, False)
 
-    def reads_q_twice(q_, k_, v_, o_, lse_, scale, workspace=None):
+    def reads_q_twice(q_, k_, v_, o_, lse_, scale, workspace=None, mask=None):
         _ = q_[0, 0, 0, 0]
         kernel(q_, k_, v_, o_, lse_, scale)
 

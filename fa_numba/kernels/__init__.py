@@ -30,9 +30,10 @@ class Variant:
     make: Callable
     engine: bool  # a register-tiled kernel of the tile engine (else one thread per query row)
 
-    def config(self, block_q: int, block_k: int, head_dim: int, causal: bool) -> Config:
+    def config(self, block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> Config:
         """The checked compile-time configuration of a launch, without compiling anything (errors name the tile)."""
-        return Config(self.order, block_q, block_k, head_dim, bool(causal), engine=self.engine).check()
+        return Config(self.order, block_q, block_k, head_dim, bool(causal), engine=self.engine,
+                      mask_form=mask_form).check()
 
 
 VARIANTS = {

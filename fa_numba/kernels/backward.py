@@ -42,7 +42,9 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint64 as u64
 
-from fa_numba.kernels.common import NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, to_f32
+from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, mask_arrays,
+                                     to_f32)
+from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import UNROLL_BUDGET
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
@@ -77,6 +79,11 @@ class BackwardConfig:
     head_dim: int
     causal: bool
     flag: bool = False
+    mask_form: str = "none"  # "none" / "causal" (closed forms) or a block mask's "intervals" / "dense"
+
+    @property
+    def lists(self) -> bool:
+        return self.mask_form in LIST_FORMS
 
     @property
     def t(self) -> int:
@@ -193,9 +200,11 @@ def _kernel_parts(config: BackwardConfig):
             smem[u64(DD + r)] = dd
 
     @cuda.jit(device=True, inline=True)
-    def probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, scale, store_p):
+    def probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
+                      scale, store_p):
         """s := P = exp(scale S - sigma(LSE)) and dp := dS = P (dP - D) on the thread's micro-tile, both 0 at
-        masked pairs and past the tile's rows and keys; dS (and P if store_p) go to shared memory [r][c]."""
+        masked pairs (causal, or in a PARTIAL tile of a block mask the row's interval and, dense, the mask)
+        and past the tile's rows and keys; dS (and P if store_p) go to shared memory [r][c]."""
         for a in range(t):
             r = ty * t + a
             shift = smem[u64(LSE + r)]
@@ -203,6 +212,11 @@ def _kernel_parts(config: BackwardConfig):
             for c in range(t):
                 col = tx * t + c
                 visible = r < rows and col < cols and (not causal or c0 + col <= r0 + r + delta)
+                if visible and partial_lists:
+                    key = c0 + col
+                    visible = lohi[r0 + r, 0] <= key and key < lohi[r0 + r, 1]
+                    if visible and use_dense:
+                        visible = dense[r0 + r, key] != 0
                 p = ZERO
                 ds = ZERO
                 if visible:
@@ -227,8 +241,10 @@ def kv_source(config: BackwardConfig):
     gemm_rows, gemm_keys, gemm_queries = p["gemm_rows"], p["gemm_keys"], p["gemm_queries"]
     load_tile, load_stats, probabilities = p["load_tile"], p["load_stats"], p["probabilities"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
 
-    def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale):
+    def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
+                          row_kind, lohi, dense):
         j = cuda.blockIdx.x  # key tile
         bhk = cuda.blockIdx.y  # (batch, K/V head)
         tx = cuda.threadIdx.x
@@ -243,9 +259,15 @@ def kv_source(config: BackwardConfig):
         t_r = (n_q + B - 1) // B
         c0 = j * B
         cols = min(B, n_k - c0)
-        i_first = 0  # first query tile with tile (i, j) not SKIP (iomodel's I_j; L3)
+        # The query tiles that visit key tile j, in increasing i; the rest are SKIP (L3): with causal masking
+        # I_j .. T_r - 1 (iomodel's closed form), with a block mask the list row_idx[col_ptr[j]:col_ptr[j + 1]].
+        start = 0
+        stop = t_r
         if CAUSAL:
-            i_first = min(max(-((-(c0 + 1 - delta)) // B) - 1, 0), t_r - 1)
+            start = min(max(-((-(c0 + 1 - delta)) // B) - 1, 0), t_r - 1)
+        if LISTS:
+            start = col_ptr[j]
+            stop = col_ptr[j + 1]
 
         smem = cuda.shared.array(SMEM, float32)  # Q | dO | K | V | P | dS | sigma(LSE) | D (offsets in config)
         s = cuda.local.array((t, t), float32)  # S, then P: registers
@@ -258,11 +280,14 @@ def kv_source(config: BackwardConfig):
                 dk_acc[a, e] = ZERO
                 dv_acc[a, e] = ZERO
 
-        load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read once
-        load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read once
+        if stop > start:  # a key tile no query tile sees is never read
+            load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read once
+            load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read once
         for hq in range(group):  # the query heads that read K/V head h_kv
             h = h_kv * group + hq
-            for i in range(i_first, t_r):  # invariant: dK_j, dV_j hold the terms of the visits so far (L7)
+            for idx in range(start, stop):  # invariant: dK_j, dV_j hold the terms of the visits so far (L7)
+                i = row_idx[idx] if LISTS else idx
+                partial_lists = LISTS and row_kind[idx] == PARTIAL_KIND
                 r0 = i * B
                 rows = min(B, n_q - r0)
                 # every thread has finished the last visit's products (reads of Q, dO, P, dS) before they are
@@ -279,7 +304,8 @@ def kv_source(config: BackwardConfig):
                         dp[a, c] = ZERO
                 gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
                 gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
-                probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, scale, True)
+                probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
+                              DENSE and partial_lists, dense, scale, True)
                 # P and dS are complete in shared memory before the products read them
                 cuda.syncthreads()
                 gemm_keys(smem, dv_acc, P + ty * t, DO + tx * TD)  # dV_j += P^T dO_i
@@ -317,8 +343,10 @@ def q_source(config: BackwardConfig):
     gemm_rows, gemm_keys, gemm_queries = p["gemm_rows"], p["gemm_keys"], p["gemm_queries"]
     load_tile, load_stats, probabilities = p["load_tile"], p["load_stats"], p["probabilities"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
 
-    def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale):
+    def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
+                         row_kind, lohi, dense):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, query head)
         tx = cuda.threadIdx.x
@@ -331,10 +359,16 @@ def q_source(config: BackwardConfig):
         delta = n_k - n_q
         r0 = i * B
         rows = min(B, n_q - r0)
-        j_end = (n_k + B - 1) // B  # key tiles 0 .. j_end - 1 are visited; the rest are SKIP (L3)
+        # The key tiles this query tile visits, in increasing j; the rest are SKIP (L3): with causal masking
+        # 0 .. j_end - 1, with a block mask the list col_idx[row_ptr[i]:row_ptr[i + 1]].
+        start = 0
+        stop = (n_k + B - 1) // B
         if CAUSAL:
             last_key = r0 + rows - 1 + delta
-            j_end = min(j_end, last_key // B + 1) if last_key >= 0 else 0
+            stop = min(stop, last_key // B + 1) if last_key >= 0 else 0
+        if LISTS:
+            start = row_ptr[i]
+            stop = row_ptr[i + 1]
 
         smem = cuda.shared.array(SMEM, float32)
         s = cuda.local.array((t, t), float32)
@@ -344,11 +378,13 @@ def q_source(config: BackwardConfig):
         for a in range(t):
             for e in range(TD):
                 dq_acc[a, e] = ZERO
-        if j_end > 0:  # a query tile that sees no key reads nothing and writes dQ_i = 0
+        if stop > start:  # a query tile that sees no key reads nothing and writes dQ_i = 0
             load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read once
             load_tile(dout, b, h, r0, rows, d, smem, DO, tid)  # dO_i: read once
             load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read once
-        for j in range(j_end):  # invariant: dQ_i holds the terms of key tiles 0..j-1 (L7)
+        for idx in range(start, stop):  # invariant: dQ_i holds the terms of the visited key tiles so far (L7)
+            j = col_idx[idx] if LISTS else idx
+            partial_lists = LISTS and col_kind[idx] == PARTIAL_KIND
             c0 = j * B
             cols = min(B, n_k - c0)
             # every thread has finished the last tile's products (reads of K, V, P, dS) before they are overwritten
@@ -363,7 +399,8 @@ def q_source(config: BackwardConfig):
                     dp[a, c] = ZERO
             gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)
             gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)
-            probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, scale, not DQ_ONLY)
+            probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
+                          DENSE and partial_lists, dense, scale, not DQ_ONLY)
             # dS (and P) are complete in shared memory before the products read them
             cuda.syncthreads()
             gemm_queries(smem, dq_acc, DS + ty * t * PS, K + tx * TD)  # dQ_i += dS K_j (scale at the end)
@@ -476,22 +513,24 @@ class CompiledBackward(CompiledKernel):
             return (out, inp, stat, out)
         if self.config.kind == "zero":
             return (out, out)
-        return (inp, inp, inp, inp, stat, stat, out, out, out, types.float32)
+        return (inp, inp, inp, inp, stat, stat, out, out, out, types.float32) + self.mask_types()
 
     def launch(self, *args, **kwargs):
         raise TypeError("call a backward kernel through kernels.backward.run, not as a forward kernel")
 
 
 @functools.lru_cache(maxsize=None)
-def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False) -> CompiledBackward:
+def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False, mask_form: str = "none"
+         ) -> CompiledBackward:
     """Build (once per configuration) one backward kernel."""
-    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag)).check())
+    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag), mask_form).check())
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv", deterministic=False, block=None,
-        stream=0):
+        stream=0, mask=None):
     """Launch the backward of one call on (B, H, N, d) device arrays: dq (B, H, N_q, d), dk, dv (B, H_kv, N_k,
-    d) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q"."""
+    d) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q";
+    mask: the KernelMask of a block mask (its tiles must be block x block), None for none or causal."""
     batch, heads, n_q, d = q.shape
     heads_kv, n_k = k.shape[1], k.shape[2]
     block = block or default_backward_tiles(d)[0]
@@ -501,11 +540,14 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv",
         grid, threads = kernel.launch_shape(batch, heads_, rows)
         kernel.kernel[grid, threads, stream](*args)
 
+    form = mask.form if mask is not None else "none"
+    masks = mask_arrays(mask)
     launch(make("preprocess", block, d, False, order == "kv" and not deterministic), heads, n_q, out, dout, dvec, dq)
     if order == "q":
         launch(make("zero", block, d, False), heads_kv, n_k, dk, dv)
-        launch(make("q", block, d, causal, False), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale)
+        launch(make("q", block, d, causal, False, form), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale, *masks)
         return
-    launch(make("kv", block, d, causal, deterministic), heads_kv, n_k, q, k, v, dout, lse, dvec, dq, dk, dv, scale)
+    launch(make("kv", block, d, causal, deterministic, form), heads_kv, n_k, q, k, v, dout, lse, dvec, dq, dk, dv,
+           scale, *masks)
     if deterministic:
-        launch(make("q", block, d, causal, True), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale)
+        launch(make("q", block, d, causal, True, form), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale, *masks)

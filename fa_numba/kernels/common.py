@@ -45,6 +45,17 @@ class Config:
     causal: bool
     engine: bool = False
     smem_budget: int = SHARED_BYTES_LIMIT  # the engine's static shared-memory budget (tests lower it)
+    mask_form: str = "none"  # "none", "causal", or a block mask's "intervals" / "dense" (KernelMask)
+
+    @property
+    def form(self) -> str:
+        """How the kernel masks: "causal" (closed forms), "none", or the block-mask path ("intervals",
+        "dense"), whose tiles come from the lists of a KernelMask."""
+        return "causal" if self.causal else self.mask_form
+
+    @property
+    def lists(self) -> bool:
+        return self.form in LIST_FORMS
 
     @property
     def layout(self):
@@ -70,6 +81,9 @@ class Config:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {self.head_dim}")
+        if self.mask_form not in MASK_FORMS or (self.causal and self.mask_form not in ("none", "causal")):
+            raise ValueError(f"mask_form must be one of {MASK_FORMS} (and 'none' or 'causal' with causal=True), "
+                             f"got {self.mask_form!r}")
         if self.engine:
             self.layout.check()
             return self
@@ -96,13 +110,18 @@ class CompiledKernel:
         self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
         self.kernel = cuda.jit(self.source)
 
-    def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0):
+    def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0, mask=None):
         """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs,
-        queued on `stream` (a Numba stream; 0: the default stream)."""
+        queued on `stream` (a Numba stream; 0: the default stream). mask: the KernelMask of a block-mask
+        configuration (mask_form "intervals" or "dense"), None otherwise."""
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        if self.config.lists != (mask is not None):
+            raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
+                             else f"this kernel (mask_form {self.config.form!r}) takes no mask")
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
-        self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace)
+        self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace,
+                    mask_arrays(mask))
 
     @staticmethod
     def array_types(dtype: str):
@@ -111,6 +130,58 @@ class CompiledKernel:
 
         return (types.Array(getattr(types, dtype), 4, "C"), types.Array(types.float32, 4, "C"),
                 types.Array(types.float32, 3, "C"))
+
+    @staticmethod
+    def mask_types():
+        """Numba types of the KernelMask arrays, in `mask_arrays` order."""
+        from numba import types
+
+        vec32, vec8 = types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
+        return (vec32, vec32, vec8, vec32, vec32, vec8, types.Array(types.int32, 2, "C"),
+                types.Array(types.uint8, 2, "C"))
+
+
+LIST_FORMS = ("intervals", "dense")
+MASK_FORMS = ("none", "causal") + LIST_FORMS
+
+
+@dataclass(frozen=True)
+class KernelMask:
+    """A block mask as the kernels read it, device arrays (tiling.BlockMask on the device):
+
+    row_ptr (T_r + 1,), col_idx, col_kind (nnz,): the key tiles of each query tile (v2, backward order q);
+    col_ptr (T_c + 1,), row_idx, row_kind (nnz,): the query tiles of each key tile (v1, backward order kv);
+    lohi (N_q, 2) int32: every key a row sees lies in [lohi[i, 0], lohi[i, 1]) (exactly those keys for
+    the "intervals" form; lo = hi on a row that sees nothing); dense (N_q, N_k) uint8: the mask itself,
+    read only in PARTIAL tiles ("dense" form; a (1, 1) placeholder otherwise).
+    """
+
+    form: str
+    row_ptr: object
+    col_idx: object
+    col_kind: object
+    col_ptr: object
+    row_idx: object
+    row_kind: object
+    lohi: object
+    dense: object
+
+
+_PLACEHOLDERS = {}
+
+
+def mask_arrays(mask: KernelMask | None) -> tuple:
+    """The eight mask arguments of a kernel: the KernelMask's arrays, or one-element placeholders (never
+    read) for a kernel without a block mask."""
+    if mask is not None:
+        return (mask.row_ptr, mask.col_idx, mask.col_kind, mask.col_ptr, mask.row_idx, mask.row_kind, mask.lohi,
+                mask.dense)
+    key = id(cuda.current_context()) if hasattr(cuda, "current_context") else 0
+    if key not in _PLACEHOLDERS:
+        i32, i8 = np.zeros(1, np.int32), np.zeros(1, np.int8)
+        _PLACEHOLDERS[key] = tuple(cuda.to_device(x) for x in (i32, i32, i8, i32, i32, i8, np.zeros((1, 2), np.int32),
+                                                               np.zeros((1, 1), np.uint8)))
+    return _PLACEHOLDERS[key]
 
 
 def _to_f32_python(x):
@@ -159,49 +230,64 @@ def load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, n_threads):
 
 
 @cuda.jit(device=True, inline=True)
-def visible_cols(row, c0, cols, delta, masked):
-    """Keys of the tile [c0, c0 + cols) that query `row` sees: all of them, or on a PARTIAL tile the prefix
-    c0 + c <= row + delta. Masked keys are never touched, so a NaN in a masked value cannot leak in."""
-    if masked:
-        return max(0, min(cols, row + delta - c0 + 1))
-    return cols
+def visible_range(row, c0, cols, delta, causal_partial, lists_partial, lohi):
+    """The keys [c_lo, c_hi) of the tile [c0, c0 + cols) that query `row` may see: all of them; on a causal
+    PARTIAL tile the prefix c0 + c <= row + delta; on a PARTIAL tile of a block mask the row's interval
+    lohi[row] (for a dense mask a superset, checked key by key with `dense_visible`). Masked keys are never
+    touched, so a NaN in a masked value cannot leak in."""
+    if causal_partial:
+        return 0, max(0, min(cols, row + delta - c0 + 1))
+    if lists_partial:
+        return min(max(lohi[row, 0] - c0, 0), cols), max(min(lohi[row, 1] - c0, cols), 0)
+    return 0, cols
 
 
 @cuda.jit(device=True, inline=True)
-def score_row(q_row, k_tile, n_vis, d, scale, s):
-    """s[c] = scale * <q_row, K_j[c]> for the visible keys c < n_vis."""
-    for c in range(n_vis):
-        dot = ZERO
-        for x in range(d):
-            dot += q_row[x] * k_tile[c, x]
-        s[c] = scale * dot
+def dense_visible(use_dense, dense, row, key):
+    """True unless a dense block mask hides key from row (read only in PARTIAL tiles)."""
+    return not use_dense or dense[row, key] != 0
 
 
 @cuda.jit(device=True, inline=True)
-def online_update(m, l, acc, s, n_vis, d, v_tile):
-    """Fold the visible keys c < n_vis of one tile into (m, l, acc); the twin of online_softmax.update.
+def score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense):
+    """s[c] = scale * <q_row, K_j[c]> for the visible keys c in [c_lo, c_hi), -inf where a dense mask hides one."""
+    for c in range(c_lo, c_hi):
+        if dense_visible(use_dense, dense, row, c0 + c):
+            dot = ZERO
+            for x in range(d):
+                dot += q_row[x] * k_tile[c, x]
+            s[c] = scale * dot
+        else:
+            s[c] = NEG_INF
+
+
+@cuda.jit(device=True, inline=True)
+def online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense):
+    """Fold the visible keys c in [c_lo, c_hi) of one tile into (m, l, acc); the twin of online_softmax.update.
 
     Returns (m_new, l_new); acc is updated in place and s is overwritten with the weights p.
     Every finite exp argument is <= 0 (proofs/L2_online_softmax.md); shift = 0 while nothing is visible.
     The max may drop a NaN score (fmaxf does), but its weight exp(NaN - shift) = NaN still reaches l and
-    acc, so the row ends NaN as the dense formula says (proofs/L2.6).
+    acc, so the row ends NaN as the dense formula says (proofs/L2.6). A key a dense mask hides has weight
+    0 and its value is never multiplied.
     """
     m_tile = NEG_INF
-    for c in range(n_vis):
+    for c in range(c_lo, c_hi):
         m_tile = max(m_tile, s[c])
     m_new = max(m, m_tile)
     shift = m_new if m_new != NEG_INF else ZERO
     alpha = math.exp(m - shift)  # rescales the old state to the new max
     l_tile = ZERO
-    for c in range(n_vis):
+    for c in range(c_lo, c_hi):
         p = math.exp(s[c] - shift)
         s[c] = p
         l_tile += p
     l_new = alpha * l + l_tile
     for x in range(d):
         pv = ZERO
-        for c in range(n_vis):
-            pv += s[c] * v_tile[c, x]
+        for c in range(c_lo, c_hi):
+            if dense_visible(use_dense, dense, row, c0 + c):
+                pv += s[c] * v_tile[c, x]
         acc[x] = alpha * acc[x] + pv
     return m_new, l_new
 

@@ -57,8 +57,9 @@ class CountingArray(np.ndarray):
         np.ndarray.__setitem__(self.view(np.ndarray), idx, value)
 
 
-def run_counted(kernel, q, k, v, scale):
-    """Launch a built kernel (make_v1/make_v2) on host arrays in the simulator, counting HBM traffic.
+def run_counted(kernel, q, k, v, scale, mask=None):
+    """Launch a built kernel (a variant's make) on host arrays in the simulator, counting HBM traffic of the
+    data tensors (a block mask's KernelMask, if any, is passed through uncounted: its cost is metadata).
 
     Outputs and the v1 workspace start as NaN, so an element the kernel never writes is caught.
     Returns (out, lse, ledger) as plain float32 arrays.
@@ -77,6 +78,6 @@ def run_counted(kernel, q, k, v, scale):
         "m": np.full((batch, heads, n_q), np.nan, np.float32),
     }
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
-    kernel(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], scale, workspace=(dev["l"], dev["m"]))
+    kernel(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], scale, workspace=(dev["l"], dev["m"]), mask=mask)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
     return plain("O"), plain("LSE"), ledger

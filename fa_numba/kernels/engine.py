@@ -46,6 +46,9 @@ from fa_numba.kernels.common import NEG_INF, SHARED_BYTES_LIMIT, ZERO, to_f32
 
 FLOAT_BYTES = 4
 MICRO_CHOICES = (4, 2, 1)
+GUARD_NONE, GUARD_CAUSAL, GUARD_MARKED = 0, 1, 2  # how `pv` keeps masked value rows out (see pv)
+NEG_ZERO = float32(-0.0)
+ONE = float32(1.0)
 UNROLL_BUDGET = 120  # operations per unrolled loop body (see make_engine)
 
 
@@ -302,6 +305,27 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                     s[a, c] = NEG_INF
 
     @cuda.jit(device=True, inline=True)
+    def mask_rows(s, dead, row, col, n_q, n_k, lohi, dense, use_dense):
+        """The block-mask path (any mask but causal): -inf, and dead, where key col + c is past N_k or not
+        visible to query row + a: outside the row's interval [lohi[r, 0], lohi[r, 1]) or, for a dense mask,
+        not set in it (read only here, in PARTIAL tiles: one byte per pair)."""
+        for a in range(TM):
+            r = row + a
+            lo = n_k
+            hi = 0
+            if r < n_q:
+                lo = lohi[r, 0]
+                hi = lohi[r, 1]
+            for c in range(TN):
+                key = col + c
+                visible = key < n_k and lo <= key and key < hi
+                if use_dense and visible:
+                    visible = dense[r, key] != 0
+                dead[a, c] = not visible
+                if not visible:
+                    s[a, c] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
     def write_partials(smem, off, values, ty, tx):
         """red[row, tx] = values[a] for the thread's rows (one partial per thread of the row group)."""
         dst = smem[u64(off + ty * TM * CX + tx):]
@@ -343,20 +367,27 @@ def make_engine(layout: Layout) -> SimpleNamespace:
             m[a] = m_new
 
     @cuda.jit(device=True, inline=True)
-    def store_p(smem, s, ty, tx):
-        """P^T[tx TN + c, ty TM + a] = p[a, c]: the weights of the tile, for every thread's P V product."""
+    def store_p(smem, s, dead, marked, ty, tx):
+        """P^T[tx TN + c, ty TM + a] = p[a, c]: the weights of the tile, for every thread's P V product.
+
+        marked (a PARTIAL tile of the block-mask path): a masked pair is stored as -0.0, which exp never
+        returns, so that the P V product can tell it from a weight that underflowed to +0.0."""
         dst = smem[u64(P + tx * TN * BR + ty * TM):]
         for c in range(TN):
             for a in range(TM):
-                dst[u64(c * BR + a)] = s[a, c]
+                value = s[a, c]
+                if marked and dead[a, c]:
+                    value = NEG_ZERO
+                dst[u64(c * BR + a)] = value
 
     @cuda.jit(device=True, inline=True)
-    def pv(smem, acc, alpha, ty, tx, guarded, limit):
+    def pv(smem, acc, alpha, ty, tx, guard, limit):
         """acc = alpha acc + P V on the thread's TM x TD micro-tile of O.
 
-        guarded (a PARTIAL tile): key k enters row a only if k <= limit[a] (float32: exact for these small
-        integers, and one FSETP against a constant), so that a masked value row, NaN or not, is never
-        multiplied into a row that cannot see it."""
+        In a PARTIAL tile a masked value row, NaN or not, must never be multiplied into a row that cannot
+        see it. guard GUARD_CAUSAL: key k enters row a only if k <= limit[a] (float32: exact for these small
+        integers, and one FSETP against a constant); GUARD_MARKED: only if its weight is not the -0.0 that
+        `store_p` marks masked pairs with; GUARD_NONE: every key (FULL tiles)."""
         pf = cuda.local.array(TM, float32)
         vf = cuda.local.array(TD, float32)
         for a in range(TM):
@@ -364,7 +395,21 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 acc[a, e] *= alpha[a]
         pw = smem[u64(P + ty * TM):]
         vw = smem[u64(V + tx * TD):]
-        if guarded:
+        if guard == GUARD_MARKED:
+            k0 = 0
+            while k0 < BC:  # invariant: acc = alpha acc_old + sum over the visible keys < k0 of p v (L3.5)
+                for ki in range(KSTEP):
+                    k = k0 + ki
+                    for a in range(TM):
+                        pf[a] = pw[u64(k * BR + a)]
+                    for e in range(TD):
+                        vf[e] = vw[u64(k * D + e)]
+                    for a in range(TM):
+                        if math.copysign(ONE, pf[a]) > ZERO:  # not the -0.0 of a masked pair
+                            for e in range(TD):
+                                acc[a, e] += pf[a] * vf[e]
+                k0 += KSTEP
+        elif guard == GUARD_CAUSAL:
             rel = cuda.local.array(TM, float32)
             k0 = 0
             while k0 < BC:  # invariant: acc = alpha acc_old + sum over the visible keys < k0 of p v (L2, L3.5)
@@ -408,5 +453,5 @@ def make_engine(layout: Layout) -> SimpleNamespace:
             total[a] = acc
 
     return SimpleNamespace(load_q=load_q, load_k=load_k, load_rows=load_rows, scores=scores, mask=mask,
-                           row_max_partials=row_max_partials, softmax=softmax, store_p=store_p, pv=pv,
-                           write_partials=write_partials, row_sum=row_sum)
+                           mask_rows=mask_rows, row_max_partials=row_max_partials, softmax=softmax, store_p=store_p,
+                           pv=pv, write_partials=write_partials, row_sum=row_sum)

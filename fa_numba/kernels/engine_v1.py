@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, uint64 as u64
+from numba import boolean, cuda, float32, uint64 as u64
 
 from fa_numba.kernels.common import NAN, NEG_INF, ZERO, CompiledKernel, Config, log_sum_exp
-from fa_numba.kernels.engine import make_engine
+from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
+from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: Config):
@@ -39,15 +40,19 @@ def kernel_source(config: Config):
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
     load_q, load_k, load_rows, scores, mask = E.load_q, E.load_k, E.load_rows, E.scores, E.mask
-    row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
+    mask_rows, row_max_partials, softmax, store_p, pv = E.mask_rows, E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
                                  layout.threads)
-    CAUSAL, ALIASED = config.causal, layout.aliased
+    CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
+    # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
+    GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
+    PARTIAL_KIND = int(PARTIAL)
     OFF = layout.offsets
     SMEM, Q, K, V, RED, STAT = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"], OFF["stat"]
 
-    def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale):
+    def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
+                        row_kind, lohi, dense):
         bh = cuda.blockIdx.x  # (batch, head)
         tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features tx TD + e of O
         ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the query tile
@@ -62,6 +67,10 @@ def kernel_source(config: Config):
 
         smem = cuda.shared.array(SMEM, float32)  # Q^T | K^T | V | P^T | red | stat at layout.offsets
         s = cuda.local.array((TM, TN), float32)  # S_ij then P_ij: registers
+        dead = cuda.local.array((TM, TN), boolean)  # masked pairs of the block-mask path
+        for a in range(TM):
+            for c in range(TN):
+                dead[a, c] = False
         acc = cuda.local.array((TM, TD), float32)  # O_i l_i, rebuilt on every visit: registers
         m = cuda.local.array(TM, float32)
         l = cuda.local.array(TM, float32)  # l_i read from HBM, then the new l_i
@@ -81,15 +90,23 @@ def kernel_source(config: Config):
         for j in range(t_c):  # invariant: O, l, m in HBM hold the state of keys [0, j B_c) (L2, L4)
             c0 = j * BC
             cols = min(BC, n_k - c0)
-            i_first = 0  # first query tile with tile (i, j) not SKIP (iomodel's I_j; L3)
+            # The query tiles that visit key tile j, in increasing i; the rest are SKIP (L3): with causal masking
+            # I_j .. T_r - 1 (iomodel's closed form), with a block mask the list row_idx[col_ptr[j]:col_ptr[j + 1]].
+            start = 0
+            stop = t_r
             if CAUSAL:
-                i_first = min(max(-((-(c0 + 1 - delta)) // BR) - 1, 0), t_r - 1)
+                start = min(max(-((-(c0 + 1 - delta)) // BR) - 1, 0), t_r - 1)
+            if LISTS:
+                start = col_ptr[j]
+                stop = col_ptr[j + 1]
             # every thread has finished the last visit (reads of K^T, V) before they are overwritten; also
             # orders the initialisation above before the first visit's reads of O, l, m
             cuda.syncthreads()
-            load_k(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j^T: loaded once per j
-            load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: loaded once per j
-            for i in range(i_first, t_r):  # invariant: query tiles i_first..i-1 have folded tile j (L4)
+            if stop > start:  # a key tile no query tile sees is never loaded
+                load_k(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j^T: loaded once per j
+                load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: loaded once per j
+            for idx in range(start, stop):  # invariant: the query tiles before this one have folded tile j (L4)
+                i = row_idx[idx] if LISTS else idx
                 r0 = i * BR
                 rows = min(BR, n_q - r0)
                 row = r0 + ty * TM  # the thread's first row
@@ -97,8 +114,11 @@ def kernel_source(config: Config):
                 # Q_i^T (and on the first visit K_j^T, V_j) is complete before any thread reads it
                 cuda.syncthreads()
                 scores(smem, s, ty, tx, scale)
-                partial = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: the mask is needed inside it
-                if partial or cols < BC:
+                # PARTIAL tile: the mask is needed inside it
+                partial = row_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
+                if LISTS and partial:
+                    mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, DENSE)
+                elif partial or cols < BC:
                     mask(s, row, c0 + tx * TN, n_k, CAUSAL, delta)
                 if ALIASED:
                     # P^T, red and stat live in Q^T's space: every thread has read Q^T before they are written
@@ -129,13 +149,13 @@ def kernel_source(config: Config):
                         acc[a, e] = value
                     part[a] = ZERO
                 softmax(smem, s, m, part, alpha, ty)  # m becomes the new max, part the thread's row sums
-                store_p(smem, s, ty, tx)
+                store_p(smem, s, dead, LISTS and partial, ty, tx)
                 # P^T is complete, and every thread has read the row maxima before red takes the row sums
                 cuda.syncthreads()
                 write_partials(smem, RED, part, ty, tx)
                 for a in range(TM):
                     limit[a] = float32(row + a + delta - c0)
-                pv(smem, acc, alpha, ty, tx, partial, limit)
+                pv(smem, acc, alpha, ty, tx, GUARD_PARTIAL if partial else GUARD_NONE, limit)
                 # every partial row sum is written before any thread adds them up
                 cuda.syncthreads()
                 row_sum(smem, RED, part, ty)
@@ -161,6 +181,8 @@ def kernel_source(config: Config):
             m_row = m_hbm[b, h, row]
             l_row = l_hbm[b, h, row]
             alive = not CAUSAL or row + delta >= 0
+            if LISTS:
+                alive = lohi[row, 0] < lohi[row, 1]
             lse[b, h, row] = log_sum_exp(m_row, l_row, alive)
             if alive and l_row == ZERO:
                 for x in range(d):
@@ -178,16 +200,17 @@ class FlashV1Engine(CompiledKernel):
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, stat, stat, float32)
+        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types()
 
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
         if workspace is None:
             workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
         l_hbm, m_hbm = workspace
-        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale)
+        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)
-def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV1Engine:
+def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV1Engine:
     """Build (once per configuration) the register-tiled v1 kernel for these compile-time tile sizes."""
-    return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True).check(), kernel_source)
+    return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form).check(),
+                         kernel_source)

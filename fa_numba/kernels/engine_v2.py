@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32
+from numba import boolean, cuda, float32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, CompiledKernel, Config, log_sum_exp, output
-from fa_numba.kernels.engine import Layout, make_engine
+from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
+from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: Config):
@@ -33,14 +34,17 @@ def kernel_source(config: Config):
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
     load_q, load_k, load_rows, scores, mask = E.load_q, E.load_k, E.load_rows, E.scores, E.mask
-    row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
+    mask_rows, row_max_partials, softmax, store_p, pv = E.mask_rows, E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX = layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx
-    CAUSAL, ALIASED = config.causal, layout.aliased
+    CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
     OFF = layout.offsets
     SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
+    # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
+    GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
+    PARTIAL_KIND = int(PARTIAL)
 
-    def flash_v2_engine(q, k, v, o, lse, scale):
+    def flash_v2_engine(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
         tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features tx TD + e of O
@@ -54,14 +58,20 @@ def kernel_source(config: Config):
         r0 = i * BR
         rows = min(BR, n_q - r0)
         row = r0 + ty * TM  # the thread's first row
-        # Key tiles this query tile visits: 0 .. j_end - 1; the rest are SKIP (proofs/L3_causal_tiles.md).
-        j_end = (n_k + BC - 1) // BC
+        # The key tiles this query tile visits, in increasing j; the rest are SKIP (L3): with causal masking
+        # 0 .. j_end - 1 (closed form), with a block mask the list col_idx[row_ptr[i]:row_ptr[i + 1]].
+        start = 0
+        stop = (n_k + BC - 1) // BC
         if CAUSAL:
             last_key = r0 + rows - 1 + delta
-            j_end = min(j_end, last_key // BC + 1) if last_key >= 0 else 0
+            stop = min(stop, last_key // BC + 1) if last_key >= 0 else 0
+        if LISTS:
+            start = row_ptr[i]
+            stop = row_ptr[i + 1]
 
         smem = cuda.shared.array(SMEM, float32)  # Q^T | K^T | V | P^T | red at layout.offsets
         s = cuda.local.array((TM, TN), float32)  # S_ij then P_ij: registers
+        dead = cuda.local.array((TM, TN), boolean)  # masked pairs of the block-mask path
         acc = cuda.local.array((TM, TD), float32)  # O_i, unnormalised: registers, across the whole j loop
         m = cuda.local.array(TM, float32)  # row max so far
         l = cuda.local.array(TM, float32)  # the thread's partial row sum (its columns only)
@@ -73,10 +83,13 @@ def kernel_source(config: Config):
             l[a] = ZERO
             for e in range(TD):
                 acc[a, e] = ZERO
-        if j_end > 0:  # a query tile that sees no key never reads Q
+            for c in range(TN):
+                dead[a, c] = False
+        if stop > start:  # a query tile that sees no key never reads Q
             load_q(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i^T: loaded once
 
-        for j in range(j_end):  # invariant: (m, l, acc) is the state of keys [0, j B_c) (L2, L4)
+        for idx in range(start, stop):  # invariant: (m, l, acc) is the state of the visited tiles so far (L2, L4)
+            j = col_idx[idx] if LISTS else idx
             c0 = j * BC
             cols = min(BC, n_k - c0)
             # every thread has finished the previous tile's P V (reads of V and P^T) before they are overwritten
@@ -86,8 +99,11 @@ def kernel_source(config: Config):
             # K_j^T, V_j (and Q_i^T) are complete before any thread reads them
             cuda.syncthreads()
             scores(smem, s, ty, tx, scale)
-            partial = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: the mask is needed inside it
-            if partial or cols < BC:
+            # PARTIAL tile: the mask is needed inside it
+            partial = col_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
+            if LISTS and partial:
+                mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, DENSE)
+            elif partial or cols < BC:
                 mask(s, row, c0 + tx * TN, n_k, CAUSAL, delta)
             if ALIASED:
                 # P^T and red live in K^T's space: every thread has read K^T before they are written
@@ -96,12 +112,12 @@ def kernel_source(config: Config):
             # every partial row max is written before any thread reads them
             cuda.syncthreads()
             softmax(smem, s, m, l, alpha, ty)
-            store_p(smem, s, ty, tx)
+            store_p(smem, s, dead, LISTS and partial, ty, tx)
             # P^T is complete before the P V product reads it
             cuda.syncthreads()
             for a in range(TM):
                 limit[a] = float32(row + a + delta - c0)
-            pv(smem, acc, alpha, ty, tx, partial, limit)
+            pv(smem, acc, alpha, ty, tx, GUARD_PARTIAL if partial else GUARD_NONE, limit)
 
         # The row sum: add the row group's partial sums (red was last read before the last P^T barrier).
         write_partials(smem, RED, l, ty, tx)
@@ -112,6 +128,8 @@ def kernel_source(config: Config):
             r = row + a
             if r < n_q:
                 alive = not CAUSAL or r + delta >= 0
+                if LISTS:
+                    alive = lohi[r, 0] < lohi[r, 1]
                 for e in range(TD):
                     x = tx * TD + e
                     if x < d:
@@ -131,13 +149,14 @@ class FlashV2Engine(CompiledKernel):
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, float32)
+        return (inp, inp, inp, out, stat, float32) + self.mask_types()
 
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
-        kernel(q, k, v, o, lse, scale)
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
+        kernel(q, k, v, o, lse, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)
-def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV2Engine:
+def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV2Engine:
     """Build (once per configuration) the register-tiled v2 kernel for these compile-time tile sizes."""
-    return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True).check(), kernel_source)
+    return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form).check(),
+                         kernel_source)

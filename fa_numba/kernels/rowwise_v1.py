@@ -33,14 +33,17 @@ import functools
 from numba import cuda, float32
 
 from fa_numba.kernels.common import (NAN, NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
-                                     online_update, score_row, to_f32, visible_cols)
+                                     online_update, score_row, to_f32, visible_range)
+from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.form == "dense", int(PARTIAL)
 
-    def flash_v1(q, k, v, o, lse, l_hbm, m_hbm, scale):
+    def flash_v1(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi,
+                 dense):
         bh = cuda.blockIdx.x  # (batch, head)
         tid = cuda.threadIdx.x
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]  # d == D (checked at launch)
@@ -68,28 +71,38 @@ def kernel_source(config: Config):
         for j in range(t_c):  # invariant: O, l, m in HBM hold the state of keys [0, j B_c) (L2, L4)
             c0 = j * BC
             cols = min(BC, n_k - c0)
-            i_first = 0  # first query tile with tile (i, j) not SKIP (iomodel's I_j; L3)
+            # The query tiles that visit key tile j, in increasing i; the rest are SKIP (L3): with causal masking
+            # I_j .. T_r - 1 (iomodel's closed form), with a block mask the list row_idx[col_ptr[j]:col_ptr[j + 1]].
+            start = 0
+            stop = t_r
             if CAUSAL:
-                i_first = min(max(-((-(c0 + 1 - delta)) // BR) - 1, 0), t_r - 1)
+                start = min(max(-((-(c0 + 1 - delta)) // BR) - 1, 0), t_r - 1)
+            if LISTS:
+                start = col_ptr[j]
+                stop = col_ptr[j + 1]
             # every thread has finished reading the previous K_j, V_j before they are overwritten
             cuda.syncthreads()
-            load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, BR)
+            if stop > start:  # a key tile no query tile sees is never loaded
+                load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, BR)
             # the whole K_j, V_j tile is in shared memory before any thread reads it
             cuda.syncthreads()
-            for i in range(i_first, t_r):  # invariant: query tiles i_first..i-1 have folded tile j (L4)
+            for idx in range(start, stop):  # invariant: the query tiles before this one have folded tile j (L4)
+                i = row_idx[idx] if LISTS else idx
                 r0 = i * BR
                 row = r0 + tid
                 if row < n_q:
-                    masked = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: mask inside it
-                    n_vis = visible_cols(row, c0, cols, delta, masked)
+                    # PARTIAL tile: mask inside it
+                    partial = row_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
+                    c_lo, c_hi = visible_range(row, c0, cols, delta, partial and not LISTS, partial and LISTS, lohi)
+                    use_dense = DENSE and partial
                     for x in range(d):
                         q_row[x] = to_f32(q[b, h, row, x])
                     m = m_hbm[b, h, row]
                     l = l_hbm[b, h, row]
                     for x in range(d):  # O is stored normalised: acc = O l (O itself where l = 0)
                         acc[x] = o[b, h, row, x] * l if l > ZERO else o[b, h, row, x]
-                    score_row(q_row, k_tile, n_vis, d, scale, s)
-                    m, l = online_update(m, l, acc, s, n_vis, d, v_tile)
+                    score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense)
+                    m, l = online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense)
                     for x in range(d):
                         o[b, h, row, x] = acc[x] / l if l > ZERO else acc[x]
                     l_hbm[b, h, row] = l
@@ -101,6 +114,8 @@ def kernel_source(config: Config):
             m = m_hbm[b, h, row]
             l = l_hbm[b, h, row]
             alive = not CAUSAL or row + delta >= 0
+            if LISTS:
+                alive = lohi[row, 0] < lohi[row, 1]
             lse[b, h, row] = log_sum_exp(m, l, alive)
             if alive and l == ZERO:
                 for x in range(d):
@@ -117,16 +132,16 @@ class FlashV1(CompiledKernel):
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, stat, stat, float32)
+        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types()
 
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
         if workspace is None:
             workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
         l_hbm, m_hbm = workspace
-        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale)
+        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)
-def make_v1(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV1:
+def make_v1(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV1:
     """Build (once per configuration) the v1 kernel for these compile-time tile sizes."""
-    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal)).check(), kernel_source)
+    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal), mask_form=mask_form).check(), kernel_source)

@@ -28,14 +28,16 @@ import functools
 from numba import cuda, float32
 
 from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
-                                     online_update, output, score_row, to_f32, visible_cols)
+                                     online_update, output, score_row, to_f32, visible_range)
+from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.form == "dense", int(PARTIAL)
 
-    def flash_v2(q, k, v, o, lse, scale):
+    def flash_v2(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
         tid = cuda.threadIdx.x  # query row within the tile
@@ -48,11 +50,16 @@ def kernel_source(config: Config):
         r1 = min(r0 + BR, n_q)
         row = r0 + tid
         active = row < n_q
-        # Key tiles this query tile visits: 0 .. j_end - 1; the rest are SKIP (proofs/L3_causal_tiles.md).
-        j_end = (n_k + BC - 1) // BC
+        # The key tiles this query tile visits, in increasing j; the rest are SKIP (proofs/L3_causal_tiles.md):
+        # with causal masking 0 .. j_end - 1, with a block mask the list col_idx[row_ptr[i]:row_ptr[i + 1]].
+        start = 0
+        stop = (n_k + BC - 1) // BC
         if CAUSAL:
             last_key = r1 - 1 + delta
-            j_end = min(j_end, last_key // BC + 1) if last_key >= 0 else 0
+            stop = min(stop, last_key // BC + 1) if last_key >= 0 else 0
+        if LISTS:
+            start = row_ptr[i]
+            stop = row_ptr[i + 1]
 
         k_tile = cuda.shared.array((BC, D), float32)  # K_j: (B_c, d) shared, reloaded per j
         v_tile = cuda.shared.array((BC, D), float32)  # V_j: (B_c, d) shared, reloaded per j
@@ -64,11 +71,12 @@ def kernel_source(config: Config):
         l = ZERO
         for x in range(d):
             acc[x] = ZERO
-        if active and j_end > 0:  # a query tile that sees no key never reads Q
+        if active and stop > start:  # a query tile that sees no key never reads Q
             for x in range(d):
                 q_row[x] = to_f32(q[b, h, row, x])
 
-        for j in range(j_end):  # invariant: (m, l, acc) is the state of keys [0, j B_c) (L2, L4)
+        for idx in range(start, stop):  # invariant: (m, l, acc) is the state of the visited tiles so far (L2, L4)
+            j = col_idx[idx] if LISTS else idx
             c0 = j * BC
             cols = min(BC, n_k - c0)
             # every thread has finished reading the previous K_j, V_j before they are overwritten
@@ -77,13 +85,17 @@ def kernel_source(config: Config):
             # the whole K_j, V_j tile is in shared memory before any thread reads it
             cuda.syncthreads()
             if active:
-                masked = CAUSAL and c0 + cols - 1 > r0 + delta  # PARTIAL tile: mask inside it
-                n_vis = visible_cols(row, c0, cols, delta, masked)
-                score_row(q_row, k_tile, n_vis, d, scale, s)
-                m, l = online_update(m, l, acc, s, n_vis, d, v_tile)
+                # PARTIAL tile: mask inside it
+                partial = col_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
+                c_lo, c_hi = visible_range(row, c0, cols, delta, partial and not LISTS, partial and LISTS, lohi)
+                use_dense = DENSE and partial
+                score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense)
+                m, l = online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense)
 
         if active:  # O_i and LSE_i written once; a row with no visible key (by the mask) gets 0 and -inf
             alive = not CAUSAL or row + delta >= 0
+            if LISTS:
+                alive = lohi[row, 0] < lohi[row, 1]
             for x in range(d):
                 o[b, h, row, x] = output(acc[x], l, alive)
             lse[b, h, row] = log_sum_exp(m, l, alive)
@@ -99,13 +111,13 @@ class FlashV2(CompiledKernel):
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, float32)
+        return (inp, inp, inp, out, stat, float32) + self.mask_types()
 
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace):
-        kernel(q, k, v, o, lse, scale)
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
+        kernel(q, k, v, o, lse, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)
-def make_v2(block_q: int, block_k: int, head_dim: int, causal: bool) -> FlashV2:
+def make_v2(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV2:
     """Build (once per configuration) the v2 kernel for these compile-time tile sizes."""
-    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal)).check(), kernel_source)
+    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal), mask_form=mask_form).check(), kernel_source)
