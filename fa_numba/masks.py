@@ -9,7 +9,7 @@ alignment, as flash-attn >= 2.1). The built-ins:
     causal()                      j <= i + delta                             [-inf, i + delta + 1)
     sliding_window(left, right)   i + delta - left <= j <= i + delta + right [i + delta - left, i + delta + right + 1)
     prefix_lm(prefix)             j < prefix  or  j <= i + delta             [-inf, max(prefix, i + delta + 1))
-    documents(lengths)            doc(i) = doc(j)                            [s_doc(i), s_doc(i)+1)
+    documents(lengths)            doc(i) = doc(j)                            [s_doc(i), s_(doc(i)+1))
     documents(lengths, causal=True)  doc(i) = doc(j) and j <= i              [s_doc(i), i + 1)
     from_function(fn)             fn(i, j)                                   -
     from_dense(array)             array[i, j]                                -
@@ -41,7 +41,7 @@ tile with eta_i0 > c0 exists and has lambda_i0 < c1 (L8.2). Instantiated:
                   SKIP iff a_min > right or a_max < -left; FULL iff -left <= a_min and a_max <= right
     prefix_lm     SKIP iff c0 > max(prefix - 1, r1 - 1 + delta); FULL iff c1 - 1 <= max(prefix - 1, r0 + delta)
     documents     SKIP iff doc(r1 - 1) < doc(c0) or doc(c1 - 1) < doc(r0);
-                  FULL iff s_doc(r1-1) <= c0 and c1 <= s_doc(r0)+1 (one document holds the whole tile)
+                  FULL iff s_doc(r1-1) <= c0 and c1 <= s_(doc(r0)+1) (one document holds the whole tile)
     documents, causal  SKIP iff c0 >= r1 or s_doc(max(r0, c0)) >= c1;  FULL iff s_doc(r1-1) <= c0 and c1 - 1 <= r0
 
 O(1) per tile (documents: O(log D) for the np.searchsorted of D documents). from_function and from_dense
@@ -66,6 +66,10 @@ only PARTIAL tiles pay it.
 
 A row that sees no key under a mask (lo_i = hi_i; for the dense forms, a row of zeros) gets O = 0 and
 LSE = -inf, decided by the mask, never by the running state (DESIGN.md, proofs/L8.5).
+
+Layering: this module imports shapes, reference (`causal_mask`, so causal=True and mask=causal() share
+one dense definition) and tiling (`Kind`, `causal_kind`); tiling and reference read masks through their
+methods (shapes.MASK_METHODS) and do not import this module.
 
 `parse(text)` reads the CLI's mask syntax: "causal", "window:LEFT,RIGHT" (each an int >= 0 or "inf" for
 unbounded), "documents:L1,L2,...", "documents-causal:L1,L2,...", "prefix:P".
