@@ -3,7 +3,9 @@
 Layers, top to bottom (each imports only those above it):
     reference       float64 dense attention, the derived tolerance rule
     online_softmax  the (m, l, acc) state and its merge / update / finalize
-    tiling          tile grid, causal SKIP / FULL / PARTIAL classification, v1 and v2 schedules
+    tiling          tile grid, SKIP / FULL / PARTIAL classification (causal or any mask), block masks, schedules
+    masks           causal, sliding window, documents, prefix-LM, from_function / from_dense: predicate,
+                    tile classification, row intervals, the form a kernel reads (imports tiling for Kind)
     tiled           the executable NumPy spec of both schedules, with an HBM ledger
     iomodel         the same HBM traffic in closed form
     kernels         Numba CUDA kernels v1 and v2, and their registry
@@ -19,8 +21,8 @@ from fa_numba import backend
 
 backend.select()  # before anything imports numba.cuda
 
-from fa_numba import iomodel, online_softmax, reference, tiled, tiling  # noqa: E402
+from fa_numba import iomodel, masks, online_softmax, reference, tiled, tiling  # noqa: E402
 from fa_numba.api import attention, attention_backward  # noqa: E402
 
-__all__ = ["attention", "attention_backward", "backend", "iomodel", "online_softmax", "reference", "tiled", "tiling"]
+__all__ = ["attention", "attention_backward", "backend", "iomodel", "masks", "online_softmax", "reference", "tiled", "tiling"]
 __version__ = "0.1.0"

@@ -16,9 +16,12 @@ sums (BLAS matmul, and plain loops forward and reversed that round every product
 FMA does), and the floor is the ulp bound its DESIGN.md formula tends to on large tensors.
 
 Causal masking is bottom-right aligned (FlashAttention >= 2.1): query i sees key j iff j <= i + N_k - N_q.
+Any other mask (`fa_numba.masks`: window, documents, prefix-LM, a function, a dense array) is passed as
+`mask=` and applied densely through `mask.dense(N_q, N_k)`; `causal=True` is the short form of
+`mask=masks.causal()`, and passing both is a ValueError. `visible_mask` is where every dense mask is made.
 
-Non-finite values (proofs/L2, L3). Whether a row sees any key is decided by the mask alone: a row with no
-visible key (possible when N_q > N_k) has O = 0 and LSE = -inf, whatever its query holds; no NaN, no
+Non-finite values (proofs/L2, L3, L8). Whether a row sees any key is decided by the mask alone: a row with no
+visible key (causal: possible when N_q > N_k; any mask may have such rows) has O = 0 and LSE = -inf, whatever its query holds; no NaN, no
 warning. Every other row follows the dense formula with max shift, in IEEE arithmetic: a NaN in its query,
 in a visible key or in a visible score makes its O (all columns) and LSE NaN; a NaN in column x of a
 visible value makes O[:, x] NaN and leaves the LSE alone; a +inf score makes the row NaN (exp(inf - inf));
@@ -42,9 +45,19 @@ def causal_mask(n_q: int, n_k: int) -> np.ndarray:
     return j <= i + (n_k - n_q)
 
 
-def visible_mask(n_q: int, n_k: int, causal: bool) -> np.ndarray:
-    """Boolean (N_q, N_k) mask of the pairs a query sees: `causal_mask`, or every pair."""
-    return causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), dtype=bool)
+def visible_mask(n_q: int, n_k: int, causal: bool = False, mask=None) -> np.ndarray:
+    """Boolean (N_q, N_k) mask of the pairs a query sees: `mask.dense`, `causal_mask`, or every pair.
+
+    `mask` is a `fa_numba.masks` mask; with causal=True as well it is a ValueError naming both.
+    """
+    causal, mask = shapes.check_mask(causal, mask)
+    if mask is None:
+        return causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), dtype=bool)
+    visible = np.asarray(mask.dense(n_q, n_k))
+    if visible.shape != (n_q, n_k) or visible.dtype != np.bool_:
+        raise TypeError(f"mask {mask!r}: dense({n_q}, {n_k}) must give an ({n_q}, {n_k}) bool array, "
+                        f"got {visible.dtype} {visible.shape}")
+    return visible
 
 
 def visible_matmul(p: np.ndarray, v: np.ndarray, visible: np.ndarray | None = None,
@@ -83,18 +96,18 @@ def _contract(a, b, contraction):
     return total
 
 
-def _dense(q, k, v, causal, scale, dtype, contraction="matmul"):
+def _dense(q, k, v, causal, scale, dtype, contraction="matmul", mask=None):
     if contraction not in CONTRACTIONS:
         raise ValueError(f"contraction must be one of {CONTRACTIONS}, got {contraction!r}")
     prob = shapes.problem(q, k, v)
-    causal = shapes.check_causal(causal)
+    causal, mask = shapes.check_mask(causal, mask)
     scale = dtype(shapes.resolve_scale(scale, prob.d))
     q4, k4, v4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v))
     # GQA: query head h reads K/V head h // group.
     k4 = np.repeat(k4, prob.group, axis=1)
     v4 = np.repeat(v4, prob.group, axis=1)
     s = scale * _contract(q4, np.swapaxes(k4, -1, -2), contraction)  # S: (B, H, N_q, N_k)
-    visible = visible_mask(prob.n_q, prob.n_k, causal)
+    visible = visible_mask(prob.n_q, prob.n_k, causal, mask)
     alive = visible.any(axis=-1)  # rows with a visible key: decided by the mask, never by the values
     s = np.where(visible, s, dtype(-np.inf))
     with np.errstate(invalid="ignore", divide="ignore"):  # IEEE: NaN and log 0 = -inf where the inputs say so
@@ -108,8 +121,10 @@ def _dense(q, k, v, causal, scale, dtype, contraction="matmul"):
     return shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None):
     """Float64 dense attention. Returns (out, lse) with out like q and lse like q without its last axis.
+
+    mask: a `fa_numba.masks` mask applied densely (not with causal=True; that is mask=masks.causal()).
 
     >>> import numpy as np
     >>> q = k = v = np.eye(2)
@@ -117,17 +132,18 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None):
     >>> out[0].tolist(), round(float(lse[0]), 6)   # query 0 sees only key 0: LSE = S_00 = 1/sqrt(2)
     ([1.0, 0.0], 0.707107)
     """
-    return _dense(q, k, v, causal, scale, np.float64)
+    return _dense(q, k, v, causal, scale, np.float64, mask=mask)
 
 
-def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = None, contraction: str = "matmul"):
+def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = None, contraction: str = "matmul",
+                        mask=None):
     """The same dense computation in float32: the baseline the tolerance rule scales with.
 
     contraction picks how the three sums (over d for S, over keys for l and for P V) are evaluated:
     "matmul" (BLAS, which may fuse multiply-adds and block the sums), "loop" (one rounded product and one
     rounded add per term, in index order, as a CUDA-core kernel without FMA does) or "loop_reversed".
     """
-    return _dense(q, k, v, causal, scale, np.float32, contraction)
+    return _dense(q, k, v, causal, scale, np.float32, contraction, mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -223,14 +239,15 @@ class Baseline:
     atol_lse: float
 
 
-def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contractions=CONTRACTIONS) -> Baseline:
+def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contractions=CONTRACTIONS,
+             mask=None) -> Baseline:
     """Reference and tolerances, computed once per problem and shared by every implementation checked.
 
     The naive float32 baseline is evaluated once per contraction order; pass contractions=("matmul",) on
     large tensors, where one evaluation already samples the rounding noise well and the loops are slow.
     """
-    ref_out, ref_lse = attention(q, k, v, causal=causal, scale=scale)
-    naive = [attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c) for c in contractions]
+    ref_out, ref_lse = attention(q, k, v, causal=causal, scale=scale, mask=mask)
+    naive = [attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c, mask=mask) for c in contractions]
     return Baseline(ref_out, ref_lse, tolerance(ref_out, [n[0] for n in naive]), tolerance(ref_lse, [n[1] for n in naive]))
 
 
@@ -242,6 +259,7 @@ def judge(out, lse, base: Baseline, *, name: str = "kernel") -> Check:
 
 
 def check_attention(out, lse, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "kernel",
-                    contractions=CONTRACTIONS) -> Check:
+                    contractions=CONTRACTIONS, mask=None) -> Check:
     """Check (out, lse) from any implementation against the float64 reference with the derived rule."""
-    return judge(out, lse, baseline(q, k, v, causal=causal, scale=scale, contractions=contractions), name=name)
+    return judge(out, lse, baseline(q, k, v, causal=causal, scale=scale, contractions=contractions, mask=mask),
+                 name=name)

@@ -121,3 +121,26 @@ def check_causal(causal) -> bool:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     return bool(causal)
+
+
+# What a mask object offers (fa_numba.masks); layers above masks read masks through these methods only.
+MASK_METHODS = ("check", "dense", "classify_tile", "row_intervals", "kernel_form")
+
+
+def check_mask(causal, mask):
+    """The two ways to ask for masking, `causal=True` and `mask=...`, checked together: returns (causal, mask).
+
+    `causal=True` is the short form of `mask=masks.causal()`, so passing both is an error; `mask` must be a
+    `fa_numba.masks` mask (anything with the methods of MASK_METHODS) or None.
+    """
+    causal = check_causal(causal)
+    if mask is None:
+        return causal, None
+    missing = [name for name in MASK_METHODS if not callable(getattr(mask, name, None))]
+    if missing:
+        raise TypeError(f"mask must be a fa_numba.masks mask (masks.causal(), masks.sliding_window(...), ...) or "
+                        f"None, got {type(mask).__name__} without {', '.join(missing)}")
+    if causal:
+        raise ValueError(f"pass causal=True or mask=..., not both (got causal=True and mask={mask!r}): "
+                         "causal=True is the short form of mask=masks.causal()")
+    return False, mask

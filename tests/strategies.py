@@ -96,3 +96,134 @@ def kernel_cases(draw) -> Case:
     return case if launch_blocks(case) <= SIM_MAX_BLOCKS else Case(
         case.n_q, case.n_k, case.d, max(case.block_q, -(-case.n_q // 4)), case.block_k, case.causal,
         batch=1, heads_kv=case.heads_kv, group=min(case.group, 2), logit=case.logit, seed=case.seed)
+
+
+# --- masks (fa_numba.masks) -------------------------------------------------------------------------
+
+from fa_numba import masks  # noqa: E402
+
+MASK_KINDS = ("causal", "window", "prefix", "documents", "documents-causal", "function", "dense")
+
+
+@dataclass(frozen=True)
+class Stripes:
+    """A from_function predicate with structure: ((a i + b j + c) mod m) < t (t = 0: nothing visible,
+    t = m: everything). Hashable and readable in Hypothesis' reports."""
+
+    a: int
+    b: int
+    c: int
+    m: int
+    t: int
+
+    def __call__(self, i, j):
+        return (self.a * i + self.b * j + self.c) % self.m < self.t
+
+
+@dataclass(frozen=True)
+class GlobalAndLocal:
+    """A from_function predicate like Longformer's: |i - j| <= width, or i or j among the first `tokens`."""
+
+    width: int
+    tokens: int
+
+    def __call__(self, i, j):
+        return (np.abs(i - j) <= self.width) | (i < self.tokens) | (j < self.tokens)
+
+
+@dataclass(frozen=True)
+class MaskCase:
+    """An attention problem (`case`: sizes, tiles, inputs; case.causal is False) and the mask it runs with."""
+
+    case: Case
+    mask: object
+
+    @property
+    def n_q(self) -> int:
+        return self.case.n_q
+
+    @property
+    def n_k(self) -> int:
+        return self.case.n_k
+
+    @property
+    def tiles(self) -> tuple[int, int, int, int]:
+        """(n_q, n_k, block_q, block_k)."""
+        return self.case.n_q, self.case.n_k, self.case.block_q, self.case.block_k
+
+
+def random_dense(n_q: int, n_k: int, density: float, seed: int, empty_rows=()) -> np.ndarray:
+    visible = np.random.default_rng(seed).random((n_q, n_k)) < density
+    visible[list(empty_rows)] = False
+    return visible
+
+
+@st.composite
+def mask_cases(draw, max_n: int = 20, max_d: int = 8, max_block: int = 9, multihead: bool = True,
+               kinds=MASK_KINDS) -> MaskCase:
+    """A random mask of a random kind, with sizes it allows (documents: N_q = N_k = sum of the lengths)."""
+    case = draw(cases(max_n=max_n, max_d=max_d, max_block=max_block, multihead=multihead))
+    kind = draw(st.sampled_from(kinds))
+    n_q, n_k = case.n_q, case.n_k
+    if kind.startswith("documents"):
+        n_k = n_q
+        cuts = sorted(draw(st.sets(st.integers(1, n_q - 1)))) if n_q > 1 else []
+        bounds = [0, *cuts, n_q]
+        mask = masks.documents(np.diff(bounds).tolist(), causal=kind == "documents-causal")
+    elif kind == "window":
+        side = st.one_of(st.none(), st.integers(0, 3), st.integers(0, max_n + 2))
+        mask = masks.sliding_window(draw(side), draw(side))
+    elif kind == "prefix":
+        mask = masks.prefix_lm(draw(st.one_of(st.integers(0, 3), st.integers(0, max_n + 2))))
+    elif kind == "causal":
+        mask = masks.causal()
+    elif kind == "function":
+        fn = draw(st.one_of(
+            st.builds(Stripes, st.integers(0, 3), st.integers(0, 3), st.integers(0, 5), st.integers(1, 5),
+                      st.integers(0, 5)).map(lambda p: Stripes(p.a, p.b, p.c, p.m, min(p.t, p.m))),
+            st.builds(GlobalAndLocal, st.integers(0, 4), st.integers(0, 3))))
+        mask = masks.from_function(fn)
+    else:
+        density = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]))
+        empty = draw(st.sets(st.integers(0, n_q - 1), max_size=n_q))
+        mask = masks.from_dense(random_dense(n_q, n_k, density, draw(st.integers(0, 2**32 - 1)), empty))
+    return MaskCase(Case(n_q, n_k, case.d, case.block_q, case.block_k, False, batch=case.batch,
+                         heads_kv=case.heads_kv, group=case.group, logit=case.logit, seed=case.seed), mask)
+
+
+def _mask_case(n_q, n_k, block_q, block_k, mask, d=3, seed=0):
+    return MaskCase(Case(n_q, n_k, d, block_q, block_k, False, seed=seed), mask)
+
+
+# The hard cases of masks: documents of length 1, empty windows (the diagonal alone), windows wider than N,
+# rows with no visible key, N_q != N_k, a prefix beyond N_k, masks with nothing or everything visible.
+HARD_MASK_CASES = (
+    _mask_case(5, 5, 2, 2, masks.documents([1, 1, 1, 1, 1])),
+    _mask_case(1, 1, 1, 1, masks.documents([1], causal=True)),
+    _mask_case(14, 14, 4, 3, masks.documents([3, 1, 4, 1, 5], causal=True), seed=1),
+    _mask_case(14, 14, 3, 5, masks.documents([6, 1, 7])),
+    _mask_case(8, 8, 3, 3, masks.sliding_window(0, 0)),
+    _mask_case(9, 4, 2, 3, masks.sliding_window(0, 0), seed=2),
+    _mask_case(4, 11, 3, 2, masks.sliding_window(2, 1)),
+    _mask_case(7, 5, 2, 4, masks.sliding_window(50, 50)),
+    _mask_case(6, 6, 4, 4, masks.sliding_window(None, None)),
+    _mask_case(5, 9, 2, 2, masks.sliding_window(0, None)),
+    _mask_case(12, 5, 4, 2, masks.sliding_window(3, 0), seed=3),
+    _mask_case(6, 5, 2, 2, masks.prefix_lm(30)),
+    _mask_case(9, 4, 3, 3, masks.prefix_lm(2)),
+    _mask_case(12, 5, 4, 2, masks.causal()),
+    _mask_case(1, 1, 1, 1, masks.causal()),
+    _mask_case(3, 4, 2, 3, masks.from_dense(np.zeros((3, 4), dtype=bool))),
+    _mask_case(6, 7, 4, 3, masks.from_dense(random_dense(6, 7, 0.5, 7, empty_rows=(0, 3, 4))), seed=4),
+    _mask_case(5, 6, 2, 3, masks.from_function(Stripes(1, 1, 0, 3, 0))),
+    _mask_case(10, 10, 4, 4, masks.from_function(GlobalAndLocal(1, 2))),
+)
+
+
+def with_hard_mask_cases(test=None, **fixed):
+    """Decorate a @given(mc=...) test with one @example per hard mask case (other arguments from `fixed`)."""
+    if test is None:
+        return lambda t: with_hard_mask_cases(t, **fixed)
+    for mc in HARD_MASK_CASES:
+        test = example(mc=mc, **fixed)(test)
+    return test

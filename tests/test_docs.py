@@ -7,7 +7,7 @@ import re
 import pytest
 
 import fa_numba
-from fa_numba import api, iomodel, online_softmax, reference, tiled, tiling
+from fa_numba import api, iomodel, masks, online_softmax, reference, tiled, tiling
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def test_readme_python_snippet_runs(index):
     assert namespace, "snippet defined nothing"
 
 
-@pytest.mark.parametrize("module", [fa_numba, reference, online_softmax, tiling, tiled, iomodel, api], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [fa_numba, reference, online_softmax, tiling, masks, tiled, iomodel, api], ids=lambda m: m.__name__)
 def test_doctests(module):
     failures, _ = doctest.testmod(module, raise_on_error=False)
     assert failures == 0
