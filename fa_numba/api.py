@@ -14,7 +14,7 @@ from numba import cuda
 
 from fa_numba import arrays, backend, shapes
 from fa_numba.kernels import VARIANTS, default_tiles
-from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM
+from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, kernel_mask
 
 
 def _prepare(name: str, x, on_device: bool):
@@ -26,15 +26,29 @@ def _prepare(name: str, x, on_device: bool):
     return cuda.to_device(np.ascontiguousarray(shapes.as_4d(x)))
 
 
+def _resolve_mask(causal, mask, prob):
+    """(causal, mask, kernel form): causal=True or a mask whose kernel form is causal run the closed forms;
+    any other mask runs the block-mask path (its "intervals" or "dense" form)."""
+    causal, mask = shapes.check_mask(causal, mask)
+    if mask is None:
+        return causal, None, "causal" if causal else "none"
+    mask.check(prob.n_q, prob.n_k)
+    if mask.kernel_form() == "causal":
+        return True, None, "causal"
+    return False, mask, mask.kernel_form()
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
-              block_q: int | None = None, block_k: int | None = None, return_lse: bool = False):
+              block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None):
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
     q: (N_q, d), (H, N_q, d) or (B, H, N_q, d); k, v: same number of axes with N_k keys and H_kv heads
     dividing H (GQA/MQA). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same
     dtype; arithmetic and outputs are float32.
-    causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); a query that sees no key
-    gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d). block_q / block_k default by head dim
+    causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); mask is any fa_numba.masks
+    mask (sliding_window, documents, prefix_lm, from_function, from_dense; causal=True is the short form of
+    mask=masks.causal(), and passing both is an error), whose SKIP tiles are never touched. A query that sees
+    no key gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d). block_q / block_k default by head dim
     (`kernels.default_tiles`). Returns O, or (O, LSE) with return_lse=True, in q's layout and q's array
     library: NumPy for NumPy (or other host array-likes), a torch tensor on q's device for a torch tensor
     (CPU or CUDA; read through .detach(), so without autograd history), a CuPy array for CuPy, a Numba
@@ -52,7 +66,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     q, k, v = call.arrays
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES,
                           names=arrays.accepted(INPUT_DTYPES, bfloat16=True))
-    causal = shapes.check_causal(causal)
+    causal, mask, form = _resolve_mask(causal, mask, prob)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in VARIANTS:
         raise ValueError(f"order must be one of {tuple(VARIANTS)}, got {order!r}")
@@ -61,7 +75,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     default_q, default_k = default_tiles(prob.d)
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
-    VARIANTS[order].config(block_q, block_k, prob.d, causal)  # threads, shared memory: before any allocation
+    VARIANTS[order].config(block_q, block_k, prob.d, causal, form)  # threads, shared memory: before any allocation
 
     backend.warn_if_slow_in_simulator(prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
     layout = tuple(q.shape[:-1])  # the caller's (B, H, N_q), (H, N_q) or (N_q,)
@@ -69,7 +83,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         dq, dk, dv = (_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v)))
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
-        VARIANTS[order].make(block_q, block_k, prob.d, causal)(dq, dk, dv, out, lse, scale, stream=call.stream)
+        blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k) if mask is not None else None
+        VARIANTS[order].make(block_q, block_k, prob.d, causal, form)(dq, dk, dv, out, lse, scale, stream=call.stream,
+                                                                     mask=blocks)
         out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
     return (out, lse) if return_lse else out
 
@@ -89,7 +105,7 @@ def _prepare_stats(name: str, x, on_device: bool, ndim: int):
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                        order: str = "kv", deterministic: bool = False, block_q: int | None = None,
-                       block_k: int | None = None):
+                       block_k: int | None = None, mask=None):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
     q, k, v as for `attention`; out and lse are that forward's outputs (out like q, float32 or q's dtype;
@@ -99,7 +115,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     atomic adds, or with deterministic=True computed by a second, Q-outer pass without atomics, bitwise
     repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
     default by head dim (kernels.backward.DEFAULTS). HBM traffic: iomodel.traffic_backward; the kernels:
-    fa_numba/kernels/backward.py. Finite inputs (a row that sees no key gets zero gradient).
+    fa_numba/kernels/backward.py. mask as for `attention` (the forward's). Finite inputs (a row that sees no
+    key gets zero gradient).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
@@ -127,7 +144,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         raise TypeError(f"dout must have q's dtype {q.dtype} or float32 (the forward's output), got {dout.dtype}")
     if np.dtype(lse.dtype) != np.dtype(np.float32):
         raise TypeError(f"lse must have dtype float32 (the forward's), got {lse.dtype}")
-    causal = shapes.check_causal(causal)
+    causal, mask, form = _resolve_mask(causal, mask, prob)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in BACKWARD_ORDERS:
         raise ValueError(f"order must be one of {BACKWARD_ORDERS}, got {order!r}")
@@ -144,7 +161,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         raise ValueError(f"block_q and block_k must be equal for the backward kernels (square tiles), got "
                          f"{block_q} and {block_k}")
     for kind in ("kv", "q"):  # threads and shared memory, before any allocation
-        backward.BackwardConfig(kind, block_q, prob.d, causal).check()
+        backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form).check()
 
     backend.warn_if_slow_in_simulator(3 * prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
     with backend.explain_driver_errors(), call.context():
@@ -156,7 +173,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
+        blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q) if mask is not None else None
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
-                     deterministic=bool(deterministic), block=block_q, stream=call.stream)
+                     deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks)
         return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
                 call.output(grad_v, tuple(v.shape)))

@@ -26,27 +26,27 @@ from fa_numba import api
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, order, backward_order, deterministic):
-        out, lse = api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True)
+    def forward(ctx, q, k, v, causal, scale, order, backward_order, deterministic, mask):
+        out, lse = api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True, mask=mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = dict(causal=causal, scale=scale, order=backward_order, deterministic=deterministic)
+        ctx.settings = dict(causal=causal, scale=scale, order=backward_order, deterministic=deterministic, mask=mask)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = api.attention_backward(q, k, v, out, lse, dout.contiguous(), **ctx.settings)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
-              backward_order: str = "kv", deterministic: bool = False):
+              backward_order: str = "kv", deterministic: bool = False, mask=None):
     """softmax(scale Q K^T) V for torch tensors, differentiable in q, k and v (see the module docstring).
 
-    Arguments as `fa_numba.attention` (layouts, GQA, bottom-right causal alignment) and, for the backward,
+    Arguments as `fa_numba.attention` (layouts, GQA, bottom-right causal alignment, masks) and, for the backward,
     as `fa_numba.attention_backward` (backward_order "kv" or "q", deterministic). Returns O (float32)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (use fa_numba.attention "
                             "for other arrays)")
-    return _Attention.apply(q, k, v, causal, scale, order, backward_order, deterministic)
+    return _Attention.apply(q, k, v, causal, scale, order, backward_order, deterministic, mask)

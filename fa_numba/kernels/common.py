@@ -12,6 +12,7 @@ Tile sizes and d are Python ints closed over by the factories, so Numba compiles
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -165,6 +166,36 @@ class KernelMask:
     row_kind: object
     lohi: object
     dense: object
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> KernelMask:
+    """The KernelMask of a block mask (a fa_numba.masks mask whose kernel_form() is "intervals" or "dense")
+    on the B_r x B_c grid, copied to the device once per (mask, sizes, tiles) and cached.
+
+    lohi: the row intervals ("intervals"), or for a dense mask each row's first and last visible key + 1
+    (a superset the kernels refine with the dense mask inside PARTIAL tiles; lo = hi on a row that sees none).
+    """
+    from fa_numba import tiling
+
+    form = mask.kernel_form()
+    if form not in LIST_FORMS:
+        raise ValueError(f"mask {mask!r} has kernel form {form!r}: launch it with causal=True instead")
+    blocks = tiling.block_mask(n_q, n_k, block_q, block_k, mask)
+    if form == "intervals":
+        lo, hi = mask.kernel_arrays(n_q, n_k)
+        dense = np.zeros((1, 1), np.uint8)
+    else:
+        (dense,) = mask.kernel_arrays(n_q, n_k)
+        seen = dense.astype(bool)
+        any_key = seen.any(axis=1)
+        lo = np.where(any_key, seen.argmax(axis=1), 0)
+        hi = np.where(any_key, n_k - seen[:, ::-1].argmax(axis=1), 0)
+    lohi = np.ascontiguousarray(np.stack([lo, hi], axis=1).astype(np.int32))
+    lists = [np.ascontiguousarray(x) if x.size else np.zeros(1, x.dtype)  # a device array cannot be empty
+             for x in (blocks.row_ptr, blocks.col_idx, blocks.col_kind, blocks.col_ptr, blocks.row_idx, blocks.row_kind)]
+    return KernelMask(form, *(cuda.to_device(x) for x in lists), cuda.to_device(lohi),
+                      cuda.to_device(np.ascontiguousarray(dense)))
 
 
 _PLACEHOLDERS = {}
