@@ -158,6 +158,17 @@ def _run_v2(q, k, v, scale, sched, causal, ledger):
     return O, lse
 
 
+def _check_spec_args(prob, block_q, block_k, causal, dtype, scale):
+    """The spec's common arguments, validated: (block_q, block_k, causal, dtype, scale in that dtype)."""
+    block_q = shapes.check_block("block_q", block_q)
+    block_k = shapes.check_block("block_k", block_k)
+    causal = shapes.check_causal(causal)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+    return block_q, block_k, causal, dtype, dtype.type(shapes.resolve_scale(scale, prob.d))
+
+
 def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool = False,
               scale: float | None = None, dtype=np.float64, skip: bool = True):
     """Run the v1 or v2 schedule tile by tile. Returns (out, lse, ledger) in the caller's layout.
@@ -167,13 +178,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     """
     prob = shapes.problem(q, k, v)
     tiling.check_order(order)
-    block_q = shapes.check_block("block_q", block_q)
-    block_k = shapes.check_block("block_k", block_k)
-    causal = shapes.check_causal(causal)
-    dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-    scale = dtype.type(shapes.resolve_scale(scale, prob.d))
+    block_q, block_k, causal, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale)
     q4, k4, v4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v))
     sched = tiling.schedule(order, prob.n_q, prob.n_k, block_q, block_k, causal, skip=skip)
     run = _run_v1 if order == "v1" else _run_v2
@@ -312,13 +317,7 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
     shapes.check_like("lse", lse, q.shape[:-1], "as q without its last axis")
     shapes.check_like("dout", dout, q.shape, "as q")
     order, deterministic = tiling.check_backward_order(order, deterministic)
-    block_q = shapes.check_block("block_q", block_q)
-    block_k = shapes.check_block("block_k", block_k)
-    causal = shapes.check_causal(causal)
-    dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-    scale = dtype.type(shapes.resolve_scale(scale, prob.d))
+    block_q, block_k, causal, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale)
     q4, k4, v4, out4, do4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v, out, dout))
     lse4 = np.asarray(lse).reshape(q4.shape[:-1]).astype(dtype)
     sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER[order], prob.n_q, prob.n_k, block_q, block_k, causal,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fa_numba import iomodel, online_softmax as osm, reference, tiled
+from fa_numba import iomodel, online_softmax as osm, reference, tiled, tiling
 from float64_bounds import float64_atols, magnitudes
 from strategies import Case, cases, with_backward_hard_cases
 
@@ -91,7 +91,7 @@ def test_skipping_skip_tiles_changes_only_the_ledger(case: Case):
         *visited, ledger_all = _backward(case, order, deterministic, inputs, forward, skip=False)
         for a, b in zip(skipped, visited):
             np.testing.assert_array_equal(a, b)
-        if case.causal and (tiled.tiling.classify(case.n_q, case.n_k, case.block_q, case.block_k, True) == 0).any():
+        if case.causal and (tiling.classify(case.n_q, case.n_k, case.block_q, case.block_k, True) == 0).any():
             assert ledger != ledger_all
 
 
