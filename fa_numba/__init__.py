@@ -1,13 +1,13 @@
 """fa_numba: exact FlashAttention (v1 KV-outer and v2 Q-outer loop orders) in Numba CUDA.
 
 Layers, top to bottom (each imports only those above it):
-    reference       float64 dense attention, the derived tolerance rule
+    reference       float64 dense attention and its gradients, the derived tolerance rules
     online_softmax  the (m, l, acc) state and its merge / update / finalize
     tiling          tile grid, SKIP / FULL / PARTIAL classification (causal or any mask), block masks, schedules
     masks           causal, sliding window, documents, prefix-LM, from_function / from_dense: predicate,
                     tile classification, row intervals, the form a kernel reads (imports tiling for Kind)
-    tiled           the executable NumPy spec of both schedules, with an HBM ledger
-    iomodel         the same HBM traffic in closed form
+    tiled           the executable NumPy spec of both schedules (and of the backward's two orders), with an HBM ledger
+    iomodel         the same HBM traffic in closed form (forward and backward)
     kernels         Numba CUDA kernels v1 and v2, and their registry
     arrays          the caller's array library in and out: NumPy, Numba, PyTorch (CPU or CUDA), CuPy
     api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library

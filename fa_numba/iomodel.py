@@ -18,13 +18,28 @@ Without causal masking J_i = T_c - 1, K_i = N_k, I_j = 0 and R_j = N_q. Let R = 
 So v1 moves Q and O about T_c times (non-causal: Q read T_c N_q d) and v2 moves K and V about T_r times
 (non-causal: K read T_r N_k d). Non-causal, v1 - v2 in Q+O elements is (3 T_c - 1) N_q d, and v2 - v1 in
 K+V elements is 2 (T_r - 1) N_k d. Extra memory beyond Q, K, V, O is O(N) for l, m, LSE, never O(N^2).
+
+The backward (`traffic_backward`, proofs/L7_backward.md), with Q_vis = sum_{i: J_i >= 0} r_i (rows of the
+query tiles that see a key), K = sum_i K_i and R as above, per query head unless "per K/V head":
+
+    preprocess (both):  O read N_q d;  dO read N_q d;  D written N_q.
+    "kv":   per K/V head: K, V read N_k d each;  dK, dV written N_k d each.
+            Q read R d;  dO read R d;  LSE, D read R each;  dQ read R d, written (N_q + R) d (zeroed,
+            then one atomic read-modify-write per visit).
+    "kv", deterministic: as "kv" without dQ traffic, plus the dQ pass: Q, dO read Q_vis d; LSE, D read
+            Q_vis; K, V read K d each; dQ written N_q d.
+    "q":    per K/V head: dK, dV written N_k d each (zeroed).  Q, dO read Q_vis d;  LSE, D read Q_vis;
+            K, V read K d each;  dK, dV read K d and written K d each (atomic adds);  dQ written N_q d.
+
+Non-causal (R = T_c N_q, K = T_r N_k, Q_vis = N_q): "kv" moves Q, dO, dQ about T_c times and K, V, dK,
+dV once; "q" moves K, V about T_r times and dK, dV 2 T_r times (read and written).
 """
 
 from __future__ import annotations
 
 from fa_numba import shapes
-from fa_numba.tiled import TENSORS, Ledger
-from fa_numba.tiling import Grid, check_order
+from fa_numba.tiled import BACKWARD_TENSORS, Ledger
+from fa_numba.tiling import Grid, check_backward_order, check_order
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -46,6 +61,18 @@ def _rows_visiting(grid: Grid, j: int, causal: bool) -> int:
     return grid.n_q - first_tile * grid.block_q
 
 
+def _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv, skip):
+    """Validated (grid, d, batch, heads, heads_kv, causal); causal is False when skip=False (every tile visited)."""
+    grid = Grid(n_q, n_k, block_q, block_k)
+    d = shapes.check_block("d", d)
+    batch = shapes.check_block("batch", batch)
+    heads = shapes.check_block("heads", heads)
+    heads_kv = heads if heads_kv is None else shapes.check_block("heads_kv", heads_kv)
+    if heads % heads_kv:
+        raise ValueError(f"heads_kv ({heads_kv}) must divide heads ({heads})")
+    return grid, d, batch, heads, heads_kv, shapes.check_causal(causal) and skip
+
+
 def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool,
             batch: int = 1, heads: int = 1, heads_kv: int | None = None, skip: bool = True) -> Ledger:
     """Elements read and written per tensor by one call, summed over batch and query heads.
@@ -54,14 +81,8 @@ def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, 
     change the counts. skip=False gives the traffic of a schedule that computes SKIP tiles too.
     """
     check_order(order)
-    grid = Grid(n_q, n_k, block_q, block_k)
-    d = shapes.check_block("d", d)
-    batch = shapes.check_block("batch", batch)
-    heads = shapes.check_block("heads", heads)
-    heads_kv = heads if heads_kv is None else shapes.check_block("heads_kv", heads_kv)
-    if heads % heads_kv:
-        raise ValueError(f"heads_kv ({heads_kv}) must divide heads ({heads})")
-    causal = shapes.check_causal(causal) and skip
+    grid, d, batch, heads, heads_kv, causal = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads,
+                                                           heads_kv, skip)
     ledger = Ledger()
     if order == "v2":
         for i in range(grid.t_r):
@@ -87,13 +108,67 @@ def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, 
     return ledger.scaled(batch * heads)
 
 
+def traffic_backward(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool,
+                     batch: int = 1, heads: int = 1, heads_kv: int | None = None, deterministic: bool = False,
+                     skip: bool = True) -> Ledger:
+    """Elements read and written per tensor (BACKWARD_TENSORS) by one backward call of `tiled.attention_backward`.
+
+    order "kv" (K/V outer, dQ by atomic adds, or with deterministic=True by a separate Q-outer pass) or
+    "q" (Q outer, dK and dV by atomic adds); formulas in the module docstring and proofs/L7. Unlike the
+    forward, GQA changes the counts: "kv" reads K_j, V_j and writes dK_j, dV_j once per K/V head for
+    all the query heads of its group (B H_kv heads), everything else is per query head (B H heads).
+    skip=False gives the traffic of schedules that visit SKIP tiles too.
+    """
+    order, deterministic = check_backward_order(order, deterministic)
+    grid, d, batch, heads, heads_kv, causal = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads,
+                                                           heads_kv, skip)
+    q_heads, kv_heads = batch * heads, batch * heads_kv
+    row_visits = sum(_rows_visiting(grid, j, causal) for j in range(grid.t_c))  # R
+    keys = [_keys_seen(grid, i, causal) for i in range(grid.t_r)]  # K_i
+    live_rows = sum(grid.rows(i)[1] - grid.rows(i)[0] for i in range(grid.t_r) if keys[i])  # Q_vis
+    ledger = Ledger.empty(BACKWARD_TENSORS)
+    ledger.read("O", q_heads * n_q * d)  # preprocess: D = rowsum(dO o O)
+    ledger.read("dO", q_heads * n_q * d)
+    ledger.write("D", q_heads * n_q)
+
+    def q_outer(kv_grads: bool) -> None:  # per query head: each query tile that sees a key, once
+        for name, count in (("Q", live_rows * d), ("dO", live_rows * d), ("LSE", live_rows), ("D", live_rows),
+                            ("K", sum(keys) * d), ("V", sum(keys) * d)):
+            ledger.read(name, q_heads * count)
+        ledger.write("dQ", q_heads * n_q * d)
+        if kv_grads:  # dK_j, dV_j += ... for every visit: atomic read-modify-writes
+            for name in ("dK", "dV"):
+                ledger.read(name, q_heads * sum(keys) * d)
+                ledger.write(name, q_heads * sum(keys) * d)
+
+    if order == "q":
+        ledger.write("dK", kv_heads * n_k * d)  # dK = dV = 0
+        ledger.write("dV", kv_heads * n_k * d)
+        q_outer(kv_grads=True)
+        return ledger
+    for name in ("K", "V"):  # per K/V head: K_j, V_j read once, dK_j, dV_j written once
+        ledger.read(name, kv_heads * n_k * d)
+        ledger.write("d" + name, kv_heads * n_k * d)
+    for name, count in (("Q", row_visits * d), ("dO", row_visits * d), ("LSE", row_visits), ("D", row_visits)):
+        ledger.read(name, q_heads * count)
+    if deterministic:
+        q_outer(kv_grads=False)
+    else:
+        ledger.write("dQ", q_heads * n_q * d)  # dQ = 0, then one read-modify-write per visit
+        ledger.read("dQ", q_heads * row_visits * d)
+        ledger.write("dQ", q_heads * row_visits * d)
+    return ledger
+
+
 def to_bytes(ledger: Ledger, in_itemsize: int, out_itemsize: int = 4, stat_itemsize: int = 4) -> dict[str, dict[str, int]]:
-    """Bytes per tensor: Q, K, V at the input itemsize, O at the output itemsize, l, m, LSE as statistics."""
-    size = {"Q": in_itemsize, "K": in_itemsize, "V": in_itemsize, "O": out_itemsize,
-            "l": stat_itemsize, "m": stat_itemsize, "LSE": stat_itemsize}
+    """Bytes per tensor of a forward or backward ledger: Q, K, V (and dO) at the input itemsize, O (and
+    dQ, dK, dV) at the output itemsize, l, m, LSE (and D) as statistics."""
+    size = {"Q": in_itemsize, "K": in_itemsize, "V": in_itemsize, "dO": in_itemsize, "O": out_itemsize,
+            "dQ": out_itemsize, "dK": out_itemsize, "dV": out_itemsize,
+            "l": stat_itemsize, "m": stat_itemsize, "LSE": stat_itemsize, "D": stat_itemsize}
     return {
-        "read": {t: ledger.reads[t] * size[t] for t in TENSORS},
-        "write": {t: ledger.writes[t] * size[t] for t in TENSORS},
+        "read": {t: count * size[t] for t, count in ledger.reads.items()},
+        "write": {t: count * size[t] for t, count in ledger.writes.items()},
     }
 
 

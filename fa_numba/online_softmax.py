@@ -21,6 +21,10 @@ weight is exactly 0 and its value row is never multiplied. Whether a row saw any
 (-inf, 0, 0), the same as the empty set's. Everything else is IEEE arithmetic: a NaN score or value
 reaches l or acc through its weight and stays there (NaN * 0 = NaN), so the row finalises to NaN.
 All functions work on rows vectorised along axis 0 and keep the dtype they are given (float32 or float64).
+
+The backward needs no state (proofs/L7_backward.md): with the forward's LSE, `recompute_p` gives a tile's
+P = exp(S - sigma(LSE)) exactly, and `score_gradient` its dS = P o (dP - D); they are the NumPy twins of
+the backward kernels' per-tile formulas.
 """
 
 from __future__ import annotations
@@ -113,3 +117,38 @@ def finalize(state: State, alive: np.ndarray | None = None) -> tuple[np.ndarray,
         out = np.where(alive[:, None], state.acc / state.l[:, None], state.acc.dtype.type(0))
         lse = np.where(alive, state.m + np.log(state.l), state.m.dtype.type(-np.inf))
     return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# The backward's per-tile formulas (proofs/L7_backward.md): no state to carry, because the forward saved
+# LSE, so each tile's probabilities are known exactly on their own.
+
+
+def recompute_p(scores: np.ndarray, lse: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray:
+    """P = exp(S - sigma(LSE)) on visible pairs, exactly 0 on masked ones: scores (rows, cols), lse (rows,).
+
+    With the forward's LSE this is the forward's softmax, exactly in real arithmetic (L7.2), and every
+    exponent S_ij - LSE_i is <= 0. sigma(LSE) = LSE, or 0 on a row with LSE = -inf (no visible key), so
+    such a row computes exp(-inf - 0) = 0 and never exp(-inf + inf) = NaN; the mask then zeroes every
+    masked pair whatever its score (visible=None: a FULL tile, every pair visible).
+    """
+    if visible is not None:
+        scores = np.where(visible, scores, scores.dtype.type(-np.inf))
+    with np.errstate(invalid="ignore"):  # NaN where the inputs hold one (IEEE, as the forward)
+        p = np.exp(scores - _safe_shift(lse)[:, None])
+    if visible is not None:
+        p = np.where(visible, p, p.dtype.type(0))
+    return p
+
+
+def score_gradient(p: np.ndarray, dp: np.ndarray, D: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray:
+    """dS = P o (dP - D) on visible pairs, exactly 0 on masked ones: p, dp (rows, cols), D (rows,).
+
+    D_i = sum_x dO_ix O_ix = sum_j P_ij dP_ij is the softmax Jacobian's correction (L7.1). A masked pair
+    gets 0 by the mask, not by its P = 0 times a dP - D that may not be finite (a dead row's D, say).
+    """
+    with np.errstate(invalid="ignore"):
+        ds = p * (dp - D[:, None])
+    if visible is not None:
+        ds = np.where(visible, ds, ds.dtype.type(0))
+    return ds

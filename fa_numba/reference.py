@@ -20,6 +20,12 @@ Any other mask (`fa_numba.masks`: window, documents, prefix-LM, a function, a de
 `mask=` and applied densely through `mask.dense(N_q, N_k)`; `causal=True` is the short form of
 `mask=masks.causal()`, and passing both is a ValueError. `visible_mask` is where every dense mask is made.
 
+The backward (proofs/L7_backward.md): `attention_backward` gives the float64 gradients (dq, dk, dv) of
+<dO, O> for a given dO, `attention_backward_naive_f32` the same formulas in float32 (P recomputed from its
+own float32 LSE, as every FlashAttention backward does), and `baseline_backward` / `judge_backward` /
+`check_attention_backward` the gradients' rule: err <= 3 err(naive float32) + floor, the floor adding one
+float32 ulp of what the backward recomputes (dP - D where it cancels, and LSE) to `rounding_floor`.
+
 Non-finite values (proofs/L2, L3, L8). Whether a row sees any key is decided by the mask alone: a row with no
 visible key (causal: possible when N_q > N_k; any mask may have such rows) has O = 0 and LSE = -inf, whatever its query holds; no NaN, no
 warning. Every other row follows the dense formula with max shift, in IEEE arithmetic: a NaN in its query,
@@ -263,3 +269,172 @@ def check_attention(out, lse, q, k, v, *, causal: bool = False, scale: float | N
     """Check (out, lse) from any implementation against the float64 reference with the derived rule."""
     return judge(out, lse, baseline(q, k, v, causal=causal, scale=scale, contractions=contractions, mask=mask),
                  name=name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The backward pass (proofs/L7_backward.md): the gradients of f = <dO, O(q, k, v)>, for a given dO.
+#
+#     D_i = sum_x dO_ix O_ix,   dP_ij = dO_i . V_j,   dS_ij = P_ij (dP_ij - D_i),
+#     dV_j = sum_i P_ij dO_i,   dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij Q_i,
+#
+# with P the forward's probabilities (0 on masked pairs); dK and dV of a K/V head sum over the query heads
+# of its group. Tolerance rule for gradients (DESIGN.md): 3x instead of 2x, as flash-attn's own suite.
+
+GRAD_FACTOR = 3.0
+ULP32_PER_UNIT = 2.0**-23  # ulp32(x) <= 2^-23 |x|: the float32 spacing relative to the magnitude
+
+
+def _dense_backward(q, k, v, dout, causal, scale, dtype, contraction="matmul", floors=False):
+    prob = shapes.problem(q, k, v)
+    shapes.check_like("dout", dout, q.shape, "as q")
+    # Its own forward, in the same dtype and contraction order: O and LSE as `attention` returns them.
+    out, lse = _dense(q, k, v, causal, scale, dtype, contraction)
+    scale = dtype(shapes.resolve_scale(scale, prob.d))
+    q4, k4, v4, do4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v, dout))
+    out4, lse4 = shapes.as_4d(out), lse.reshape(q4.shape[:-1])
+    k4 = np.repeat(k4, prob.group, axis=1)  # GQA: query head h reads K/V head h // group
+    v4 = np.repeat(v4, prob.group, axis=1)
+    visible = visible_mask(prob.n_q, prob.n_k, causal)
+    # P recomputed from the saved LSE, P_ij = exp(S_ij - sigma(LSE_i)), exactly the softmax in real
+    # arithmetic (L7.2). In float32 this keeps the rounding of LSE at its magnitude |LSE|, an error of
+    # about ulp(LSE) in every exponent that the forward's exp(S - m) / l does not have: the baseline must
+    # carry it, as every implementation that recomputes P from a float32 LSE does (proofs/L7, FP section).
+    s = np.where(visible, scale * _contract(q4, np.swapaxes(k4, -1, -2), contraction), dtype(-np.inf))
+    shift = np.where(lse4 == -np.inf, dtype(0), lse4)  # sigma: a dead row computes exp(-inf - 0) = 0
+    with np.errstate(invalid="ignore"):  # NaN where the inputs hold one
+        p = np.where(visible, np.exp(s - shift[..., None]), dtype(0))
+    # The gradients (L7.1, L7.3, L7.5). Masked pairs get dS = 0 by the mask, and their operands are never
+    # multiplied (visible_matmul), so a row with no visible key gives exactly 0 in dQ and adds nothing to
+    # dK, dV, whatever its dO holds.
+    d_row = _contract(do4 * out4, np.ones((prob.d, 1), dtype=dtype), contraction)[..., 0]  # D: (B, H, N_q)
+    dp = _contract(do4, np.swapaxes(v4, -1, -2), contraction)  # dP: (B, H, N_q, N_k)
+    with np.errstate(invalid="ignore"):
+        ds = np.where(visible, p * (dp - d_row[..., None]), dtype(0))  # dS
+    dv = visible_matmul(np.swapaxes(p, -1, -2), do4, visible.T, contraction)
+    dk = scale * visible_matmul(np.swapaxes(ds, -1, -2), q4, visible.T, contraction)
+    dq = scale * visible_matmul(ds, k4, visible, contraction)
+    # GQA: K/V head h_kv is used by query heads h_kv * group ... (h_kv + 1) * group - 1; its gradient is the sum.
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
+    dk = dk.reshape(grouped).sum(axis=2)
+    dv = dv.reshape(grouped).sum(axis=2)
+    grads = shapes.drop_lead(dq, q.ndim), shapes.drop_lead(dk, k.ndim), shapes.drop_lead(dv, v.ndim)
+    if not floors:
+        return grads
+    # Two floors that a naive evaluation can be right about by luck (proofs/L7, floating point), each one
+    # float32 ulp at the magnitude of the data, ulp32(x) <= 2^-23 |x| (L6's floor, placed where the backward
+    # needs it):
+    # - the cancellation dP_ij - D_i: two d-term dot products, exactly equal where a row sees one key or its
+    #   P is one-hot; an evaluation that rounds both alike has dS = 0 exactly, 3x its error is 0. One ulp
+    #   each at the magnitude of its terms, sum_x |dO_ix| |V_jx| and sum_x |dO_ix| |O_ix|, times P_ij.
+    # - the stored LSE_i, rounded at its magnitude: one ulp of it is a relative error of every P_ij of the
+    #   row, times |dP_ij - D_i| in dS and times |dO_i| in dV (a forward whose LSE is a few ulps off is
+    #   still right by the forward's rule).
+    # Carried into dQ = scale dS K, dK = scale dS^T Q and dV = P^T dO.
+    with np.errstate(invalid="ignore", over="ignore"):
+        mag_dp = np.matmul(np.abs(do4), np.swapaxes(np.abs(v4), -1, -2))  # sum_x |dO_ix| |V_jx|
+        mag_d = (np.abs(do4) * np.abs(out4)).sum(axis=-1)  # sum_x |dO_ix| |O_ix|
+        p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], dtype(0))  # P ulp(LSE)
+        e = (np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]), dtype(0))
+             + p_lse * np.abs(dp - d_row[..., None]))
+        floor_dq = scale * np.matmul(e, np.abs(k4))
+        floor_dk = (scale * np.matmul(np.swapaxes(e, -1, -2), np.abs(q4))).reshape(grouped).sum(axis=2)
+        floor_dv = np.matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4)).reshape(grouped).sum(axis=2)
+    return grads, (_finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv))
+
+
+def _finite_max(x: np.ndarray) -> float:
+    finite = x[np.isfinite(x)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None):
+    """Float64 gradients (dq, dk, dv) of <dout, O(q, k, v)>, densely from its own float64 forward (O, LSE).
+
+    dout is like q; dq comes out like q, dk and dv like k and v (H_kv heads: with GQA each is the sum over
+    the query heads of its group). A row with no visible key (causal, N_q > N_k) gives a zero row of dq and
+    nothing to dk, dv. The formulas and their proof: proofs/L7_backward.md. Materialises S, P, dP, dS:
+    B H N_q N_k elements each (it is the definition, not a memory-efficient algorithm).
+
+    >>> import numpy as np
+    >>> q = k = v = np.eye(2)
+    >>> dq, dk, dv = attention_backward(q, k, v, np.ones((2, 2)), causal=True)
+    >>> p10 = 1 / (1 + np.exp(1 / np.sqrt(2)))   # query 1's weight on key 0; query 0 puts all on key 0
+    >>> np.allclose(dv, [[1 + p10] * 2, [1 - p10] * 2], rtol=1e-15, atol=0)   # dV_j = sum_i P_ij dO_i
+    True
+    """
+    return _dense_backward(q, k, v, dout, causal, scale, np.float64)
+
+
+def attention_backward_naive_f32(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
+                                 contraction: str = "matmul"):
+    """The same dense gradients in float32: the baseline of the gradients' tolerance rule.
+
+    contraction picks how every sum (over d for S, dP and D; over keys for l, O and dQ; over queries for
+    dK and dV) is evaluated, as in `attention_naive_f32`: "matmul", "loop" or "loop_reversed".
+    """
+    return _dense_backward(q, k, v, dout, causal, scale, np.float32, contraction)
+
+
+def tolerance_backward(expected: np.ndarray, naive, recompute: float = 0.0) -> float:
+    """atol = 3 * err(naive float32) + floor for one gradient (dq, dk or dv): `tolerance` with 3x.
+
+    `naive` is one float32 evaluation or a sequence of them (the CONTRACTIONS). The floor is
+    `rounding_floor(expected)` plus `recompute`: one float32 ulp of the two quantities the backward
+    recomputes, dP - D (where it cancels) and the stored LSE, carried into this gradient
+    (`baseline_backward` computes it). Why 3x and why the second floor: proofs/L7_backward.md, floating
+    point. In short: the backward chains more rounded steps than the forward (P from a rounded LSE, D
+    from a rounded O, the difference dP - D), and flash-attn's own suite allows gradients 3x; where
+    dP - D cancels exactly, or an LSE happens to round well, a naive evaluation is right by luck, which
+    the measured 3x cannot see.
+    """
+    naive = [naive] if isinstance(naive, np.ndarray) else list(naive)
+    return GRAD_FACTOR * max(max_error(n, expected) for n in naive) + rounding_floor(expected) + recompute
+
+
+@dataclass(frozen=True)
+class CheckBackward:
+    """The outcome of `check_attention_backward`: errors and tolerances of dq, dk, dv."""
+
+    err_dq: float
+    err_dk: float
+    err_dv: float
+    atol_dq: float
+    atol_dk: float
+    atol_dv: float
+
+
+@dataclass(frozen=True)
+class BaselineBackward:
+    """The float64 gradients of one problem and the tolerances the 3x rule allows around them."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    atol_dq: float
+    atol_dk: float
+    atol_dv: float
+
+
+def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
+                      contractions=CONTRACTIONS) -> BaselineBackward:
+    """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward)."""
+    ref, floors = _dense_backward(q, k, v, dout, causal, scale, np.float64, floors=True)
+    naive = [attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c)
+             for c in contractions]
+    atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) for t, r in enumerate(ref)]
+    return BaselineBackward(*ref, *atols)
+
+
+def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") -> CheckBackward:
+    """Assert (dq, dk, dv) are within the baseline's tolerances; returns the errors."""
+    err_dq = assert_close(dq, base.dq, base.atol_dq, name=f"{name} dq")
+    err_dk = assert_close(dk, base.dk, base.atol_dk, name=f"{name} dk")
+    err_dv = assert_close(dv, base.dv, base.atol_dv, name=f"{name} dv")
+    return CheckBackward(err_dq, err_dk, err_dv, base.atol_dq, base.atol_dk, base.atol_dv)
+
+
+def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False, scale: float | None = None,
+                             name: str = "kernel", contractions=CONTRACTIONS) -> CheckBackward:
+    """Check gradients from any implementation against the float64 reference with the 3x rule."""
+    base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions)
+    return judge_backward(dq, dk, dv, base, name=name)

@@ -32,7 +32,7 @@ class Problem:
         return self.heads // self.heads_kv
 
 
-def _check_array(name: str, x, allowed: tuple[np.dtype, ...], names: str | None = None) -> None:
+def _check_dtype(name: str, x, allowed: tuple[np.dtype, ...], names: str | None = None) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
     names = names or ", ".join(str(a) for a in allowed)
@@ -42,6 +42,10 @@ def _check_array(name: str, x, allowed: tuple[np.dtype, ...], names: str | None 
         raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}") from None
     if dtype not in allowed:
         raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+
+
+def _check_array(name: str, x, allowed: tuple[np.dtype, ...], names: str | None = None) -> None:
+    _check_dtype(name, x, allowed, names)
     if len(x.shape) not in (2, 3, 4):
         raise ValueError(
             f"{name} must have shape (N, d), (H, N, d) or (B, H, N, d), got {len(x.shape)}-D shape {tuple(x.shape)}"
@@ -84,6 +88,17 @@ def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | 
             f"k and v heads ({heads_kv}) must divide q heads ({heads}) for GQA/MQA"
         )
     return Problem(batch, heads, heads_kv, n_q, n_k, d)
+
+
+def check_like(name: str, x, shape: tuple[int, ...], like: str,
+               allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | None = None) -> None:
+    """x must be an array of exactly `shape` (described as `like`, e.g. "as q") with a dtype in `allowed`.
+
+    For the arguments that follow q, k, v: the backward's out, lse and dout.
+    """
+    _check_dtype(name, x, allowed, names)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} ({like}), got {tuple(x.shape)}")
 
 
 def as_4d(x: np.ndarray) -> np.ndarray:

@@ -14,6 +14,12 @@ elements in the ledger. Local variables stand for on-chip memory (shared memory,
 
 SKIP tiles are left out of both schedules (pass skip=False to compute them with a full -inf mask instead).
 K/V traffic is counted per query head: with GQA each query head still streams its own copy of its K/V head.
+
+`attention_backward` is the backward's spec (proofs/L7_backward.md), with a ledger over BACKWARD_TENSORS:
+a preprocess pass D = rowsum(dO o O), then order "kv" (K/V outer: K_j, V_j read once per K/V head for
+the whole group, dK_j, dV_j on chip, dQ accumulated in HBM, or with deterministic=True written by a
+separate Q-outer dQ pass) or "q" (Q outer: dQ_i on chip, dK, dV accumulated in HBM). P, dP and dS are
+recomputed per tile from Q_i K_j^T and LSE (`online_softmax.recompute_p`, `score_gradient`).
 """
 
 from __future__ import annotations
@@ -24,17 +30,25 @@ import numpy as np
 
 from fa_numba import online_softmax as osm
 from fa_numba import shapes, tiling
+from fa_numba.reference import visible_matmul
 from fa_numba.tiling import PARTIAL, SKIP
 
 TENSORS = ("Q", "K", "V", "O", "l", "m", "LSE")
+# The backward's HBM tensors: the inputs, the forward's O and LSE, dO, D = rowsum(dO o O) and the gradients.
+BACKWARD_TENSORS = ("Q", "K", "V", "O", "dO", "LSE", "D", "dQ", "dK", "dV")
 
 
 @dataclass
 class Ledger:
-    """Elements read from and written to HBM, per tensor."""
+    """Elements read from and written to HBM, per tensor (the forward's TENSORS unless made with `empty`)."""
 
     reads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TENSORS, 0))
     writes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TENSORS, 0))
+
+    @classmethod
+    def empty(cls, tensors: tuple[str, ...] = TENSORS) -> "Ledger":
+        """A ledger of zero counts for `tensors` (e.g. BACKWARD_TENSORS); counting any other name is a KeyError."""
+        return cls(dict.fromkeys(tensors, 0), dict.fromkeys(tensors, 0))
 
     def read(self, tensor: str, count: int) -> None:
         self.reads[tensor] += int(count)
@@ -144,6 +158,17 @@ def _run_v2(q, k, v, scale, sched, causal, ledger):
     return O, lse
 
 
+def _check_spec_args(prob, block_q, block_k, causal, dtype, scale):
+    """The spec's common arguments, validated: (block_q, block_k, causal, dtype, scale in that dtype)."""
+    block_q = shapes.check_block("block_q", block_q)
+    block_k = shapes.check_block("block_k", block_k)
+    causal = shapes.check_causal(causal)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+    return block_q, block_k, causal, dtype, dtype.type(shapes.resolve_scale(scale, prob.d))
+
+
 def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool = False,
               scale: float | None = None, dtype=np.float64, skip: bool = True):
     """Run the v1 or v2 schedule tile by tile. Returns (out, lse, ledger) in the caller's layout.
@@ -153,13 +178,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     """
     prob = shapes.problem(q, k, v)
     tiling.check_order(order)
-    block_q = shapes.check_block("block_q", block_q)
-    block_k = shapes.check_block("block_k", block_k)
-    causal = shapes.check_causal(causal)
-    dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-    scale = dtype.type(shapes.resolve_scale(scale, prob.d))
+    block_q, block_k, causal, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale)
     q4, k4, v4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v))
     sched = tiling.schedule(order, prob.n_q, prob.n_k, block_q, block_k, causal, skip=skip)
     run = _run_v1 if order == "v1" else _run_v2
@@ -171,3 +190,172 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
             h_kv = h // prob.group
             out[b, h], lse[b, h] = run(q4[b, h], k4[b, h_kv], v4[b, h_kv], scale, sched, causal, ledger)
     return shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim), ledger
+
+
+# ----------------------------------------------------------------------------------------------------
+# The backward pass (proofs/L7_backward.md): dQ, dK, dV recomputed tile by tile from Q, K, V, O, LSE, dO.
+
+
+def _preprocess(out, dout):
+    """D_i = sum_x dO_ix O_ix for every row of one query head (L7.1): the preprocess pass."""
+    return (dout * out).sum(axis=-1)
+
+
+def _tile_backward(q_i, k_j, v_j, do_i, lse_i, D_i, scale, grid, i, j, kind):
+    """One tile's P and dS (L7): S from Q_i K_j^T, P = exp(S - sigma(LSE)) recomputed, dP = dO_i V_j^T,
+    dS = P o (dP - D). Returns (p, ds, visible); visible (rows, cols) on a masked tile, else None."""
+    s, visible = _scores(q_i, k_j, scale, grid, i, j, kind)
+    p = osm.recompute_p(s, lse_i, visible)
+    with np.errstate(invalid="ignore", over="ignore"):
+        dp = do_i @ v_j.T
+    return p, osm.score_gradient(p, dp, D_i, visible), visible
+
+
+def _transposed(visible):
+    return None if visible is None else visible.T
+
+
+def _backward_kv(q, k, v, lse, D, dout, dq, scale, sched, ledger, accumulate_dq):
+    """K/V outer (FlashAttention-2's backward) for one K/V head. q, lse, D, dout, dq hold the `group`
+    query heads that read it, (group, N_q, ...). Returns (dk, dv) of the head; adds into dq if accumulate_dq."""
+    grid = sched.grid
+    by_col = {j: [] for j in range(grid.t_c)}
+    for i, j, kind in sched.visits:  # j outer, i inner
+        by_col[j].append((i, kind))
+    dk = np.empty_like(k)
+    dv = np.empty_like(v)
+    for j, col_visits in by_col.items():  # invariant (L7.6): dk_j, dv_j hold the visited (h, i) so far
+        c0, c1 = grid.cols(j)
+        k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: (B_c, d) on chip, read once per key tile
+        ledger.read("K", k_j.size)
+        ledger.read("V", v_j.size)
+        dk_j = np.zeros_like(k_j)  # dK_j, dV_j: (B_c, d) on chip for the whole inner loop
+        dv_j = np.zeros_like(v_j)
+        for h in range(q.shape[0]):  # the query heads of the group share K_j, V_j and dK_j, dV_j
+            for i, kind in col_visits:
+                r0, r1 = grid.rows(i)
+                q_i, do_i = q[h, r0:r1], dout[h, r0:r1]  # Q_i, dO_i, LSE_i, D_i: read on every visit
+                for name, count in (("Q", q_i.size), ("dO", do_i.size), ("LSE", r1 - r0), ("D", r1 - r0)):
+                    ledger.read(name, count)
+                p, ds, visible = _tile_backward(q_i, k_j, v_j, do_i, lse[h, r0:r1], D[h, r0:r1], scale, grid,
+                                                i, j, kind)
+                dv_j += visible_matmul(p.T, do_i, _transposed(visible))
+                dk_j += visible_matmul(ds.T, q_i, _transposed(visible))
+                if accumulate_dq:  # dQ_i += scale dS K_j in HBM: an atomic read-modify-write
+                    dq[h, r0:r1] += scale * visible_matmul(ds, k_j, visible)
+                    ledger.read("dQ", q_i.size)
+                    ledger.write("dQ", q_i.size)
+        dk[c0:c1] = scale * dk_j  # dK_j, dV_j: written once
+        dv[c0:c1] = dv_j
+        ledger.write("dK", dk_j.size)
+        ledger.write("dV", dv_j.size)
+    return dk, dv
+
+
+def _backward_q(q, k, v, lse, D, dout, scale, sched, ledger, dk=None, dv=None):
+    """Q outer for one query head: returns its dq. With dk, dv (the HBM gradients of its K/V head) it also
+    adds into them (order "q"); without, it is the dQ pass of the deterministic "kv" order."""
+    grid = sched.grid
+    by_row = {i: [] for i in range(grid.t_r)}
+    for i, j, kind in sched.visits:  # i outer, j inner
+        by_row[i].append((j, kind))
+    dq = np.empty_like(q)
+    for i, row_visits in by_row.items():
+        r0, r1 = grid.rows(i)
+        if not row_visits:  # a query tile that sees no key: dQ_i = 0, nothing read
+            dq[r0:r1] = 0
+            ledger.write("dQ", dq[r0:r1].size)
+            continue
+        q_i, do_i = q[r0:r1], dout[r0:r1]  # Q_i, dO_i, LSE_i, D_i: read once
+        for name, count in (("Q", q_i.size), ("dO", do_i.size), ("LSE", r1 - r0), ("D", r1 - r0)):
+            ledger.read(name, count)
+        dq_i = np.zeros_like(q_i)  # dQ_i: (B_r, d) on chip for the whole inner loop
+        for j, kind in row_visits:  # invariant (L7.6): dq_i holds the key tiles visited so far
+            c0, c1 = grid.cols(j)
+            k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: read once per query tile
+            ledger.read("K", k_j.size)
+            ledger.read("V", v_j.size)
+            p, ds, visible = _tile_backward(q_i, k_j, v_j, do_i, lse[r0:r1], D[r0:r1], scale, grid, i, j, kind)
+            dq_i += visible_matmul(ds, k_j, visible)
+            if dk is not None:  # dK_j, dV_j += ... in HBM: atomic read-modify-writes
+                dv[c0:c1] += visible_matmul(p.T, do_i, _transposed(visible))
+                dk[c0:c1] += scale * visible_matmul(ds.T, q_i, _transposed(visible))
+                for name in ("dK", "dV"):
+                    ledger.read(name, k_j.size)
+                    ledger.write(name, k_j.size)
+        dq[r0:r1] = scale * dq_i  # written once
+        ledger.write("dQ", dq_i.size)
+    return dq
+
+
+def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, block_k: int, causal: bool = False,
+                       scale: float | None = None, dtype=np.float64, deterministic: bool = False, skip: bool = True):
+    """The backward of one attention call, tile by tile, in order "kv" or "q". Returns (dq, dk, dv, ledger).
+
+    out and lse are the forward's (any order, any precision), dout the upstream gradient; out and dout are
+    like q, lse like q without its last axis. dq comes out like q, dk and dv like k and v (H_kv heads).
+    dtype is the compute dtype (float64 for the spec, float32 to mimic the kernels). Every order starts
+    with the preprocess pass D = rowsum(dO o O), then (proofs/L7_backward.md):
+
+    - "kv" (K/V outer, FlashAttention-2's backward): per K/V head, per key tile j: K_j, V_j read once,
+      dK_j, dV_j on chip while every query head of the group walks the query tiles that visit j (Q_i,
+      dO_i, LSE_i, D_i read on each visit), dK_j, dV_j written once. dQ is accumulated in HBM (zeroed
+      by the preprocess, one atomic read-modify-write per visit); with deterministic=True instead a
+      separate Q-outer pass recomputes S, P, dP, dS and writes each dQ_i once, without atomics.
+    - "q" (Q outer): dK, dV zeroed in HBM; per query head, per query tile i: Q_i, dO_i, LSE_i, D_i read
+      once, dQ_i on chip while the visible key tiles stream through (K_j, V_j read, dK_j, dV_j atomically
+      added into HBM), dQ_i written once. deterministic=True is refused (it would need a dK/dV pass).
+
+    SKIP tiles are left out (skip=False visits them with a full mask: the gradients are the same, bit for
+    bit, only the ledger grows); only PARTIAL tiles are masked; a query tile that sees no key is never
+    loaded and writes dQ_i = 0. The ledger (BACKWARD_TENSORS) sums all batches and heads, elements per
+    tensor, and equals `iomodel.traffic_backward`. FLOPs per visited tile, r x c: 5 matrix products of
+    2 r c d each (S, dP, dV, dK, dQ); the deterministic dQ pass adds 3 (S, dP, dQ), so 8 instead of 5.
+    """
+    prob = shapes.problem(q, k, v)
+    shapes.check_like("out", out, q.shape, "as q")
+    shapes.check_like("lse", lse, q.shape[:-1], "as q without its last axis")
+    shapes.check_like("dout", dout, q.shape, "as q")
+    order, deterministic = tiling.check_backward_order(order, deterministic)
+    block_q, block_k, causal, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale)
+    q4, k4, v4, out4, do4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v, out, dout))
+    lse4 = np.asarray(lse).reshape(q4.shape[:-1]).astype(dtype)
+    sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER[order], prob.n_q, prob.n_k, block_q, block_k, causal,
+                            skip=skip)
+    ledger = Ledger.empty(BACKWARD_TENSORS)
+    group = prob.group
+    n_qd, n_kd = prob.n_q * prob.d, prob.n_k * prob.d
+
+    # Preprocess, per query head: read O and dO, write D (and with atomic dQ, zero it).
+    D = _preprocess(out4, do4)
+    heads_q = prob.batch * prob.heads
+    ledger.read("O", heads_q * n_qd)
+    ledger.read("dO", heads_q * n_qd)
+    ledger.write("D", heads_q * prob.n_q)
+    dq = np.zeros(q4.shape, dtype=dtype)
+    dk = np.zeros(k4.shape, dtype=dtype)
+    dv = np.zeros(v4.shape, dtype=dtype)
+    if order == "kv":
+        if not deterministic:
+            ledger.write("dQ", heads_q * n_qd)  # dQ = 0 in HBM before the atomic adds
+        for b in range(prob.batch):
+            for h_kv in range(prob.heads_kv):
+                heads = slice(h_kv * group, (h_kv + 1) * group)
+                dk[b, h_kv], dv[b, h_kv] = _backward_kv(q4[b, heads], k4[b, h_kv], v4[b, h_kv], lse4[b, heads],
+                                                        D[b, heads], do4[b, heads], dq[b, heads], scale, sched,
+                                                        ledger, accumulate_dq=not deterministic)
+        if deterministic:  # the dQ pass: Q outer, one write per dQ_i
+            q_sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER["q"], prob.n_q, prob.n_k, block_q, block_k, causal,
+                                      skip=skip)
+            for b in range(prob.batch):
+                for h in range(prob.heads):
+                    dq[b, h] = _backward_q(q4[b, h], k4[b, h // group], v4[b, h // group], lse4[b, h], D[b, h],
+                                           do4[b, h], scale, q_sched, ledger)
+    else:
+        ledger.write("dK", prob.batch * prob.heads_kv * n_kd)  # dK = dV = 0 in HBM before the atomic adds
+        ledger.write("dV", prob.batch * prob.heads_kv * n_kd)
+        for b in range(prob.batch):
+            for h in range(prob.heads):
+                dq[b, h] = _backward_q(q4[b, h], k4[b, h // group], v4[b, h // group], lse4[b, h], D[b, h],
+                                       do4[b, h], scale, sched, ledger, dk[b, h // group], dv[b, h // group])
+    return (shapes.drop_lead(dq, q.ndim), shapes.drop_lead(dk, k.ndim), shapes.drop_lead(dv, v.ndim), ledger)

@@ -41,6 +41,10 @@ class Kind(enum.IntEnum):
 
 SKIP, FULL, PARTIAL = Kind.SKIP, Kind.FULL, Kind.PARTIAL
 ORDERS = ("v1", "v2")
+# The backward's loop orders (proofs/L7): "kv" walks the tiles as v1 does (key tile j outer, FlashAttention-2's
+# backward), "q" as v2 does (query tile i outer).
+BACKWARD_ORDERS = ("kv", "q")
+BACKWARD_VISIT_ORDER = {"kv": "v1", "q": "v2"}
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,19 @@ def check_order(order) -> str:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     return order
+
+
+def check_backward_order(order, deterministic) -> tuple[str, bool]:
+    """Validate the backward's order and deterministic flag: deterministic=True exists for "kv" only
+    (its dQ pass replaces the atomic adds into dQ; "q" would need atomic adds into dK, dV instead)."""
+    if order not in BACKWARD_ORDERS:
+        raise ValueError(f"order must be one of {BACKWARD_ORDERS} for the backward, got {order!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if deterministic and order != "kv":
+        raise ValueError(f"deterministic=True is only available with order='kv' (its separate dQ pass); "
+                         f"order={order!r} accumulates dK, dV with atomic adds")
+    return order, bool(deterministic)
 
 
 def schedule(order: str, n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False, skip: bool = True,

@@ -1,0 +1,263 @@
+"""The backward's executable spec in both orders and its traffic in closed form (proofs/L7_backward.md)."""
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from fa_numba import iomodel, online_softmax as osm, reference, tiled, tiling
+from float64_bounds import float64_atols, magnitudes
+from strategies import Case, cases, with_backward_hard_cases
+
+# (order, deterministic): the three variants of the spec.
+VARIANTS = (("kv", False), ("kv", True), ("q", False))
+
+
+def _backward(case: Case, order: str, deterministic: bool, inputs, forward, dtype=np.float64, skip=True):
+    q, k, v, dout = inputs
+    out, lse = forward
+    return tiled.attention_backward(q, k, v, out, lse, dout, order=order, block_q=case.block_q, block_k=case.block_k,
+                                    causal=case.causal, dtype=dtype, deterministic=deterministic, skip=skip)
+
+
+def _inputs(case: Case, dtype=np.float64):
+    return (*case.inputs(dtype), case.grad_output(dtype))
+
+
+@pytest.mark.lemma("L7")
+@given(case=cases(max_n=14, amplitudes=(1.0, 5.0)))
+@with_backward_hard_cases
+def test_float64_spec_of_both_orders_equals_the_reference(case: Case):
+    inputs = _inputs(case)
+    forward = reference.attention(*inputs[:3], causal=case.causal)
+    ref = reference.attention_backward(*inputs, causal=case.causal)
+    # Two float64 evaluations of the same formulas from the same O and LSE: within the first-order bound
+    # 2 u kappa max G (tests/float64_bounds.py, proofs/L7), about 1e-14 of the gradients' magnitude G here,
+    # 1e-11 at logits 1e4 (where G, not max |g|, is the scale: the exact dQ, dK are ~e^-gap there).
+    atols = float64_atols(magnitudes(*inputs, case.causal))
+    for order, deterministic in VARIANTS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # dead rows and masked scores must not warn
+            grads = _backward(case, order, deterministic, inputs, forward)[:3]
+        for name, g, r, atol in zip(("dq", "dk", "dv"), grads, ref, atols):
+            assert g.shape == r.shape and g.dtype == np.float64
+            reference.assert_close(g, r, atol, name=f"tiled {order}{' deterministic' if deterministic else ''} {name}")
+
+
+# Exceeds 3x its naive error plus the other floors by 10% without the LSE's ulp in the floor (proofs/L7).
+LUCKY_LSE = Case(n_q=4, n_k=4, d=4, block_q=1, block_k=1, causal=False, heads_kv=1, group=3, logit=30.0, seed=4)
+
+
+@pytest.mark.lemma("L7")
+@given(case=cases(max_n=14, amplitudes=(1.0, 5.0)))
+@with_backward_hard_cases
+@example(case=LUCKY_LSE)
+def test_float32_spec_of_both_orders_passes_the_3x_rule(case: Case):
+    """The spec in float32 from the float32 forward's O and LSE (as the kernels will run), by the 3x rule."""
+    inputs = _inputs(case, np.float32)
+    q, k, v, dout = inputs
+    out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=case.block_q, block_k=case.block_k,
+                                  causal=case.causal, dtype=np.float32)
+    base = reference.baseline_backward(q, k, v, dout, causal=case.causal)
+    for order, deterministic in VARIANTS:
+        grads = _backward(case, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
+        assert all(g.dtype == np.float32 for g in grads)
+        reference.judge_backward(*grads, base, name=f"tiled {order} float32")
+
+
+@pytest.mark.lemma("L7")
+def test_float16_inputs_are_checked_against_the_reference_of_the_same_inputs():
+    case = Case(n_q=9, n_k=13, d=8, block_q=4, block_k=4, causal=True, seed=5)
+    inputs = _inputs(case, np.float16)
+    q, k, v, dout = inputs
+    out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=4, block_k=4, causal=True, dtype=np.float32)
+    base = reference.baseline_backward(q, k, v, dout, causal=True)
+    for order, deterministic in VARIANTS:
+        grads = _backward(case, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
+        reference.judge_backward(*grads, base, name=f"tiled {order} from float16")
+
+
+@pytest.mark.lemma("L7")
+@given(case=cases(max_n=14))
+@with_backward_hard_cases
+def test_skipping_skip_tiles_changes_only_the_ledger(case: Case):
+    """Visiting the SKIP tiles too adds exact zeros to every accumulator: the gradients are equal bit for bit."""
+    inputs = _inputs(case)
+    forward = reference.attention(*inputs[:3], causal=case.causal)
+    for order, deterministic in VARIANTS:
+        *skipped, ledger = _backward(case, order, deterministic, inputs, forward)
+        *visited, ledger_all = _backward(case, order, deterministic, inputs, forward, skip=False)
+        for a, b in zip(skipped, visited):
+            np.testing.assert_array_equal(a, b)
+        if case.causal and (tiling.classify(case.n_q, case.n_k, case.block_q, case.block_k, True) == 0).any():
+            assert ledger != ledger_all
+
+
+@pytest.mark.lemma("L7")
+@pytest.mark.parametrize("order, deterministic", VARIANTS)
+def test_dead_rows_are_exactly_zero_in_the_spec_and_touch_nothing(order, deterministic):
+    # delta = -7: rows 0..6 see no key; query tile 0 is all dead (never loaded), tile 1 mixes dead and live
+    # rows inside a PARTIAL tile; GQA with three query heads per K/V head.
+    case = Case(n_q=11, n_k=4, d=3, block_q=4, block_k=3, causal=True, heads_kv=2, group=3, seed=7)
+    q, k, v, dout = inputs = _inputs(case)
+    forward = reference.attention(q, k, v, causal=True)
+    dead = ~reference.visible_mask(case.n_q, case.n_k, True).any(axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dq, dk, dv, _ = _backward(case, order, deterministic, inputs, forward)
+    assert (dq[:, :, dead] == 0).all() and (dq[:, :, ~dead] != 0).any()
+    # A dead row's query, O and dO (even NaN) reach nothing: dk and dv equal bit for bit.
+    q2, dout2, out2 = q.copy(), dout.copy(), forward[0].copy()
+    q2[:, :, dead] = np.nan
+    dout2[:, :, dead] = np.nan
+    out2[:, :, dead] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dq2, dk2, dv2, _ = _backward(case, order, deterministic, (q2, k, v, dout2), (out2, forward[1]))
+    for a, b in ((dq2, dq), (dk2, dk), (dv2, dv)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.lemma("L7")
+@given(case=cases(max_n=10, max_d=5))
+@with_backward_hard_cases
+def test_recomputed_p_is_the_softmax_and_d_is_rowsum_p_dp(case: Case):
+    """L7.1 and L7.2 on whole rows: exp(S - LSE) is the forward's softmax, and sum_x dO O = sum_j P dP."""
+    q, k, v, dout = _inputs(case)
+    out, lse = reference.attention(q, k, v, causal=case.causal)
+    visible = reference.visible_mask(case.n_q, case.n_k, case.causal)
+    scale = 1 / np.sqrt(case.d)
+    for b in range(case.batch):
+        for h in range(case.heads):
+            kk, vv = k[b, h // case.group], v[b, h // case.group]
+            s = scale * q[b, h] @ kk.T
+            p = osm.recompute_p(s, lse[b, h], visible)
+            alive = visible.any(axis=1)
+            assert (p[~visible] == 0).all() and (p[~alive] == 0).all()
+            if not alive.any():
+                continue
+            e = np.exp(np.where(visible, s, -np.inf)[alive] - s[alive].max(axis=1, where=visible[alive], initial=-np.inf)[:, None])
+            np.testing.assert_allclose(p[alive], e / e.sum(axis=1, keepdims=True), rtol=1e-12 * max(1.0, case.logit), atol=1e-300)
+            np.testing.assert_allclose(p[alive] @ vv, out[b, h][alive], rtol=1e-10, atol=1e-12)
+            dp = dout[b, h] @ vv.T
+            D = (dout[b, h] * out[b, h]).sum(axis=1)
+            np.testing.assert_allclose(D[alive], (p * dp).sum(axis=1)[alive], rtol=1e-10, atol=1e-12)
+            ds = osm.score_gradient(p, dp, D, visible)
+            assert (ds[~visible] == 0).all()
+            np.testing.assert_allclose(ds.sum(axis=1)[alive], 0, atol=1e-9 * np.abs(p * dp).sum(axis=1)[alive].max())
+
+
+@pytest.mark.lemma("L7")
+def test_a_broken_spec_is_caught(monkeypatch):
+    """The spec tests can fail: forget D (dS = P dP instead of P (dP - D)) and every check catches it."""
+    case = Case(n_q=8, n_k=12, d=4, block_q=4, block_k=4, causal=True, seed=9, logit=3.0)
+    inputs = _inputs(case)
+    forward = reference.attention(*inputs[:3], causal=case.causal)
+    ref = reference.attention_backward(*inputs, causal=True)
+    atols = float64_atols(magnitudes(*inputs, True))
+    f32 = _inputs(case, np.float32)
+    base = reference.baseline_backward(*f32, causal=True)
+    monkeypatch.setattr(tiled, "_preprocess", lambda out, dout: np.zeros(out.shape[:-1], dtype=out.dtype))
+    for order, deterministic in VARIANTS:
+        dq, dk, dv, _ = _backward(case, order, deterministic, inputs, forward)
+        np.testing.assert_allclose(dv, ref[2], rtol=1e-12, atol=1e-12)  # dV does not involve D
+        for name, g, r, atol in (("dq", dq, ref[0], atols[0]), ("dk", dk, ref[1], atols[1])):
+            with pytest.raises(AssertionError, match="beyond atol"):
+                reference.assert_close(g, r, atol, name=name)
+        grads = _backward(case, order, deterministic, f32, tuple(x.astype(np.float32) for x in forward),
+                          dtype=np.float32)[:3]
+        with pytest.raises(AssertionError, match="broken dq"):
+            reference.judge_backward(*grads, base, name="broken")
+
+
+def test_arguments_are_validated_by_name():
+    case = Case(n_q=4, n_k=4, d=2, block_q=2, block_k=2, causal=False)
+    q, k, v, dout = _inputs(case)
+    out, lse = reference.attention(q, k, v)
+    call = lambda **kw: tiled.attention_backward(**{**dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, order="kv",  # noqa: E731
+                                                            block_q=2, block_k=2), **kw})
+    with pytest.raises(ValueError, match=r"deterministic=True is only available with order='kv'"):
+        call(order="q", deterministic=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        call(deterministic=1)
+    with pytest.raises(ValueError, match=r"order must be one of \('kv', 'q'\) for the backward, got 'v2'"):
+        call(order="v2")
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 1, 4\) \(as q without its last axis\)"):
+        call(lse=lse[..., :3])
+    with pytest.raises(ValueError, match=r"out must have shape \(1, 1, 4, 2\) \(as q\)"):
+        call(out=out[..., :1])
+    with pytest.raises(TypeError, match="dout must have dtype in"):
+        call(dout=dout.astype(np.int64))
+    with pytest.raises(ValueError, match="block_k must be a positive int"):
+        call(block_k=0)
+    with pytest.raises(ValueError, match=r"deterministic=True is only available with order='kv'"):
+        iomodel.traffic_backward("q", 4, 4, 2, 2, 2, False, deterministic=True)
+
+
+# --- traffic -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.lemma("L7")
+@given(case=cases(max_n=24), skip=st.booleans())
+@with_backward_hard_cases(skip=True)
+def test_backward_ledger_equals_closed_form(case: Case, skip: bool):
+    inputs = _inputs(case)
+    forward = reference.attention(*inputs[:3], causal=case.causal)
+    for order, deterministic in VARIANTS:
+        *_, ledger = _backward(case, order, deterministic, inputs, forward, skip=skip)
+        model = iomodel.traffic_backward(order, case.n_q, case.n_k, case.d, case.block_q, case.block_k, case.causal,
+                                         batch=case.batch, heads=case.heads, heads_kv=case.heads_kv,
+                                         deterministic=deterministic, skip=skip)
+        assert set(ledger.reads) == set(tiled.BACKWARD_TENSORS)
+        assert ledger.reads == model.reads, (order, deterministic)
+        assert ledger.writes == model.writes, (order, deterministic)
+
+
+@pytest.mark.lemma("L7")
+@given(n_q=st.integers(1, 300), n_k=st.integers(1, 300), d=st.integers(1, 128), block_q=st.integers(1, 64),
+       block_k=st.integers(1, 64), heads_kv=st.integers(1, 3), group=st.integers(1, 3))
+def test_non_causal_backward_traffic_matches_the_textbook_formulas(n_q, n_k, d, block_q, block_k, heads_kv, group):
+    t_r, t_c = -(-n_q // block_q), -(-n_k // block_k)
+    h, h_kv = heads_kv * group, heads_kv
+    sizes = (n_q, n_k, d, block_q, block_k, False)
+    kv = iomodel.traffic_backward("kv", *sizes, heads=h, heads_kv=h_kv)
+    det = iomodel.traffic_backward("kv", *sizes, heads=h, heads_kv=h_kv, deterministic=True)
+    qo = iomodel.traffic_backward("q", *sizes, heads=h, heads_kv=h_kv)
+    for t in (kv, det, qo):  # the preprocess
+        assert (t.reads["O"], t.writes["D"]) == (h * n_q * d, h * n_q)
+    # "kv": K, V once per K/V head; Q, dO, dQ once per key tile and query head.
+    assert kv.reads["K"] == kv.writes["dK"] == kv.writes["dV"] == h_kv * n_k * d
+    assert kv.reads["Q"] == kv.reads["dQ"] == h * t_c * n_q * d
+    assert kv.reads["dO"] == h * (t_c + 1) * n_q * d and kv.writes["dQ"] == h * (t_c + 1) * n_q * d
+    assert kv.reads["LSE"] == kv.reads["D"] == h * t_c * n_q
+    # deterministic: no dQ read-modify-write; the dQ pass reads Q, dO once and K, V once per query tile.
+    assert det.reads["dQ"] == 0 and det.writes["dQ"] == h * n_q * d
+    assert det.reads["Q"] == h * (t_c + 1) * n_q * d
+    assert det.reads["K"] == h_kv * n_k * d + h * t_r * n_k * d
+    # "q": Q, dO once per query head; K, V and dK, dV (read and written) once per query tile.
+    assert qo.reads["Q"] == h * n_q * d and qo.writes["dQ"] == h * n_q * d and qo.reads["dQ"] == 0
+    assert qo.reads["K"] == qo.reads["dK"] == h * t_r * n_k * d
+    assert qo.writes["dK"] == h_kv * n_k * d + h * t_r * n_k * d
+
+
+@pytest.mark.lemma("L7")
+def test_more_queries_than_keys_does_not_load_dead_query_tiles():
+    # delta = -8: query tiles 0 and 1 see nothing; "q" and the dQ pass read only Q rows 8..11 and write
+    # dQ = 0 for the others; "kv" visits only the last query tile.
+    q_order = iomodel.traffic_backward("q", 12, 4, 2, 4, 4, causal=True)
+    assert q_order.reads["Q"] == 4 * 2 and q_order.reads["LSE"] == 4 and q_order.writes["dQ"] == 12 * 2
+    det = iomodel.traffic_backward("kv", 12, 4, 2, 4, 4, causal=True, deterministic=True)
+    assert det.reads["Q"] == 4 * 2 + 4 * 2 and det.writes["dQ"] == 12 * 2
+    kv = iomodel.traffic_backward("kv", 12, 4, 2, 4, 4, causal=True)
+    assert kv.reads["dQ"] == 4 * 2 and kv.writes["dQ"] == 12 * 2 + 4 * 2
+
+
+def test_backward_bytes_summary():
+    t = iomodel.traffic_backward("kv", 64, 64, 16, 16, 16, causal=False)
+    b = iomodel.to_bytes(t, in_itemsize=2)
+    assert set(b["read"]) == set(tiled.BACKWARD_TENSORS)
+    assert b["read"]["dO"] == t.reads["dO"] * 2 and b["read"]["dQ"] == t.reads["dQ"] * 4
+    assert b["write"]["D"] == 64 * 4 and b["read"]["K"] == 64 * 16 * 2
+    assert iomodel.total_bytes(t, 2) == sum(b["read"].values()) + sum(b["write"].values())
