@@ -81,3 +81,32 @@ def run_counted(kernel, q, k, v, scale, mask=None):
     kernel(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], scale, workspace=(dev["l"], dev["m"]), mask=mask)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
     return plain("O"), plain("LSE"), ledger
+
+
+def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order="kv", deterministic=False,
+                         block, mask=None):
+    """Run the backward kernels (kernels.backward.run) on host arrays in the simulator, counting the HBM
+    traffic of every tensor of tiled.BACKWARD_TENSORS. mask: a KernelMask, passed through uncounted.
+
+    Outputs and the D workspace start as NaN, so an element no kernel writes is caught. Returns
+    (dq, dk, dv, ledger) as plain float32 arrays."""
+    if backend.name() != "simulator":
+        raise RuntimeError("counting traffic needs the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    from fa_numba.kernels import backward
+    from fa_numba.tiled import BACKWARD_TENSORS
+
+    ledger = Ledger.empty(BACKWARD_TENSORS)
+    arrays = {
+        "Q": q, "K": k, "V": v, "O": out, "LSE": lse, "dO": dout,
+        "D": np.full(q.shape[:-1], np.nan, np.float32),
+        "dQ": np.full(q.shape, np.nan, np.float32),
+        "dK": np.full(k.shape, np.nan, np.float32),
+        "dV": np.full(k.shape, np.nan, np.float32),
+    }
+    dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
+    backward.run(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], dev["dO"], dev["dQ"], dev["dK"], dev["dV"],
+                 dev["D"], scale, causal=causal, order=order, deterministic=deterministic, block=block, mask=mask)
+    plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
+    return plain("dQ"), plain("dK"), plain("dV"), ledger
