@@ -2,9 +2,10 @@
 
     python benchmarks/gpu_check.py [--out DIR] [--smoke]
 
-1. runs the GPU test tier (tests/test_kernels.py and tests/test_api.py, `gpu`-marked larger shapes included);
-2. checks every registered kernel against the float64 reference (derived tolerance rule) at B=2, H=8,
-   N in {1024, 4096}, d in {64, 128}, causal and not, float32 inputs;
+1. runs the GPU test tier (the kernel, engine, backward, API and array-library tests, `gpu`-marked larger
+   shapes and the stream-order tests included);
+2. checks every registered kernel, forward and backward, against the float64 reference (derived tolerance
+   rules) at B=2, H=8, N in {1024, 4096}, d in {64, 128}, causal and not, float32 inputs;
 3. times each variant that passed (CUDA events, 3 warm-up calls, median of 20) and prints ms, TFLOP/s
    (4 B H N_q N_k d, halved for causal) and the v2/v1 speed-up; a variant that failed is not timed;
 4. runs `compute-sanitizer --tool racecheck` on one small launch of each kernel.
@@ -44,7 +45,8 @@ def log(msg: str) -> None:
 
 def run_tests() -> dict:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py", "tests/test_api.py"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_kernels.py", "tests/test_engine.py",
+                           "tests/test_backward_kernels.py", "tests/test_api.py", "tests/test_arrays.py"],
                           cwd=ROOT, capture_output=True, text=True)
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     log(f"[tests] {summary} ({time.perf_counter() - start:.0f} s)")
@@ -53,16 +55,18 @@ def run_tests() -> dict:
     return {"returncode": done.returncode, "summary": summary}
 
 
-def check_and_time(batch, heads, n, d, causal, repeats) -> list[dict]:
-    """compare.run on one shape: check every variant, time those that pass; one flat row per variant."""
-    result = cmp.run(cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, seed=n + d + causal),
-                     repeats=repeats, count=False)
-    log(cmp.render(result))
+def check_and_time(batch, heads, n, d, causal, repeats, backward=False) -> list[dict]:
+    """compare.run (or run_backward) on one shape: check every variant, time those that pass; one flat row
+    per variant (backward variants prefixed "bwd-", their err_out / atol_out the dQ ones)."""
+    shape = cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, seed=n + d + causal)
+    result = (cmp.run_backward if backward else cmp.run)(shape, repeats=repeats, count=False)
+    log((cmp.render_backward if backward else cmp.render)(result))
     rows = []
     for r in result["rows"]:
-        row = dict(variant=r["variant"], batch=batch, heads=heads, n=n, d=d, causal=causal,
-                   block_q=result["shape"]["block_q"], block_k=result["shape"]["block_k"], passed=r.get("passed"),
-                   err_out=r.get("err_out"), err_lse=r.get("err_lse"), atol_out=r.get("atol_out"),
+        err, atol = ("err_dq", "atol_dq") if backward else ("err_out", "atol_out")
+        row = dict(variant=("bwd-" if backward else "") + r["variant"], batch=batch, heads=heads, n=n, d=d,
+                   causal=causal, block_q=result["shape"]["block_q"], block_k=result["shape"]["block_k"],
+                   passed=r.get("passed"), err_out=r.get(err), err_lse=r.get("err_lse"), atol_out=r.get(atol),
                    atol_lse=r.get("atol_lse"), tflops=r.get("tflops"), notes=result["notes"])
         row.update(r.get("time", {}))
         if "speedup_v2_over_v1" in result:
@@ -122,6 +126,8 @@ def main() -> int:
     rows = []
     for batch, heads, n, d, causal in shapes:
         rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 20)
+        if n <= 1024:  # the backward's float64 reference holds S, P, dP and dS: keep it to N = 1024 here
+            rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 10, backward=True)
     race = None if args.smoke else racecheck()
     with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
         json.dump({"machine": info, "tests": tests, "rows": rows, "racecheck": race}, fh, indent=1)

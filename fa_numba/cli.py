@@ -38,10 +38,13 @@ def _positive_list(text: str) -> list[int]:
 
 
 def _variants(text: str) -> list[str]:
+    """Kernel variants: forward (kernels.VARIANTS) or, with --backward, backward (compare.BACKWARD_VARIANTS)."""
     names = [o.strip() for o in text.split(",") if o.strip()]
-    bad = [o for o in names if o not in VARIANTS]
+    known = list(VARIANTS) + list(cmp.BACKWARD_VARIANTS)
+    bad = [o for o in names if o not in known]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(sorted(VARIANTS))}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(sorted(VARIANTS))} (or with --backward "
+                                         f"{', '.join(cmp.BACKWARD_VARIANTS)}), got {text!r}")
     return names
 
 
@@ -72,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="every kernel variant on the same inputs, side by side")
     _shape_arguments(c, sweep=False)
     c.add_argument("--json", metavar="PATH", help="also write every number as JSON")
+    c.add_argument("--backward", action="store_true",
+                   help="the backward variants (kv, kv-deterministic, q) instead of the forward ones")
     s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots")
     _shape_arguments(s, sweep=True)
     s.add_argument("--n", type=_positive_list, required=True, help="sequence lengths N_q = N_k, e.g. 256,512,1024")
@@ -99,8 +104,24 @@ def _run_compare(args, top) -> int:
         top.error(str(err))
     if backend.name() != "gpu":
         print("no GPU found: running the kernels in the CUDA simulator (checks and HBM counts, no timings)")
-    result = cmp.run(shape, args.orders, repeats=args.repeats, count=False if args.no_count else None)
-    print(cmp.render(result))
+    if args.backward:
+        orders = args.orders if args.orders != sorted(VARIANTS) else None  # --orders names backward variants here
+        bad = [o for o in (orders or []) if o not in cmp.BACKWARD_VARIANTS]
+        if bad:
+            top.error(f"argument --orders: with --backward, expected a comma list of "
+                      f"{', '.join(cmp.BACKWARD_VARIANTS)}, got {','.join(bad)}")
+        try:
+            result = cmp.run_backward(shape, orders, repeats=args.repeats, count=False if args.no_count else None)
+        except ValueError as err:
+            top.error(str(err))
+        print(cmp.render_backward(result))
+    else:
+        bad = [o for o in args.orders if o not in VARIANTS]
+        if bad:
+            top.error(f"argument --orders: expected a comma list of {', '.join(sorted(VARIANTS))}, got {','.join(bad)} "
+                      "(backward variants need --backward)")
+        result = cmp.run(shape, args.orders, repeats=args.repeats, count=False if args.no_count else None)
+        print(cmp.render(result))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -242,6 +242,122 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     return result
 
 
+# The backward's variants `compare --backward` lists: name -> (order, deterministic, one-line verdict).
+BACKWARD_VARIANTS = {
+    "kv": ("kv", False, "K/V outer (FlashAttention-2): dK, dV on chip, dQ by atomic adds into HBM"),
+    "kv-deterministic": ("kv", True, "K/V outer for dK, dV, then a Q-outer pass for dQ: no atomics, bitwise repeatable"),
+    "q": ("q", False, "Q outer: dQ on chip, dK, dV by atomic adds into HBM"),
+}
+BACKWARD_MATMULS = {False: 5, True: 8}  # matrix products per tile: S, dP, dV, dK, dQ; + S, dP, dQ again
+
+
+def backward_block(s: Shape) -> tuple[int, str]:
+    """The backward's square tile for a resolved shape: the chosen one (block_q must equal block_k), the
+    simulator's when the forward took it, else kernels.backward's default for d; and why."""
+    from fa_numba.kernels import backward
+
+    if s.tiles == "chosen":
+        if s.block_q != s.block_k:
+            raise ValueError(f"the backward kernels need square tiles: --block-q {s.block_q} and --block-k "
+                             f"{s.block_k} must be equal")
+        return s.block_q, "chosen"
+    if "simulator default" in (s.tiles or "") and s.block_q == s.block_k == SIM_TILE:
+        return SIM_TILE, "simulator default"
+    return backward.default_backward_tiles(s.head_dim)[0], f"backward default for d={s.head_dim}"
+
+
+def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, count: bool | None = None,
+                 slow_ms: float | None = None, slow_repeats: int = 5) -> dict:
+    """Compare the backward variants on one shape: the gradients of sum(dO * attention(q, k, v)) from the
+    forward kernel's O and LSE. Per variant: errors against the float64 gradients by the 3x rule, tiles
+    visited, HBM bytes from iomodel.traffic_backward (and counted in the simulator), time on a GPU."""
+    from numba import cuda
+
+    from fa_numba.kernels import backward
+
+    s = shape.resolved()
+    block, why = backward_block(s)
+    variants = list(variants or BACKWARD_VARIANTS)
+    unknown = [v for v in variants if v not in BACKWARD_VARIANTS]
+    if unknown:
+        raise ValueError(f"backward variants must be among {sorted(BACKWARD_VARIANTS)}, got {unknown}")
+    for kind in ("kv", "q"):
+        backward.BackwardConfig(kind, block, s.head_dim, s.causal).check()
+    on_gpu = backend.name() == "gpu"
+    count = (not on_gpu) if count is None else count
+    itemsize = np.dtype(s.dtype).itemsize
+    rows = []
+    for name in variants:
+        order, deterministic, description = BACKWARD_VARIANTS[name]
+        sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER[order], s.n_q, s.n_k, block, block, s.causal)
+        model = iomodel.traffic_backward(order, s.n_q, s.n_k, s.head_dim, block, block, s.causal, batch=s.batch,
+                                         heads=s.heads, heads_kv=s.heads_kv, deterministic=deterministic)
+        rows.append({"variant": name, "order": order, "deterministic": deterministic, "description": description,
+                     "tiles_computed": sched.computed * s.batch * s.heads,
+                     "tiles_skipped": sched.skipped * s.batch * s.heads,
+                     "tiles_masked": sched.masked * s.batch * s.heads,
+                     "bytes_model": iomodel.to_bytes(model, itemsize), "bytes_total": iomodel.total_bytes(model, itemsize),
+                     "flops": attention_flops(s.batch, s.heads, s.n_q, s.n_k, s.head_dim, s.causal)
+                     * BACKWARD_MATMULS[deterministic] / 2})
+    feasible, why_not = (True, "") if on_gpu else simulator_feasible(s)
+    shape_dict = {**asdict(s), "block_q": block, "block_k": block, "tiles": why}
+    result = {"machine": machine(), "shape": shape_dict, "rows": rows, "ran": feasible, "notes": [], "backward": True}
+    if not feasible:
+        result["notes"].append(why_not)
+        return result
+
+    q, k, v = inputs(s)
+    dout = np.random.default_rng((s.seed, 1)).standard_normal(q.shape).astype(q.dtype)
+    scale = 1 / math.sqrt(s.head_dim)
+    out, lse = attention_forward(q, k, v, s.causal, block)
+    contractions = reference.CONTRACTIONS if s.batch * s.heads * s.n_q * s.n_k <= EXACT_CHECK_MAX_SCORES else ("matmul",)
+    base = reference.baseline_backward(q, k, v, dout, causal=s.causal, contractions=contractions)
+    device = [cuda.to_device(x) for x in (q, k, v, out, lse, dout)]
+    for row in rows:
+        order, deterministic = row["order"], row["deterministic"]
+        grads_dev = (cuda.device_array(q.shape, np.float32), cuda.device_array(k.shape, np.float32),
+                     cuda.device_array(k.shape, np.float32), cuda.device_array(q.shape[:-1], np.float32))
+
+        def launch():
+            backward.run(*device, *grads_dev, scale, causal=s.causal, order=order, deterministic=deterministic,
+                         block=block)
+
+        if count:
+            from fa_numba.kernels.counting import run_counted_backward
+
+            *grads, ledger = run_counted_backward(q, k, v, out, lse, dout, scale, causal=s.causal, order=order,
+                                                  deterministic=deterministic, block=block)
+            row["bytes_counted"] = iomodel.to_bytes(ledger, itemsize)
+        else:
+            launch()
+            grads = [g.copy_to_host() for g in grads_dev[:3]]
+        for key, g, ref in zip(("dq", "dk", "dv"), grads, (base.dq, base.dk, base.dv)):
+            row[f"err_{key}"] = reference.max_error(g, ref)
+        row.update(atol_dq=base.atol_dq, atol_dk=base.atol_dk, atol_dv=base.atol_dv)
+        try:
+            reference.judge_backward(*grads, base, name=row["variant"])
+            row["passed"] = True
+        except AssertionError as failure:
+            row["passed"], row["failure"] = False, str(failure)
+            continue  # a variant that fails its check is never timed
+        if on_gpu and repeats > 0:
+            timing = time_call(launch, warmup=warmup, repeats=repeats, slow_ms=slow_ms, slow_repeats=slow_repeats)
+            row["time"] = timing.as_dict()
+            seconds = timing.median_ms * 1e-3
+            row["tflops"] = row["flops"] / seconds / 1e12
+            row["gbps"] = row["bytes_total"] / seconds / 1e9
+    if not on_gpu:
+        result["notes"].append(NO_GPU_NOTE)
+    return result
+
+
+def attention_forward(q, k, v, causal, block):
+    """O and LSE of the v2 kernel (what a training step hands the backward), as host arrays."""
+    from fa_numba import api
+
+    return api.attention(q, k, v, causal=causal, return_lse=True, block_q=block, block_k=block)
+
+
 def all_passed(result: dict) -> bool:
     return all(r.get("passed", True) for r in result["rows"])
 
@@ -259,6 +375,48 @@ def align(table: list[list[str]], left: int = 0) -> list[str]:
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
             for row in table]
+
+
+def render_backward(result: dict) -> str:
+    """The aligned text table of `run_backward`."""
+    s = result["shape"]
+    m = result["machine"]
+    lines = [
+        f"machine: {m['device']} | numba {m['numba']}, numba-cuda {m['numba_cuda']}, numpy {m['numpy']} | {m['date']}",
+        f"backward of: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
+        f"d={s['head_dim']} causal={s['causal']} dtype={s['dtype']} seed={s['seed']}",
+        f"tiles: {s['block_q']}x{s['block_k']} ({s['tiles']})",
+    ]
+    unit, size = _unit(max(r["bytes_total"] for r in result["rows"]))
+    header = ["variant", "check", "err dQ", "err dK", "err dV", "tiles", "skipped", f"Q+dO {unit}", f"K+V {unit}",
+              f"dQ+dK+dV {unit}", f"total {unit}"]
+    counted = any("bytes_counted" in r for r in result["rows"])
+    timed = any("time" in r for r in result["rows"])
+    if counted:
+        header.append("counted==model")
+    if timed:
+        header += ["median ms", "p10-p90 ms", "TFLOP/s", "GB/s"]
+    table = [header]
+    for r in result["rows"]:
+        b = r["bytes_model"]
+        both = lambda *names: sum(b[rw][t] for rw in ("read", "write") for t in names) / size  # noqa: E731
+        check = "-" if "passed" not in r else ("pass" if r["passed"] else "FAIL")
+        cells = [r["variant"], check] + [f"{r[f'err_{g}']:.2e}" if f"err_{g}" in r else "-" for g in ("dq", "dk", "dv")]
+        cells += [str(r["tiles_computed"]), str(r["tiles_skipped"]), f"{both('Q', 'dO'):.2f}", f"{both('K', 'V'):.2f}",
+                  f"{both('dQ', 'dK', 'dV'):.2f}", f"{r['bytes_total'] / size:.2f}"]
+        if counted:
+            cells.append(str(r.get("bytes_counted") == b) if "bytes_counted" in r else "-")
+        if timed:
+            t = r.get("time")
+            cells += ([f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}", f"{r['tflops']:.2f}",
+                       f"{r['gbps']:.0f}"] if t else ["not timed", "", "", ""])
+        table.append(cells)
+    lines += align(table, left=1)
+    for r in result["rows"]:
+        if r.get("passed") is False:
+            lines.append(f"{r['variant']} FAILED its check and was not timed: {r['failure'][:300]}")
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
 
 
 def render(result: dict) -> str:

@@ -168,3 +168,32 @@ def test_module_entry_point_runs():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "v2" in done.stdout
+
+
+def test_compare_backward_prints_every_backward_variant_with_counts(tmp_path, capsys):
+    path = tmp_path / "bwd.json"
+    code = cli.main(["compare", "--backward", *TINY, "--causal", "--heads", "2", "--heads-kv", "1", "--json", str(path)])
+    assert code == 0
+    text = capsys.readouterr().out
+    for name in cmp.BACKWARD_VARIANTS:
+        assert f"\n{name} " in text
+    result = json.loads(path.read_text())
+    assert result["backward"] and [r["variant"] for r in result["rows"]] == list(cmp.BACKWARD_VARIANTS)
+    for row in result["rows"]:
+        model = iomodel.traffic_backward(row["order"], 20, 28, 4, 8, 8, True, heads=2, heads_kv=1,
+                                         deterministic=row["deterministic"])
+        assert row["bytes_model"] == iomodel.to_bytes(model, 4)
+        assert row["passed"] and row["err_dq"] <= row["atol_dq"] and row["err_dk"] <= row["atol_dk"]
+        if result["machine"]["backend"] == "simulator":
+            assert row["bytes_counted"] == row["bytes_model"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compare", "--backward", "--orders", "v2"], "with --backward, expected a comma list of kv, kv-deterministic, q"),
+    (["compare", "--orders", "kv"], "backward variants need --backward"),
+    (["compare", "--backward", "--block-q", "8", "--block-k", "4"], "need square tiles"),
+])
+def test_backward_argument_errors_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
