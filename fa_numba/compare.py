@@ -377,85 +377,27 @@ def align(table: list[list[str]], left: int = 0) -> list[str]:
             for row in table]
 
 
-def render_backward(result: dict) -> str:
-    """The aligned text table of `run_backward`."""
-    s = result["shape"]
+def _render(result: dict, title: str, header, cells) -> str:
+    """The table a user reads: machine, shape, tiles, one row per variant (header(unit) and cells(row, size)
+    give the columns of the kind of run), the counted==model and GPU time columns, failures and notes."""
     m = result["machine"]
-    lines = [
-        f"machine: {m['device']} | numba {m['numba']}, numba-cuda {m['numba_cuda']}, numpy {m['numpy']} | {m['date']}",
-        f"backward of: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
-        f"d={s['head_dim']} causal={s['causal']} dtype={s['dtype']} seed={s['seed']}",
-        f"tiles: {s['block_q']}x{s['block_k']} ({s['tiles']})",
-    ]
+    lines = [f"machine: {m['device']} | numba {m['numba']}, numba-cuda {m['numba_cuda']}, numpy {m['numpy']} | "
+             f"{m['date']}", title,
+             f"tiles: {result['shape']['block_q']}x{result['shape']['block_k']} ({result['shape']['tiles']})"]
     unit, size = _unit(max(r["bytes_total"] for r in result["rows"]))
-    header = ["variant", "check", "err dQ", "err dK", "err dV", "tiles", "skipped", f"Q+dO {unit}", f"K+V {unit}",
-              f"dQ+dK+dV {unit}", f"total {unit}"]
     counted = any("bytes_counted" in r for r in result["rows"])
     timed = any("time" in r for r in result["rows"])
-    if counted:
-        header.append("counted==model")
-    if timed:
-        header += ["median ms", "p10-p90 ms", "TFLOP/s", "GB/s"]
-    table = [header]
+    table = [header(unit) + (["counted==model"] if counted else []) +
+             (["median ms", "p10-p90 ms", "TFLOP/s", "GB/s"] if timed else [])]
     for r in result["rows"]:
-        b = r["bytes_model"]
-        both = lambda *names: sum(b[rw][t] for rw in ("read", "write") for t in names) / size  # noqa: E731
-        check = "-" if "passed" not in r else ("pass" if r["passed"] else "FAIL")
-        cells = [r["variant"], check] + [f"{r[f'err_{g}']:.2e}" if f"err_{g}" in r else "-" for g in ("dq", "dk", "dv")]
-        cells += [str(r["tiles_computed"]), str(r["tiles_skipped"]), f"{both('Q', 'dO'):.2f}", f"{both('K', 'V'):.2f}",
-                  f"{both('dQ', 'dK', 'dV'):.2f}", f"{r['bytes_total'] / size:.2f}"]
+        row = [r["variant"], "-" if "passed" not in r else ("pass" if r["passed"] else "FAIL")] + cells(r, size)
         if counted:
-            cells.append(str(r.get("bytes_counted") == b) if "bytes_counted" in r else "-")
+            row.append(str(r.get("bytes_counted") == r["bytes_model"]) if "bytes_counted" in r else "-")
         if timed:
             t = r.get("time")
-            cells += ([f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}", f"{r['tflops']:.2f}",
-                       f"{r['gbps']:.0f}"] if t else ["not timed", "", "", ""])
-        table.append(cells)
-    lines += align(table, left=1)
-    for r in result["rows"]:
-        if r.get("passed") is False:
-            lines.append(f"{r['variant']} FAILED its check and was not timed: {r['failure'][:300]}")
-    lines += [f"note: {n}" for n in result["notes"]]
-    return "\n".join(lines)
-
-
-def render(result: dict) -> str:
-    """The aligned text table a user reads."""
-    s = result["shape"]
-    m = result["machine"]
-    lines = [
-        f"machine: {m['device']} | numba {m['numba']}, numba-cuda {m['numba_cuda']}, numpy {m['numpy']} | {m['date']}",
-        f"shape: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} d={s['head_dim']} "
-        f"causal={s['causal']} dtype={s['dtype']} seed={s['seed']}",
-        f"tiles: {s['block_q']}x{s['block_k']} ({s['tiles']})",
-    ]
-    unit, size = _unit(max(r["bytes_total"] for r in result["rows"]))
-    header = ["variant", "check", "err O", "err LSE", "tiles", "skipped", "masked", f"Q+O {unit}", f"K+V {unit}",
-              f"l+m {unit}", f"total {unit}"]
-    counted = any("bytes_counted" in r for r in result["rows"])
-    timed = any("time" in r for r in result["rows"])
-    if counted:
-        header.append("counted==model")
-    if timed:
-        header += ["median ms", "p10-p90 ms", "TFLOP/s", "GB/s"]
-    table = [header]
-    for r in result["rows"]:
-        b = r["bytes_model"]
-        check = "-" if "passed" not in r else ("pass" if r["passed"] else "FAIL")
-        cells = [r["variant"], check,
-                 f"{r['err_out']:.2e}" if "err_out" in r else "-", f"{r['err_lse']:.2e}" if "err_lse" in r else "-",
-                 str(r["tiles_computed"]), str(r["tiles_skipped"]), str(r["tiles_masked"]),
-                 f"{(b['read']['Q'] + b['read']['O'] + b['write']['O']) / size:.2f}",
-                 f"{(b['read']['K'] + b['read']['V']) / size:.2f}",
-                 f"{sum(b[rw][t] for rw in ('read', 'write') for t in ('l', 'm')) / size:.2f}",
-                 f"{r['bytes_total'] / size:.2f}"]
-        if counted:
-            cells.append(str(r.get("bytes_counted") == b) if "bytes_counted" in r else "-")
-        if timed:
-            t = r.get("time")
-            cells += ([f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}", f"{r['tflops']:.2f}",
-                       f"{r['gbps']:.0f}"] if t else ["not timed", "", "", ""])
-        table.append(cells)
+            row += ([f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}", f"{r['tflops']:.2f}",
+                     f"{r['gbps']:.0f}"] if t else ["not timed", "", "", ""])
+        table.append(row)
     lines += align(table, left=1)
     if "speedup_v2_over_v1" in result:
         lines.append(f"v2/v1 speed-up (tile engine): {result['speedup_v2_over_v1']:.2f}x")
@@ -466,3 +408,40 @@ def render(result: dict) -> str:
             lines.append(f"{r['variant']} FAILED its check and was not timed: {r['failure'][:300]}")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def _bytes(r: dict, size: int, *names: str) -> str:
+    """Modelled bytes read and written of the named tensors, in the table's unit."""
+    return f"{sum(r['bytes_model'][rw][t] for rw in ('read', 'write') for t in names) / size:.2f}"
+
+
+def _error(r: dict, key: str) -> str:
+    return f"{r[key]:.2e}" if key in r else "-"
+
+
+def render(result: dict) -> str:
+    """The aligned text table of `run`."""
+    s = result["shape"]
+    title = (f"shape: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
+             f"d={s['head_dim']} causal={s['causal']} dtype={s['dtype']} seed={s['seed']}")
+    return _render(result, title,
+                   lambda unit: ["variant", "check", "err O", "err LSE", "tiles", "skipped", "masked", f"Q+O {unit}",
+                                 f"K+V {unit}", f"l+m {unit}", f"total {unit}"],
+                   lambda r, size: [_error(r, "err_out"), _error(r, "err_lse"), str(r["tiles_computed"]),
+                                    str(r["tiles_skipped"]), str(r["tiles_masked"]), _bytes(r, size, "Q", "O"),
+                                    _bytes(r, size, "K", "V"), _bytes(r, size, "l", "m"),
+                                    f"{r['bytes_total'] / size:.2f}"])
+
+
+def render_backward(result: dict) -> str:
+    """The aligned text table of `run_backward`."""
+    s = result["shape"]
+    title = (f"backward of: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
+             f"d={s['head_dim']} causal={s['causal']} dtype={s['dtype']} seed={s['seed']}")
+    return _render(result, title,
+                   lambda unit: ["variant", "check", "err dQ", "err dK", "err dV", "tiles", "skipped", f"Q+dO {unit}",
+                                 f"K+V {unit}", f"dQ+dK+dV {unit}", f"total {unit}"],
+                   lambda r, size: [_error(r, "err_dq"), _error(r, "err_dk"), _error(r, "err_dv"),
+                                    str(r["tiles_computed"]), str(r["tiles_skipped"]), _bytes(r, size, "Q", "dO"),
+                                    _bytes(r, size, "K", "V"), _bytes(r, size, "dQ", "dK", "dV"),
+                                    f"{r['bytes_total'] / size:.2f}"])

@@ -163,7 +163,8 @@ def _kernel_parts(config: BackwardConfig):
     B, D, t, side = config.block, config.d_pad, config.t, config.side
     TD, T, QS, PS = D // side, config.threads, D + PAD, B + PAD
     off = config.offsets
-    P, DS, LSE, DD = off["p"], off["ds"], off["lse"], off["dd"]  # closed over by the device functions below
+    Q, DO, K, V = off["q"], off["do"], off["k"], off["v"]  # closed over by the device functions below
+    P, DS, LSE, DD = off["p"], off["ds"], off["lse"], off["dd"]
     parts = dict(B=B, D=D, t=t, side=side, TD=TD, T=T, QS=QS, PS=PS, SMEM=off["_total"], Q=off["q"], DO=off["do"],
                  K=off["k"], V=off["v"], P=off["p"], DS=off["ds"], LSE=off["lse"], DD=off["dd"])
     # S, dP (t x t): rows of Q / dO and rows of K / V, reduced over the features
@@ -228,7 +229,23 @@ def _kernel_parts(config: BackwardConfig):
                 if store_p:
                     smem[u64(P + r * PS + col)] = p
 
-    parts.update(load_tile=load_tile, load_stats=load_stats, probabilities=probabilities)
+    gemm_rows = parts["gemm_rows"]
+
+    @cuda.jit(device=True, inline=True)
+    def recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense, scale,
+                  store_p):
+        """S and dP of the thread's micro-tile from the tiles in shared memory, then P and dS
+        (`probabilities`): the tile's recomputation, the same in every backward kernel."""
+        for a in range(t):
+            for c in range(t):
+                s[a, c] = ZERO
+                dp[a, c] = ZERO
+        gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
+        gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
+        probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
+                      scale, store_p)
+
+    parts.update(load_tile=load_tile, load_stats=load_stats, recompute=recompute)
     return parts
 
 
@@ -236,10 +253,10 @@ def kv_source(config: BackwardConfig):
     """The K/V-outer backward kernel (FlashAttention-2's): dK_j, dV_j on chip, dQ added into HBM unless
     deterministic (config.flag), when the q kernel computes dQ instead."""
     p = _kernel_parts(config)
-    B, t, side, TD, QS, PS = p["B"], p["t"], p["side"], p["TD"], p["QS"], p["PS"]
+    B, t, side, TD, PS = p["B"], p["t"], p["side"], p["TD"], p["PS"]
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
-    gemm_rows, gemm_keys, gemm_queries = p["gemm_rows"], p["gemm_keys"], p["gemm_queries"]
-    load_tile, load_stats, probabilities = p["load_tile"], p["load_stats"], p["probabilities"]
+    gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
+    load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
 
@@ -298,14 +315,8 @@ def kv_source(config: BackwardConfig):
                 load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read per visit
                 # Q_i, dO_i, LSE_i, D_i (and on the first visit K_j, V_j) are complete before any thread reads them
                 cuda.syncthreads()
-                for a in range(t):
-                    for c in range(t):
-                        s[a, c] = ZERO
-                        dp[a, c] = ZERO
-                gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
-                gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
-                probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
-                              DENSE and partial_lists, dense, scale, True)
+                recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
+                          DENSE and partial_lists, dense, scale, True)
                 # P and dS are complete in shared memory before the products read them
                 cuda.syncthreads()
                 gemm_keys(smem, dv_acc, P + ty * t, DO + tx * TD)  # dV_j += P^T dO_i
@@ -338,10 +349,10 @@ def q_source(config: BackwardConfig):
     """The Q-outer backward kernel: dQ_i on chip and written once; with config.flag (dq_only) that is all
     (the deterministic dQ of order kv), else dK, dV are added into HBM per visit (order q)."""
     p = _kernel_parts(config)
-    B, t, side, TD, QS, PS = p["B"], p["t"], p["side"], p["TD"], p["QS"], p["PS"]
+    B, t, side, TD, PS = p["B"], p["t"], p["side"], p["TD"], p["PS"]
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
-    gemm_rows, gemm_keys, gemm_queries = p["gemm_rows"], p["gemm_keys"], p["gemm_queries"]
-    load_tile, load_stats, probabilities = p["load_tile"], p["load_stats"], p["probabilities"]
+    gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
+    load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
 
@@ -393,14 +404,8 @@ def q_source(config: BackwardConfig):
             load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read per visit
             # K_j, V_j (and Q_i, dO_i, LSE_i, D_i) are complete before any thread reads them
             cuda.syncthreads()
-            for a in range(t):
-                for c in range(t):
-                    s[a, c] = ZERO
-                    dp[a, c] = ZERO
-            gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)
-            gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)
-            probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
-                          DENSE and partial_lists, dense, scale, not DQ_ONLY)
+            recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
+                      DENSE and partial_lists, dense, scale, not DQ_ONLY)
             # dS (and P) are complete in shared memory before the products read them
             cuda.syncthreads()
             gemm_queries(smem, dq_acc, DS + ty * t * PS, K + tx * TD)  # dQ_i += dS K_j (scale at the end)

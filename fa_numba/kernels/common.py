@@ -142,6 +142,32 @@ class CompiledKernel:
                 types.Array(types.uint8, 2, "C"))
 
 
+class V1Kernel(CompiledKernel):
+    """A v1 (K/V outer) kernel's arguments: q, k, v, o, lse, the l and m workspaces, scale, the mask arrays;
+    the l, m workspace is allocated unless given."""
+
+    def argtypes(self, dtype):
+        inp, out, stat = self.array_types(dtype)
+        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types()
+
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
+        if workspace is None:
+            workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
+        l_hbm, m_hbm = workspace
+        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *masks)
+
+
+class V2Kernel(CompiledKernel):
+    """A v2 (Q outer) kernel's arguments: q, k, v, o, lse, scale, the mask arrays (no workspace)."""
+
+    def argtypes(self, dtype):
+        inp, out, stat = self.array_types(dtype)
+        return (inp, inp, inp, out, stat, float32) + self.mask_types()
+
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
+        kernel(q, k, v, o, lse, scale, *masks)
+
+
 LIST_FORMS = ("intervals", "dense")
 MASK_FORMS = ("none", "causal") + LIST_FORMS
 

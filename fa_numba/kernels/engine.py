@@ -191,80 +191,40 @@ def make_engine(layout: Layout) -> SimpleNamespace:
     STEP = next(t for t in (16, 8, 4, 2, 1) if D % t == 0 and t * (TM * TN + TM + TN) <= max(UNROLL_BUDGET, 1))
     KSTEP = next(t for t in (8, 4, 2, 1) if BC % t == 0 and t * (TM * TD + TM + TD) <= max(UNROLL_BUDGET, 1))
 
-    def transposed_loader(W):
-        """A loader of a W-row tile (Q_i: W = B_r, K_j: W = B_c) into smem[off + x W + r], transposed."""
-        STEPS = _per_thread(D * W, T)
-        if T % W == 0:  # each thread keeps one row r = tid % W and walks the features x0, x0 + T / W, ...
-            XSTRIDE = T // W
+    def tile_loader(W, transposed):
+        """A loader of a W-row tile of src (rows past `rows` and features past d read as zeros) into smem at
+        off: transposed (Q_i^T, K_j^T) element (r, x) goes to off + x W + r, else (V_j) to off + r D + x.
 
-            @cuda.jit(device=True, inline=True)
-            def load(src, b, h, row0, rows, d, smem, off, tid):
-                """smem[off + x W + r] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (x < D).
-
-                Consecutive threads take consecutive r: conflict-free stores; one HBM read per element."""
-                r = tid % W
-                x0 = tid // W
-                inside = r < rows
-                row = src[b, h, u64(row0 + r if inside else row0)]
-                dst = smem[u64(off + tid):]  # element (r, x0 + step XSTRIDE) is step T floats further on
-                for step in range(STEPS):
-                    x = x0 + step * XSTRIDE
-                    if x < D:
-                        value = ZERO
-                        if inside and x < d:
-                            value = to_f32(row[u64(x)])
-                        dst[u64(step * T)] = value
-        else:
-            @cuda.jit(device=True, inline=True)
-            def load(src, b, h, row0, rows, d, smem, off, tid):
-                """smem[off + x W + r] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (x < D)."""
-                for step in range(STEPS):
-                    idx = tid + step * T
-                    if idx < D * W:
-                        x = idx // W
-                        r = idx - x * W
-                        value = ZERO
-                        if r < rows and x < d:
-                            value = to_f32(src[b, h, u64(row0 + r), u64(x)])
-                        smem[u64(off + idx)] = value
-        return load
-
-    V_STEPS = _per_thread(BC * D, T)
-    if T % D == 0:
-        RSTRIDE = T // D
+        Consecutive threads take consecutive smem addresses (conflict-free stores); when T is a multiple of
+        the inner extent each thread keeps one inner index and walks the outer one by T / inner, so no
+        division is left in the loop. One HBM read per element."""
+        INNER, OUTER = (W, D) if transposed else (D, W)
+        STEPS = _per_thread(INNER * OUTER, T)
+        KEEP = T % INNER == 0
 
         @cuda.jit(device=True, inline=True)
-        def load_rows(src, b, h, row0, rows, d, smem, off, tid):
-            """smem[off + r D + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (coalesced).
-
-            Each thread keeps one feature x = tid % D and walks the rows r0, r0 + T / D, ..."""
-            x = tid % D
-            r0 = tid // D
-            slab = src[b, h]
-            dst = smem[u64(off + tid):]
-            for step in range(V_STEPS):
-                r = r0 + step * RSTRIDE
-                if r < BC:
-                    value = ZERO
-                    if r < rows and x < d:
-                        value = to_f32(slab[u64(row0 + r), u64(x)])
-                    dst[u64(step * T)] = value
-    else:
-        @cuda.jit(device=True, inline=True)
-        def load_rows(src, b, h, row0, rows, d, smem, off, tid):
-            """smem[off + r D + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros elsewhere (coalesced)."""
-            for step in range(V_STEPS):
+        def load(src, b, h, row0, rows, d, smem, off, tid):
+            for step in range(STEPS):
                 idx = tid + step * T
-                if idx < BC * D:
-                    r = idx // D
-                    x = idx - r * D
+                if KEEP:
+                    inner = tid % INNER
+                    outer = tid // INNER + step * (T // INNER)
+                else:
+                    outer = idx // INNER
+                    inner = idx - outer * INNER
+                if outer < OUTER:
+                    r = inner if transposed else outer
+                    x = outer if transposed else inner
                     value = ZERO
                     if r < rows and x < d:
                         value = to_f32(src[b, h, u64(row0 + r), u64(x)])
                     smem[u64(off + idx)] = value
 
-    load_q = transposed_loader(BR)
-    load_k = transposed_loader(BC)
+        return load
+
+    load_q = tile_loader(BR, True)  # Q_i^T
+    load_k = tile_loader(BC, True)  # K_j^T
+    load_rows = tile_loader(BC, False)  # V_j
 
     @cuda.jit(device=True, inline=True)
     def scores(smem, s, ty, tx, scale):
@@ -324,6 +284,17 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 dead[a, c] = not visible
                 if not visible:
                     s[a, c] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    def masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, causal, lists, lohi,
+                      dense, use_dense):
+        """S of the thread's micro-tile (`scores`), then the mask only where a tile needs one: a PARTIAL tile
+        of the block-mask path (`mask_rows`), a causal PARTIAL tile or the ragged last key tile (`mask`)."""
+        scores(smem, s, ty, tx, scale)
+        if lists and partial:
+            mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, use_dense)
+        elif partial or cols < BC:
+            mask(s, row, c0 + tx * TN, n_k, causal, delta)
 
     @cuda.jit(device=True, inline=True)
     def write_partials(smem, off, values, ty, tx):
@@ -452,6 +423,6 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 acc += src[u64(a * CX + t)]
             total[a] = acc
 
-    return SimpleNamespace(load_q=load_q, load_k=load_k, load_rows=load_rows, scores=scores, mask=mask,
-                           mask_rows=mask_rows, row_max_partials=row_max_partials, softmax=softmax, store_p=store_p,
-                           pv=pv, write_partials=write_partials, row_sum=row_sum)
+    return SimpleNamespace(load_q=load_q, load_k=load_k, load_rows=load_rows, masked_scores=masked_scores,
+                           row_max_partials=row_max_partials, softmax=softmax, store_p=store_p, pv=pv,
+                           write_partials=write_partials, row_sum=row_sum)

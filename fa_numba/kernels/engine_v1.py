@@ -30,7 +30,7 @@ import functools
 
 from numba import boolean, cuda, float32, uint64 as u64
 
-from fa_numba.kernels.common import NAN, NEG_INF, ZERO, CompiledKernel, Config, log_sum_exp
+from fa_numba.kernels.common import NAN, NEG_INF, ZERO, Config, V1Kernel, log_sum_exp
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.tiling import PARTIAL
 
@@ -39,8 +39,8 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    load_q, load_k, load_rows, scores, mask = E.load_q, E.load_k, E.load_rows, E.scores, E.mask
-    mask_rows, row_max_partials, softmax, store_p, pv = E.mask_rows, E.row_max_partials, E.softmax, E.store_p, E.pv
+    load_q, load_k, load_rows, masked_scores = E.load_q, E.load_k, E.load_rows, E.masked_scores
+    row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
                                  layout.threads)
@@ -113,13 +113,10 @@ def kernel_source(config: Config):
                 load_q(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i^T: reloaded on every visit
                 # Q_i^T (and on the first visit K_j^T, V_j) is complete before any thread reads it
                 cuda.syncthreads()
-                scores(smem, s, ty, tx, scale)
                 # PARTIAL tile: the mask is needed inside it
                 partial = row_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
-                if LISTS and partial:
-                    mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, DENSE)
-                elif partial or cols < BC:
-                    mask(s, row, c0 + tx * TN, n_k, CAUSAL, delta)
+                masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, CAUSAL, LISTS, lohi,
+                              dense, DENSE)
                 if ALIASED:
                     # P^T, red and stat live in Q^T's space: every thread has read Q^T before they are written
                     cuda.syncthreads()
@@ -191,22 +188,12 @@ def kernel_source(config: Config):
     return flash_v1_engine
 
 
-class FlashV1Engine(CompiledKernel):
+class FlashV1Engine(V1Kernel):
     """A compiled register-tiled v1 specialisation; the l, m workspace is allocated unless given."""
 
     def launch_shape(self, batch, heads, n_q):
         layout = self.config.layout
         return (batch * heads,), (layout.cx, layout.ry)
-
-    def argtypes(self, dtype):
-        inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types()
-
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
-        if workspace is None:
-            workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
-        l_hbm, m_hbm = workspace
-        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)

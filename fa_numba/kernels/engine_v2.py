@@ -24,7 +24,7 @@ import functools
 
 from numba import boolean, cuda, float32
 
-from fa_numba.kernels.common import NEG_INF, ZERO, CompiledKernel, Config, log_sum_exp, output
+from fa_numba.kernels.common import NEG_INF, ZERO, Config, V2Kernel, log_sum_exp, output
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.tiling import PARTIAL
 
@@ -33,8 +33,8 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    load_q, load_k, load_rows, scores, mask = E.load_q, E.load_k, E.load_rows, E.scores, E.mask
-    mask_rows, row_max_partials, softmax, store_p, pv = E.mask_rows, E.row_max_partials, E.softmax, E.store_p, E.pv
+    load_q, load_k, load_rows, masked_scores = E.load_q, E.load_k, E.load_rows, E.masked_scores
+    row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX = layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx
     CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
@@ -98,13 +98,10 @@ def kernel_source(config: Config):
             load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: reloaded per j
             # K_j^T, V_j (and Q_i^T) are complete before any thread reads them
             cuda.syncthreads()
-            scores(smem, s, ty, tx, scale)
             # PARTIAL tile: the mask is needed inside it
             partial = col_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
-            if LISTS and partial:
-                mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, DENSE)
-            elif partial or cols < BC:
-                mask(s, row, c0 + tx * TN, n_k, CAUSAL, delta)
+            masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, CAUSAL, LISTS, lohi,
+                          dense, DENSE)
             if ALIASED:
                 # P^T and red live in K^T's space: every thread has read K^T before they are written
                 cuda.syncthreads()
@@ -140,19 +137,12 @@ def kernel_source(config: Config):
     return flash_v2_engine
 
 
-class FlashV2Engine(CompiledKernel):
+class FlashV2Engine(V2Kernel):
     """A compiled register-tiled v2 specialisation (it needs no workspace)."""
 
     def launch_shape(self, batch, heads, n_q):
         layout = self.config.layout
         return ((n_q + self.config.block_q - 1) // self.config.block_q, batch * heads), (layout.cx, layout.ry)
-
-    def argtypes(self, dtype):
-        inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, float32) + self.mask_types()
-
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
-        kernel(q, k, v, o, lse, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,7 +32,7 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (NAN, NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
+from fa_numba.kernels.common import (NAN, NEG_INF, ZERO, Config, V1Kernel, load_kv_tile, log_sum_exp,
                                      online_update, score_row, to_f32, visible_range)
 from fa_numba.tiling import PARTIAL
 
@@ -124,21 +124,11 @@ def kernel_source(config: Config):
     return flash_v1
 
 
-class FlashV1(CompiledKernel):
+class FlashV1(V1Kernel):
     """A compiled v1 specialisation; the l, m workspace is allocated unless given."""
 
     def launch_shape(self, batch, heads, n_q):
         return (batch * heads,), (self.config.block_q,)
-
-    def argtypes(self, dtype):
-        inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types()
-
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
-        if workspace is None:
-            workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
-        l_hbm, m_hbm = workspace
-        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (NEG_INF, ZERO, CompiledKernel, Config, load_kv_tile, log_sum_exp,
+from fa_numba.kernels.common import (NEG_INF, ZERO, Config, V2Kernel, load_kv_tile, log_sum_exp,
                                      online_update, output, score_row, to_f32, visible_range)
 from fa_numba.tiling import PARTIAL
 
@@ -103,18 +103,11 @@ def kernel_source(config: Config):
     return flash_v2
 
 
-class FlashV2(CompiledKernel):
+class FlashV2(V2Kernel):
     """A compiled v2 specialisation (it needs no workspace)."""
 
     def launch_shape(self, batch, heads, n_q):
         return ((n_q + self.config.block_q - 1) // self.config.block_q, batch * heads), (self.config.block_q,)
-
-    def argtypes(self, dtype):
-        inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, float32) + self.mask_types()
-
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
-        kernel(q, k, v, o, lse, scale, *masks)
 
 
 @functools.lru_cache(maxsize=None)
