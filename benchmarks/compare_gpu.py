@@ -65,6 +65,30 @@ def sdpa(shape: cmp.Shape, repeats: int) -> dict:
     return {"available": False, "why": "no SDPA backend ran"}
 
 
+def targets_summary(flat: list[dict], n: int, d: int, dtype: str) -> list[str]:
+    """The fast-kernel issue's GPU targets at N, d, dtype: v2 TFLOP/s (>= 25 at N=4096, d=64, float32),
+    causal / non-causal time (<= 0.6), and v2/v1 for both kernel families."""
+    def ms(variant, causal):
+        return next((r["median_ms"] for r in flat if (r["n"], r["head_dim"], r["dtype"], r["variant"], r["causal"])
+                     == (n, d, dtype, variant, causal) and r["median_ms"]), None)
+
+    def tflops(variant, causal):
+        return next((r["tflops"] for r in flat if (r["n"], r["head_dim"], r["dtype"], r["variant"], r["causal"])
+                     == (n, d, dtype, variant, causal) and r["tflops"]), None)
+
+    lines = [f"Targets at N={n}, d={d}, {dtype}:"]
+    for causal in (False, True):
+        lines.append(f"- v2 {'causal' if causal else 'non-causal'}: {tflops('v2', causal)} TFLOP/s (target >= 25 non-causal)")
+    if ms("v2", True) and ms("v2", False):
+        lines.append(f"- v2 causal / non-causal time: {ms('v2', True) / ms('v2', False):.2f} (target <= 0.6)")
+    for fam, (a, b) in (("tile engine", ("v1", "v2")), ("one thread per row", ("v1-rowwise", "v2-rowwise"))):
+        for causal in (False, True):
+            if ms(a, causal) and ms(b, causal):
+                lines.append(f"- v2/v1 speed-up, {fam}, {'causal' if causal else 'non-causal'}: "
+                             f"{ms(a, causal) / ms(b, causal):.2f}x")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results"))
@@ -83,6 +107,9 @@ def main() -> int:
     sizes = [int(n) for n in args.n.split(",")] if not args.smoke else [16, 32]
     configs = [(n, d, causal, dtype) for n in sorted(sizes) for d in ((64, 128) if not args.smoke else (8,))
                for causal in (False, True) for dtype in ("float32", "float16")]
+    # The fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32, causal and not), then the rest.
+    target = (max(sizes) if args.smoke else 4096, 8 if args.smoke else 64, "float32")
+    configs.sort(key=lambda c: (c[0], c[1], c[3]) != target)
     start, results, flat, not_run = time.perf_counter(), [], [], []
     for index, (n, d, causal, dtype) in enumerate(configs, 1):
         if time.perf_counter() - start > args.budget_s:
@@ -120,6 +147,7 @@ def main() -> int:
                      f"{'-' if r['passed'] is None else ('pass' if r['passed'] else 'FAIL')} | {fmt(r['err_out'], '.2e')} | "
                      f"{fmt(r['median_ms'], '.3f')} | {r['repeats']} | {fmt(r['tflops'], '.2f')} | {fmt(r['gbps'], '.0f')} | "
                      f"{fmt(r['sdpa_ms'], '.3f')} ({r['sdpa_backend']}) | {fmt(r['ratio_to_sdpa'], '.1f')} |")
+    lines += [""] + targets_summary(flat, *target)
     if not_run:
         lines += ["", f"Not run (budget of {args.budget_s:.0f} s spent): {not_run}"]
     text = "\n".join(lines) + "\n"

@@ -123,18 +123,24 @@ def main() -> int:
     tests = None if args.smoke else run_tests()
     shapes = [(1, 1, 16, 8, c) for c in (False, True)] if args.smoke else [
         (2, 8, n, d, c) for n in (1024, 4096) for d in (64, 128) for c in (False, True)]
-    rows = []
+    rows, race = [], None
+
+    def save():  # after every step: a run stopped by the device's time limit keeps what it measured
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
+            json.dump({"machine": info, "tests": tests, "rows": rows, "racecheck": race}, fh, indent=1)
+        text = markdown(info, tests, rows, race)
+        with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
+            fh.write(text)
+        return text
+
+    save()
     for batch, heads, n, d, causal in shapes:
         rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 20)
         if n <= 1024:  # the backward's float64 reference holds S, P, dP and dS: keep it to N = 1024 here
             rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 10, backward=True)
+        save()
     race = None if args.smoke else racecheck()
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
-        json.dump({"machine": info, "tests": tests, "rows": rows, "racecheck": race}, fh, indent=1)
-    text = markdown(info, tests, rows, race)
-    with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
-        fh.write(text)
-    print(text)
+    print(save())
     ok = all(r["passed"] for r in rows) and (tests is None or tests["returncode"] == 0)
     return 0 if ok else 1
 

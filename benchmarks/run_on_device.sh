@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole device session in one command, for a lent GPU (about 15 minutes of device time in all):
-#   the kernel issue's gpu_check (test tier, checks, timings, racecheck), then the compare sweep with SDPA
-#   within what is left of a 9-minute budget. Outputs land in $OUT (or benchmarks/results).
-# Use:  bash benchmarks/run_on_device.sh      (with a timeout of about 600 s)
+#   1. compare_gpu: the fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32: every variant
+#      checked, then timed, beside torch SDPA), then the other sizes, within 200 s;
+#   2. gpu_check: the GPU test tier (kernels, engine, backward, API, array libraries), the checks and
+#      timings of every forward and backward variant at B=2, H=8, and racecheck, within what is left of 540 s.
+# Outputs land in $OUT (or benchmarks/results). Use:  bash benchmarks/run_on_device.sh   (timeout about 600 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -10,10 +12,10 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 start=$(date +%s)
-python3 benchmarks/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
+python3 benchmarks/compare_gpu.py --out "$out" --budget-s 200 --n 4096,1024,8192 2>&1 | tee "$out/compare_gpu.log"
 left=$(( 540 - ($(date +%s) - start) ))
 if [ "$left" -gt 60 ]; then
-  python3 benchmarks/compare_gpu.py --out "$out" --budget-s "$left" 2>&1 | tee "$out/compare_gpu.log"
+  timeout "$left" python3 benchmarks/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
 else
-  echo "no time left for compare_gpu.py" | tee "$out/compare_gpu.log"
+  echo "no time left for gpu_check.py" | tee "$out/gpu_check.log"
 fi
