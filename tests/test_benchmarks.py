@@ -1,0 +1,32 @@
+"""The GPU scripts stay one command away: their --smoke mode runs the same code paths in the simulator."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import fa_numba
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SIMULATOR_ONLY = pytest.mark.skipif(fa_numba.backend.name() != "simulator",
+                                    reason="--smoke is the simulator's mode; on a GPU run the scripts themselves")
+
+
+@SIMULATOR_ONLY
+@pytest.mark.parametrize("script, report", [("gpu_check.py", "gpu_check.json"), ("compare_gpu.py", "compare_gpu.json")])
+def test_device_scripts_run_in_smoke_mode(tmp_path, script, report):
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / report).read_text())["rows"]
+    variants = {r["variant"] for r in rows}
+    assert {"v1", "v2", "v1-rowwise", "v2-rowwise"} <= variants
+    assert all(r["passed"] for r in rows)
+    if script == "gpu_check.py":
+        assert {"bwd-kv", "bwd-kv-deterministic", "bwd-q"} <= variants
+    else:
+        assert "Targets at N=" in (tmp_path / "compare_gpu.md").read_text()
