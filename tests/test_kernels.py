@@ -47,11 +47,13 @@ def test_kernel_matches_reference_and_spec(name, case: Case, half: bool):
     out, lse = run_kernel(name, case, inputs=inputs)
     check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",
                                       order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
-    # The kernel follows the tiled spec of its order, computed in float32: same tolerance.
+    # The kernel follows the tiled spec of its order, computed in float32. Both round differently (the kernel's
+    # loops against NumPy's matmul), and each is within the tolerance of the reference (the spec by
+    # test_tiled), so they are within twice it of each other; nothing tighter is derived.
     spec_out, spec_lse, _ = tiled.attention(q, k, v, order=VARIANTS[name].order, block_q=case.block_q,
                                             block_k=case.block_k, causal=case.causal, dtype=np.float32)
-    reference.assert_close(out, spec_out, check.atol_out, name=f"{name} kernel vs tiled spec out")
-    reference.assert_close(lse, spec_lse, check.atol_lse, name=f"{name} kernel vs tiled spec lse")
+    reference.assert_close(out, spec_out, 2 * check.atol_out, name=f"{name} kernel vs tiled spec out")
+    reference.assert_close(lse, spec_lse, 2 * check.atol_lse, name=f"{name} kernel vs tiled spec lse")
 
 
 @pytest.mark.lemma("L4")
