@@ -13,9 +13,10 @@ yardstick of the tolerance rule (DESIGN.md, proofs/L6_floating_point.md):
 and for the output of the v1 order also + the round-trip term.
 
 Refinements, all because the simulator's tensors are tiny (a few dozen entries), where one sample of
-rounding noise can be lucky: err(naive float32) is the largest error over three evaluation orders of the
-sums (BLAS matmul, and plain loops forward and reversed that round every product as a kernel without
-FMA does), and the floor is the ulp bound its DESIGN.md formula tends to on large tensors. Two terms are
+rounding noise can be lucky: err(naive float32) is the largest error over five evaluation orders of the
+sums (BLAS matmul; plain loops forward and reversed that round every product as a kernel without FMA does;
+a balanced tree, as SIMD reductions sum; fused multiply-adds in index order, as a GPU kernel's FFMA loop
+does), and the floor is the ulp bound its DESIGN.md formula tends to on large tensors. Two terms are
 derived (proofs/L6, parts 3 and 4), with u = U32 = 2^-24 and W_ij = P_ij u |S_ij|:
 
 - score floor: every float32 implementation rounds each score at least once; to first order that moves
@@ -79,15 +80,29 @@ def causal_mask(n_q: int, n_k: int) -> np.ndarray:
     return j <= i + (n_k - n_q)
 
 
-CONTRACTIONS = ("matmul", "loop", "loop_reversed")
+CONTRACTIONS = ("matmul", "loop", "loop_reversed", "pairwise", "fma")
+
+
+def _pairwise(a, b, lo, hi):
+    """sum_{x in [lo, hi)} a[..., x] b[x, :] as a balanced tree, every product and every sum rounded."""
+    if hi - lo == 1:
+        return a[..., lo, None] * b[..., lo, None, :]
+    mid = (lo + hi) // 2
+    return _pairwise(a, b, lo, mid) + _pairwise(a, b, mid, hi)
 
 
 def _contract(a, b, contraction):
-    """a @ b over the last axis of a, by BLAS or by a plain loop that rounds every product (no FMA)."""
+    """a @ b over the last axis of a, in one of the CONTRACTIONS orders (see attention_naive_f32)."""
     if contraction == "matmul":
         return np.matmul(a, b)
-    steps = range(a.shape[-1]) if contraction == "loop" else reversed(range(a.shape[-1]))
+    if contraction == "pairwise":
+        return _pairwise(a, b, 0, a.shape[-1])
     total = np.zeros(a.shape[:-1] + b.shape[-1:], dtype=a.dtype)
+    if contraction == "fma":  # float32 products are exact in float64; the sum is then rounded to float32
+        for x in range(a.shape[-1]):
+            total = (a[..., x, None].astype(np.float64) * b[..., x, None, :] + total).astype(a.dtype)
+        return total
+    steps = range(a.shape[-1]) if contraction == "loop" else reversed(range(a.shape[-1]))
     for x in steps:
         total += a[..., x, None] * b[..., x, None, :]
     return total
@@ -187,7 +202,10 @@ def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = 
 
     contraction picks how the three sums (over d for S, over keys for l and for P V) are evaluated:
     "matmul" (BLAS, which may fuse multiply-adds and block the sums), "loop" (one rounded product and one
-    rounded add per term, in index order, as a CUDA-core kernel without FMA does) or "loop_reversed".
+    rounded add per term, in index order, as a CUDA-core kernel without FMA does), "loop_reversed",
+    "pairwise" (a balanced tree of rounded sums, as SIMD reductions do) or "fma" (index order, one rounding
+    per fused multiply-add, as a GPU's FFMA loop does; emulated by an exact float64 product and a float64 sum
+    rounded to float32, which differs from one rounding only in rare double-rounding ties).
     """
     return _dense(q, k, v, causal, scale, np.float32, contraction)
 
