@@ -18,7 +18,7 @@ def test_numpy_in_numpy_out_in_every_layout(order):
     out4, lse4 = fa_numba.attention(q, k, v, causal=True, order=order, return_lse=True, **SMALL)
     assert isinstance(out4, np.ndarray) and out4.shape == q.shape and out4.dtype == np.float32
     assert lse4.shape == q.shape[:-1]
-    reference.check_attention(out4, lse4, q, k, v, causal=True)
+    reference.check_attention(out4, lse4, q, k, v, causal=True, order=order, **SMALL)
     out3 = fa_numba.attention(q[0], k[0], v[0], causal=True, order=order, **SMALL)
     out2 = fa_numba.attention(q[0, 1], k[0, 0], v[0, 0], causal=True, order=order, **SMALL)
     assert out3.shape == (2, 5, 3) and out2.shape == (5, 3)

@@ -39,7 +39,8 @@ def test_bfloat16_host_arrays(order, causal):
     (q, k, v), exact = _inputs(case)
     out, lse = fa_numba.attention(q, k, v, causal=causal, order=order, return_lse=True, **SMALL)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == q.shape
-    reference.check_attention(out, lse, *exact, causal=causal, name=f"{order} bfloat16")
+    reference.check_attention(out, lse, *exact, causal=causal, name=f"{order} bfloat16", order=VARIANTS[order].order,
+                              **SMALL)
 
 
 @pytest.mark.skipif(fa_numba.backend.name() != "simulator",

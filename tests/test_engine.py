@@ -130,7 +130,8 @@ def test_engine_at_the_micro_tile_edges(order, case: Case, aliased):
         d_out, d_lse, workspace = poisoned_outputs(q.shape)
         kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), d_out, d_lse, scale, workspace)
         out, lse = d_out.copy_to_host(), d_lse.copy_to_host()
-    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"engine {order}")
+    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"engine {order}", order=order,
+                                      block_q=case.block_q, block_k=case.block_k)
     spec_out, spec_lse, _ = tiled.attention(q, k, v, order=order, block_q=case.block_q, block_k=case.block_k,
                                             causal=case.causal, dtype=np.float32)
     reference.assert_close(out, spec_out, check.atol_out, name=f"engine {order} vs tiled spec out")

@@ -45,12 +45,15 @@ def test_kernel_matches_reference_and_spec(name, case: Case, half: bool):
     dtype = np.float16 if half else np.float32
     q, k, v = inputs = case.inputs(dtype)
     out, lse = run_kernel(name, case, inputs=inputs)
-    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel")
-    # The kernel follows the tiled spec of its order, computed in float32: same tolerance.
+    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",
+                                      order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
+    # The kernel follows the tiled spec of its order, computed in float32. Both round differently (the kernel's
+    # loops against NumPy's matmul), and each is within the tolerance of the reference (the spec by
+    # test_tiled), so they are within twice it of each other; nothing tighter is derived.
     spec_out, spec_lse, _ = tiled.attention(q, k, v, order=VARIANTS[name].order, block_q=case.block_q,
                                             block_k=case.block_k, causal=case.causal, dtype=np.float32)
-    reference.assert_close(out, spec_out, check.atol_out, name=f"{name} kernel vs tiled spec out")
-    reference.assert_close(lse, spec_lse, check.atol_lse, name=f"{name} kernel vs tiled spec lse")
+    reference.assert_close(out, spec_out, 2 * check.atol_out, name=f"{name} kernel vs tiled spec out")
+    reference.assert_close(lse, spec_lse, 2 * check.atol_lse, name=f"{name} kernel vs tiled spec lse")
 
 
 @pytest.mark.lemma("L4")
@@ -62,9 +65,12 @@ def test_v1_equals_v2(case: Case):
     out1, lse1 = run_kernel("v1", case)
     out2, lse2 = run_kernel("v2", case)
     q, k, v = case.inputs(np.float32)
-    check = reference.check_attention(out2, lse2, q, k, v, causal=case.causal, name="v2 kernel")
-    reference.assert_close(out1, out2, 2 * check.atol_out, name="v1 vs v2 out")
-    reference.assert_close(lse1, lse2, 2 * check.atol_lse, name="v1 vs v2 lse")
+    base = reference.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k)
+    check1 = reference.judge(out1, lse1, base, name="v1 kernel", order="v1")
+    check2 = reference.judge(out2, lse2, base, name="v2 kernel", order="v2")
+    # Each is within its tolerance of the reference, so they are within the sum of both of each other.
+    reference.assert_close(out1, out2, check1.atol_out + check2.atol_out, name="v1 vs v2 out")
+    reference.assert_close(lse1, lse2, check1.atol_lse + check2.atol_lse, name="v1 vs v2 lse")
 
 
 @pytest.mark.lemma("L3")
@@ -83,7 +89,8 @@ def test_huge_logits_stay_finite_and_exact(name):
     q, k, v = case.inputs(np.float32)
     out, lse = run_kernel(name, case, inputs=(q, k, v))
     assert np.isfinite(out).all() and np.isfinite(lse).all()
-    reference.check_attention(out, lse, q, k, v, name=f"{name} kernel")
+    reference.check_attention(out, lse, q, k, v, name=f"{name} kernel", order=VARIANTS[name].order,
+                              block_q=case.block_q, block_k=case.block_k)
 
 
 @pytest.mark.lemma("L5")
@@ -102,7 +109,8 @@ def test_kernel_traffic_equals_iomodel(name, case: Case):
                             case.causal, batch=case.batch, heads=case.heads, heads_kv=case.heads_kv)
     assert ledger.reads == model.reads
     assert ledger.writes == model.writes
-    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} counted")
+    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} counted",
+                              order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="simulator-only check of the counting harness itself")
@@ -134,7 +142,8 @@ def test_gpu_larger_shapes(name, causal, d):
         q, k, v = inputs = case.inputs(dtype)
         out, lse = run_kernel(name, case, inputs=inputs)
         reference.check_attention(out, lse, q, k, v, causal=causal, name=f"{name} {dtype.__name__}",
-                                  contractions=("matmul", "loop"))
+                                  contractions=("matmul", "loop"), order=VARIANTS[name].order,
+                                  block_q=case.block_q, block_k=case.block_k)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the workaround patches the CUDA simulator only")

@@ -6,6 +6,8 @@ that row sees makes O[:, x] NaN; nothing else changes, bit for bit. Infinities f
 the dense formula with max shift, and every layer reproduces the reference's non-finite entries exactly.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -105,7 +107,35 @@ def test_a_nan_poisons_exactly_the_rows_that_see_it_in_every_kernel(name, poison
     q, k, v = _poison(case, tensor, index, np.nan, np.float32)
     out, lse = run_kernel(name, case, inputs=(q, k, v))
     _check_nan_pattern(out, lse, case, tensor, index, None, None, f"{name} kernel")
-    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel")  # the rest, by the rule
+    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",  # the rest, by the rule
+                              order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
+
+
+@pytest.mark.lemma("L3")
+@pytest.mark.parametrize("name", ["tiled v1", "tiled v2", *NAMES])
+@settings(max_examples=10)
+@given(poison=poisons(kernel_cases()), value=st.sampled_from([np.inf, -np.inf]))
+@example(poison=NAN_IN_A_MASKED_VALUE, value=np.inf)
+@example(poison=NAN_IN_A_FUTURE_KEY, value=-np.inf)
+@example(poison=(Case(n_q=3, n_k=3, d=1, block_q=2, block_k=2, causal=True), "k", (0, 0, 0, 0)), value=-np.inf)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the simulator's NumPy scalars
+def test_an_infinity_gives_the_reference_non_finite_entries_in_every_layer(name, poison, value):
+    """With logits of order 1 no weight underflows, so 0 * inf never differs between precisions."""
+    case, tensor, index = poison
+    if case.logit != 1.0:
+        case = dataclasses.replace(case, logit=1.0)
+    q, k, v = _poison(case, tensor, index, value, np.float32)
+    if name.startswith("tiled"):
+        out, lse, _ = tiled.attention(q, k, v, order=name[-2:], block_q=case.block_q, block_k=case.block_k,
+                                      causal=case.causal, dtype=np.float32)
+    else:
+        out, lse = run_kernel(name, case, inputs=(q, k, v))
+    ref_out, ref_lse = reference.attention(q, k, v, causal=case.causal)
+    assert np.array_equal(np.isfinite(out), np.isfinite(ref_out)) and np.array_equal(np.isfinite(lse),
+                                                                                      np.isfinite(ref_lse))
+    order = name[-2:] if name.startswith("tiled") else VARIANTS[name].order
+    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=name, order=order, block_q=case.block_q,
+                              block_k=case.block_k)
 
 
 def test_the_reference_follows_the_dense_formula_on_infinite_scores():

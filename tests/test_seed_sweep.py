@@ -1,0 +1,44 @@
+"""tools/seed_sweep.py: the documented way to run the property tests under many random seeds."""
+
+import importlib.util
+import pathlib
+import random
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("seed_sweep", ROOT / "tools" / "seed_sweep.py")
+seed_sweep = sys.modules["seed_sweep"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
+_spec.loader.exec_module(seed_sweep)
+
+
+def test_seeds_are_distinct_and_in_range():
+    seeds = seed_sweep.pick_seeds(200, random.Random(0))
+    assert len(set(seeds)) == 200 and all(0 <= s < 2**32 for s in seeds)
+
+
+def test_default_files_are_the_cpu_property_tests_and_exist():
+    assert all((ROOT / f).is_file() for f in seed_sweep.CPU_PROPERTY_FILES)
+    assert "tests/test_kernels.py" not in seed_sweep.CPU_PROPERTY_FILES  # the simulator tests need --whole
+
+
+def test_failed_ids_are_read_from_the_short_summary():
+    out = "F.\n=== short test summary info ===\nFAILED tests/a.py::test_x - AssertionError: no\nERROR tests/b.py::test_y\n"
+    assert seed_sweep.FAILED_LINE.findall(out) == ["tests/a.py::test_x", "tests/b.py::test_y"]
+
+
+def test_the_ci_profile_is_refused():
+    with pytest.raises(SystemExit):
+        seed_sweep.main(["--profile", "ci", "--seeds", "1"])
+
+
+def test_a_sweep_reports_passes_and_failures(capsys, tmp_path):
+    """Two seeds of one quick test pass; a run that selects no test counts as failed (pytest exit code 5)."""
+    quick = ["tests/test_seeds.py::test_row_1_2_then_3"]
+    assert seed_sweep.main(["--seed-list", "3,17", "--json", str(tmp_path / "runs.json"), "--", *quick]) == 0
+    out = capsys.readouterr()
+    assert "2 seeds tried, 0 failed" in out.out and "[  2/2] seed         17" in out.err
+    assert (tmp_path / "runs.json").read_text().count('"passed": true') == 2
+    assert seed_sweep.main(["--seed-list", "5", "--", *quick, "-k", "no_such_test"]) == 1
+    assert "1 seeds tried, 1 failed" in capsys.readouterr().out
