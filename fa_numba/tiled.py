@@ -25,7 +25,7 @@ mask=masks.causal() run the same operations on the same bits). Whether a row see
 matrix's row: a dead row is finalised to O = 0, LSE = -inf (zero gradients) whatever its state holds. A
 tile list that is empty loads nothing: v2 and "q" skip Q_i (and dO_i, LSE_i, D_i), v1 and "kv" skip K_j,
 V_j. The block mask itself (lists, row intervals, dense bytes) is metadata the kernels read beside the
-data and is not in the ledger.
+data and is not in the ledger (its size: `iomodel`'s docstring).
 
 `attention_backward` is the backward's spec (proofs/L7_backward.md), with a ledger over BACKWARD_TENSORS:
 a preprocess pass D = rowsum(dO o O), then order "kv" (K/V outer: K_j, V_j read once per K/V head for
@@ -205,7 +205,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     dtype is the compute dtype (float64 for the spec, float32 to mimic the kernels' arithmetic).
     mask: any `fa_numba.masks` mask (not with causal=True, its short form): only its non-SKIP tiles are
     visited, only PARTIAL ones masked, and a row it shows no key gets O = 0, LSE = -inf. The ledger sums
-    all batches and heads.
+    all batches and heads and equals `iomodel.traffic(order, ..., mask=mask)`.
     """
     prob = shapes.problem(q, k, v)
     tiling.check_order(order)
@@ -348,7 +348,7 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
     bit, only the ledger grows); only PARTIAL tiles are masked; a query tile that sees no key is never
     loaded and writes dQ_i = 0; a row that sees no key (by the mask) has P = dS = 0 on every pair, so a
     zero dQ row and nothing in dK, dV. The ledger (BACKWARD_TENSORS) sums all batches and heads, elements
-    per tensor, and equals `iomodel.traffic_backward` (causal or no mask). FLOPs per visited tile, r x c: 5
+    per tensor, and equals `iomodel.traffic_backward(..., mask=mask)`. FLOPs per visited tile, r x c: 5
     matrix products of 2 r c d each (S, dP, dV, dK, dQ); the deterministic dQ pass adds 3 (S, dP, dQ), so 8
     instead of 5.
     """
