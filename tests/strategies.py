@@ -262,3 +262,14 @@ def with_hard_mask_cases(test=None, **fixed):
         test = example(mc=mc, **fixed)(test)
     return test
 
+
+@st.composite
+def mask_kernel_cases(draw) -> MaskCase:
+    """Mask cases small enough for the simulator: N <= 16, d <= 6, tiles <= 8, <= 16 blocks a forward launch
+    (the backward's square tiles are B = block_q)."""
+    mc = draw(mask_cases(max_n=16, max_d=6, max_block=8))
+    c = mc.case
+    if launch_blocks(c) <= SIM_MAX_BLOCKS:
+        return mc
+    return MaskCase(Case(c.n_q, c.n_k, c.d, max(c.block_q, -(-c.n_q // 4)), c.block_k, False, batch=1,
+                         heads_kv=c.heads_kv, group=min(c.group, 2), logit=c.logit, seed=c.seed), mc.mask)
