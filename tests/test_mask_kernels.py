@@ -26,6 +26,8 @@ BACKWARD_VARIANTS = (("kv", False), ("kv", True), ("q", False))
 DEAD_ROW_CASES = [mc for mc in HARD_MASK_CASES if not definition(mc.mask, mc.n_q, mc.n_k).any(axis=1).all()]
 # One case per built-in kind (causal, window, prefix-LM, documents with and without causal), for from_dense.
 BUILT_IN_CASES = [HARD_MASK_CASES[t] for t in (2, 3, 6, 11, 12, 13)]
+# A mask of each kernel form ("causal", "intervals", "dense"), for the API.
+API_CASES = [HARD_MASK_CASES[t] for t in (2, 10, 13, 16)]
 
 
 def _ids(mc: MaskCase) -> str:
@@ -105,6 +107,7 @@ def test_the_pinned_cases_cover_what_they_claim():
     kinds = {type(mc.mask) for mc in BUILT_IN_CASES}
     assert kinds == {masks.Causal, masks.SlidingWindow, masks.PrefixLM, masks.Documents}
     assert {mc.mask.causal for mc in BUILT_IN_CASES if isinstance(mc.mask, masks.Documents)} == {False, True}
+    assert {mc.mask.kernel_form() for mc in API_CASES} == set(masks.KERNEL_FORMS)
 
 
 # --- forward ------------------------------------------------------------------------------------------
@@ -235,7 +238,7 @@ def test_builtins_and_from_dense_give_the_same_counts_in_every_kernel(mc: MaskCa
 # --- through the API ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mc", [HARD_MASK_CASES[t] for t in (2, 10, 13, 16)], ids=_ids)
+@pytest.mark.parametrize("mc", API_CASES, ids=_ids)
 def test_attention_and_attention_backward_take_a_mask(mc: MaskCase):
     """fa_numba.attention(mask=) and attention_backward(mask=) give what the kernels give when launched by
     hand with the same tiles (bit for bit), for a mask of each kernel form."""
