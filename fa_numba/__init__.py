@@ -6,8 +6,9 @@ Layers, top to bottom (each imports only those above it):
     tiling          tile grid, SKIP / FULL / PARTIAL classification (causal or any mask), block masks, schedules
     masks           causal, sliding window, documents, prefix-LM, from_function / from_dense: predicate,
                     tile classification, row intervals, the form a kernel reads (imports tiling for Kind)
-    tiled           the executable NumPy spec of both schedules (and of the backward's two orders), with an HBM ledger
-    iomodel         the same HBM traffic in closed form (forward and backward)
+    tiled           the executable NumPy spec of both schedules (and of the backward's two orders), with an HBM ledger;
+                    causal or any mask (it visits exactly the block mask's listed tiles)
+    iomodel         the same HBM traffic in closed form (forward and backward), summed over the lists for a mask
     kernels         Numba CUDA kernels v1 and v2, and their registry
     arrays          the caller's array library in and out: NumPy, Numba, PyTorch (CPU or CUDA), CuPy
     api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library

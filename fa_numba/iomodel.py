@@ -1,43 +1,68 @@
-"""HBM traffic of the v1 and v2 loop orders in closed form (proofs/L5_hbm_traffic.md).
+"""HBM traffic of the v1 and v2 loop orders in closed form (proofs/L5_hbm_traffic.md), and of any block
+mask as a sum over its lists (proofs/L8_block_masks.md).
 
 Counts are in elements, per tensor, for the schedules that `tiled` executes; tests prove the two agree.
 Per (batch, query head), with r_i the rows of query tile i, c_j the columns of key tile j and
-delta = N_k - N_q:
+delta = N_k - N_q, everything depends on four sums over the visited tiles (`visits`):
+
+    R      = sum over visits (i, j) of r_i        row-visits: what travels once per visit in v1 and "kv"
+    K      = sum over visits (i, j) of c_j        key-visits: what travels once per visit in v2 and "q"
+    Q_vis  = sum of r_i over the query tiles whose list of key tiles is non-empty
+    K_vis  = sum of c_j over the key tiles whose list of query tiles is non-empty
+
+Causal masking (causal=True, or a mask whose kernel form is "causal") has them in closed form (L5):
 
     last visible key tile of query tile i:  J_i = min(T_c - 1, floor((r1_i - 1 + delta) / B_c))   (-1: none)
     keys seen by query tile i:              K_i = min(N_k, (J_i + 1) B_c)     (0 when J_i = -1)
     first query tile that needs key tile j: I_j = clip(ceil((c0_j + 1 - delta) / B_r) - 1, 0, T_r - 1)
     query rows that visit key tile j:       R_j = N_q - I_j B_r
+    R = sum_j R_j,  K = sum_i K_i,  Q_vis = sum_{i: J_i >= 0} r_i,  K_vis = N_k (the last query tile sees
+    every key tile)
 
-Without causal masking J_i = T_c - 1, K_i = N_k, I_j = 0 and R_j = N_q. Let R = sum_j R_j (row-visits).
+Without masking (or with skip=False: every tile visited) R = T_c N_q, K = T_r N_k, Q_vis = N_q, K_vis = N_k.
+Any other mask (`mask=`, a `fa_numba.masks` mask) sums its `tiling.block_mask` lists, O(T_r T_c):
+R = sum_i r_i n_i and Q_vis = sum_{i: n_i > 0} r_i with n_i the length of query tile i's list (row_ptr),
+K = sum_j c_j m_j and K_vis = sum_{j: m_j > 0} c_j with m_j that of key tile j's list (col_ptr). Then
 
-    v2:  Q read sum_{i: J_i >= 0} r_i d;  K, V read d sum_i K_i;  O written N_q d;  LSE written N_q.
-    v1:  K, V read N_k d (every key tile is needed by the last query tile);
-         Q read R d;  O read R d, written (N_q + R) d;  l, m read R + N_q, written N_q + R;  LSE written N_q.
+    v2:  Q read Q_vis d;  K, V read K d;  O written N_q d;  LSE written N_q.
+    v1:  O, l, m initialised (written N_q d, N_q, N_q);  K, V read K_vis d;  Q read R d;
+         O read R d, written (N_q + R) d;  l, m read R + N_q, written N_q + R;  LSE written N_q.
 
 So v1 moves Q and O about T_c times (non-causal: Q read T_c N_q d) and v2 moves K and V about T_r times
 (non-causal: K read T_r N_k d). Non-causal, v1 - v2 in Q+O elements is (3 T_c - 1) N_q d, and v2 - v1 in
 K+V elements is 2 (T_r - 1) N_k d. Extra memory beyond Q, K, V, O is O(N) for l, m, LSE, never O(N^2).
 
-The backward (`traffic_backward`, proofs/L7_backward.md), with Q_vis = sum_{i: J_i >= 0} r_i (rows of the
-query tiles that see a key), K = sum_i K_i and R as above, per query head unless "per K/V head":
+The backward (`traffic_backward`, proofs/L7_backward.md), per query head unless "per K/V head":
 
     preprocess (both):  O read N_q d;  dO read N_q d;  D written N_q.
-    "kv":   per K/V head: K, V read N_k d each;  dK, dV written N_k d each.
+    "kv":   per K/V head: K, V read K_vis d each;  dK, dV written N_k d each (zeros where no tile is visited).
             Q read R d;  dO read R d;  LSE, D read R each;  dQ read R d, written (N_q + R) d (zeroed,
             then one atomic read-modify-write per visit).
     "kv", deterministic: as "kv" without dQ traffic, plus the dQ pass: Q, dO read Q_vis d; LSE, D read
             Q_vis; K, V read K d each; dQ written N_q d.
     "q":    per K/V head: dK, dV written N_k d each (zeroed).  Q, dO read Q_vis d;  LSE, D read Q_vis;
-            K, V read K d each;  dK, dV read K d and written K d each (atomic adds);  dQ written N_q d.
+            K, V read K d each;  dK, dV read K d and written K d each (atomic adds);  dQ written N_q d
+            (zeros for a query tile with an empty list).
 
 Non-causal (R = T_c N_q, K = T_r N_k, Q_vis = N_q): "kv" moves Q, dO, dQ about T_c times and K, V, dK,
 dV once; "q" moves K, V about T_r times and dK, dV 2 T_r times (read and written).
+
+The block mask is metadata, not in these counts (it is the same for every batch and head, and small):
+per (batch, head) a kernel reads its walk's lists, 4 (T + 1) bytes of pointers (T = T_r for v2 and "q",
+T_c for v1 and "kv") and 5 bytes (int32 index, int8 kind) per visit; on each PARTIAL visit the row
+intervals of the tile's rows, 8 r_i bytes, and for a "dense" mask at most the tile's r_i c_j bytes of the
+uint8 mask (only the pairs inside a row's interval are read); the forward kernels read 8 bytes per row to
+decide whether it sees a key. A kernel's threads read some of these several times (the tile engine's
+column groups each read their rows' intervals); those repeats hit in cache. Causal reads none of them.
 """
 
 from __future__ import annotations
 
-from fa_numba import shapes
+from dataclasses import dataclass
+
+import numpy as np
+
+from fa_numba import shapes, tiling
 from fa_numba.tiled import BACKWARD_TENSORS, Ledger
 from fa_numba.tiling import Grid, check_backward_order, check_order
 
@@ -61,102 +86,133 @@ def _rows_visiting(grid: Grid, j: int, causal: bool) -> int:
     return grid.n_q - first_tile * grid.block_q
 
 
-def _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv, skip):
-    """Validated (grid, d, batch, heads, heads_kv, causal); causal is False when skip=False (every tile visited)."""
+@dataclass(frozen=True)
+class Visits:
+    """The four sums over the visited tiles of one (batch, query head) that the traffic is made of
+    (module docstring): rows R, keys K, live_rows Q_vis, live_keys K_vis."""
+
+    rows: int
+    keys: int
+    live_rows: int
+    live_keys: int
+
+
+def visits(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False, mask=None,
+           skip: bool = True) -> Visits:
+    """R, K, Q_vis and K_vis of the schedules of `tiling.schedule(..., causal, skip, mask)`: in closed form
+    without masking (or skip=False) and for causal masking (causal=True or a mask of kernel form "causal"),
+    summed over `tiling.block_mask`'s lists for any other mask."""
     grid = Grid(n_q, n_k, block_q, block_k)
+    causal, mask = shapes.check_mask(causal, mask)
+    if mask is not None:
+        mask.check(n_q, n_k)
+        if mask.kernel_form() == "causal":
+            causal, mask = True, None
+    if not skip or (mask is None and not causal):
+        return Visits(grid.t_c * n_q, grid.t_r * n_k, n_q, n_k)
+    rows = np.array([r1 - r0 for r0, r1 in map(grid.rows, range(grid.t_r))], dtype=np.int64)  # r_i
+    cols = np.array([c1 - c0 for c0, c1 in map(grid.cols, range(grid.t_c))], dtype=np.int64)  # c_j
+    if mask is None:  # causal: the closed forms of L5
+        keys = [_keys_seen(grid, i, True) for i in range(grid.t_r)]
+        return Visits(sum(_rows_visiting(grid, j, True) for j in range(grid.t_c)), sum(keys),
+                      int(sum(r for r, k in zip(rows, keys) if k)), n_k)
+    blocks = tiling.block_mask(n_q, n_k, block_q, block_k, mask)
+    per_row, per_col = np.diff(blocks.row_ptr), np.diff(blocks.col_ptr)  # n_i, m_j: the lists' lengths
+    return Visits(int(rows @ per_row), int(cols @ per_col), int(rows[per_row > 0].sum()),
+                  int(cols[per_col > 0].sum()))
+
+
+def _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv, skip, mask):
+    """Validated (d, batch, heads, heads_kv) and the Visits of the schedules (which validate the rest)."""
     d = shapes.check_block("d", d)
     batch = shapes.check_block("batch", batch)
     heads = shapes.check_block("heads", heads)
     heads_kv = heads if heads_kv is None else shapes.check_block("heads_kv", heads_kv)
     if heads % heads_kv:
         raise ValueError(f"heads_kv ({heads_kv}) must divide heads ({heads})")
-    return grid, d, batch, heads, heads_kv, shapes.check_causal(causal) and skip
+    return d, batch, heads, heads_kv, visits(n_q, n_k, block_q, block_k, causal, mask, skip)
 
 
-def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool,
-            batch: int = 1, heads: int = 1, heads_kv: int | None = None, skip: bool = True) -> Ledger:
+def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False,
+            batch: int = 1, heads: int = 1, heads_kv: int | None = None, skip: bool = True, mask=None) -> Ledger:
     """Elements read and written per tensor by one call, summed over batch and query heads.
 
     `heads_kv` only has to divide `heads`: each query head streams its own K/V head, so GQA does not
-    change the counts. skip=False gives the traffic of a schedule that computes SKIP tiles too.
+    change the counts. skip=False gives the traffic of a schedule that computes SKIP tiles too. mask: any
+    `fa_numba.masks` mask (not with causal=True); its traffic is summed over its block-mask lists.
     """
     check_order(order)
-    grid, d, batch, heads, heads_kv, causal = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads,
-                                                           heads_kv, skip)
+    d, batch, heads, heads_kv, seen = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv,
+                                                   skip, mask)
     ledger = Ledger()
     if order == "v2":
-        for i in range(grid.t_r):
-            r0, r1 = grid.rows(i)
-            keys = _keys_seen(grid, i, causal)
-            if keys:
-                ledger.read("Q", (r1 - r0) * d)
-            ledger.read("K", keys * d)
-            ledger.read("V", keys * d)
+        ledger.read("Q", seen.live_rows * d)
+        ledger.read("K", seen.keys * d)
+        ledger.read("V", seen.keys * d)
         ledger.write("O", n_q * d)
         ledger.write("LSE", n_q)
     else:
-        row_visits = sum(_rows_visiting(grid, j, causal) for j in range(grid.t_c))
-        ledger.read("K", n_k * d)
-        ledger.read("V", n_k * d)
-        ledger.read("Q", row_visits * d)
-        ledger.read("O", row_visits * d)
-        ledger.write("O", (n_q + row_visits) * d)
+        ledger.read("K", seen.live_keys * d)
+        ledger.read("V", seen.live_keys * d)
+        ledger.read("Q", seen.rows * d)
+        ledger.read("O", seen.rows * d)
+        ledger.write("O", (n_q + seen.rows) * d)
         for stat in ("l", "m"):
-            ledger.read(stat, row_visits + n_q)
-            ledger.write(stat, n_q + row_visits)
+            ledger.read(stat, seen.rows + n_q)
+            ledger.write(stat, n_q + seen.rows)
         ledger.write("LSE", n_q)
     return ledger.scaled(batch * heads)
 
 
-def traffic_backward(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool,
+def traffic_backward(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False,
                      batch: int = 1, heads: int = 1, heads_kv: int | None = None, deterministic: bool = False,
-                     skip: bool = True) -> Ledger:
+                     skip: bool = True, mask=None) -> Ledger:
     """Elements read and written per tensor (BACKWARD_TENSORS) by one backward call of `tiled.attention_backward`.
 
     order "kv" (K/V outer, dQ by atomic adds, or with deterministic=True by a separate Q-outer pass) or
     "q" (Q outer, dK and dV by atomic adds); formulas in the module docstring and proofs/L7. Unlike the
     forward, GQA changes the counts: "kv" reads K_j, V_j and writes dK_j, dV_j once per K/V head for
     all the query heads of its group (B H_kv heads), everything else is per query head (B H heads).
-    skip=False gives the traffic of schedules that visit SKIP tiles too.
+    skip=False gives the traffic of schedules that visit SKIP tiles too. mask: any `fa_numba.masks` mask
+    (not with causal=True), summed over its block-mask lists (proofs/L8).
     """
     order, deterministic = check_backward_order(order, deterministic)
-    grid, d, batch, heads, heads_kv, causal = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads,
-                                                           heads_kv, skip)
+    d, batch, heads, heads_kv, seen = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv,
+                                                   skip, mask)
     q_heads, kv_heads = batch * heads, batch * heads_kv
-    row_visits = sum(_rows_visiting(grid, j, causal) for j in range(grid.t_c))  # R
-    keys = [_keys_seen(grid, i, causal) for i in range(grid.t_r)]  # K_i
-    live_rows = sum(grid.rows(i)[1] - grid.rows(i)[0] for i in range(grid.t_r) if keys[i])  # Q_vis
     ledger = Ledger.empty(BACKWARD_TENSORS)
     ledger.read("O", q_heads * n_q * d)  # preprocess: D = rowsum(dO o O)
     ledger.read("dO", q_heads * n_q * d)
     ledger.write("D", q_heads * n_q)
 
-    def q_outer(kv_grads: bool) -> None:  # per query head: each query tile that sees a key, once
-        for name, count in (("Q", live_rows * d), ("dO", live_rows * d), ("LSE", live_rows), ("D", live_rows),
-                            ("K", sum(keys) * d), ("V", sum(keys) * d)):
+    def q_outer(kv_grads: bool) -> None:  # per query head: each query tile with a non-empty list, once
+        live = seen.live_rows
+        for name, count in (("Q", live * d), ("dO", live * d), ("LSE", live), ("D", live),
+                            ("K", seen.keys * d), ("V", seen.keys * d)):
             ledger.read(name, q_heads * count)
         ledger.write("dQ", q_heads * n_q * d)
         if kv_grads:  # dK_j, dV_j += ... for every visit: atomic read-modify-writes
             for name in ("dK", "dV"):
-                ledger.read(name, q_heads * sum(keys) * d)
-                ledger.write(name, q_heads * sum(keys) * d)
+                ledger.read(name, q_heads * seen.keys * d)
+                ledger.write(name, q_heads * seen.keys * d)
 
     if order == "q":
         ledger.write("dK", kv_heads * n_k * d)  # dK = dV = 0
         ledger.write("dV", kv_heads * n_k * d)
         q_outer(kv_grads=True)
         return ledger
-    for name in ("K", "V"):  # per K/V head: K_j, V_j read once, dK_j, dV_j written once
-        ledger.read(name, kv_heads * n_k * d)
+    for name in ("K", "V"):  # per K/V head: K_j, V_j read once if key tile j's list is non-empty, dK_j, dV_j written
+        ledger.read(name, kv_heads * seen.live_keys * d)
         ledger.write("d" + name, kv_heads * n_k * d)
-    for name, count in (("Q", row_visits * d), ("dO", row_visits * d), ("LSE", row_visits), ("D", row_visits)):
+    rows = seen.rows
+    for name, count in (("Q", rows * d), ("dO", rows * d), ("LSE", rows), ("D", rows)):
         ledger.read(name, q_heads * count)
     if deterministic:
         q_outer(kv_grads=False)
     else:
         ledger.write("dQ", q_heads * n_q * d)  # dQ = 0, then one read-modify-write per visit
-        ledger.read("dQ", q_heads * row_visits * d)
-        ledger.write("dQ", q_heads * row_visits * d)
+        ledger.read("dQ", q_heads * rows * d)
+        ledger.write("dQ", q_heads * rows * d)
     return ledger
 
 

@@ -39,7 +39,8 @@ The backward (proofs/L7_backward.md): `attention_backward` gives the float64 gra
 <dO, O> for a given dO, `attention_backward_naive_f32` the same formulas in float32 (P recomputed from its
 own float32 LSE, as every FlashAttention backward does), and `baseline_backward` / `judge_backward` /
 `check_attention_backward` the gradients' rule: err <= 3 err(naive float32) + floor, the floor adding one
-float32 ulp of what the backward recomputes (dP - D where it cancels, and LSE) to `rounding_floor`.
+float32 ulp of what the backward recomputes (dP - D where it cancels, and LSE) to `rounding_floor`. Each
+takes `mask=` as the forward does.
 
 Non-finite values (proofs/L2, L3, L8). Whether a row sees any key is decided by the mask alone: a row with no
 visible key (causal: possible when N_q > N_k; any mask may have such rows) has O = 0 and LSE = -inf, whatever its query holds; no NaN, no
@@ -441,17 +442,18 @@ GRAD_FACTOR = 3.0
 ULP32_PER_UNIT = 2.0**-23  # ulp32(x) <= 2^-23 |x|: the float32 spacing relative to the magnitude
 
 
-def _dense_backward(q, k, v, dout, causal, scale, dtype, contraction="matmul", floors=False):
+def _dense_backward(q, k, v, dout, causal, scale, dtype, contraction="matmul", floors=False, mask=None):
     prob = shapes.problem(q, k, v)
     shapes.check_like("dout", dout, q.shape, "as q")
+    causal, mask = shapes.check_mask(causal, mask)
     # Its own forward, in the same dtype and contraction order: O and LSE as `attention` returns them.
-    out, lse = _dense(q, k, v, causal, scale, dtype, contraction)
+    out, lse = _dense(q, k, v, causal, scale, dtype, contraction, mask)
     scale = dtype(shapes.resolve_scale(scale, prob.d))
     q4, k4, v4, do4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v, dout))
     out4, lse4 = shapes.as_4d(out), lse.reshape(q4.shape[:-1])
     k4 = np.repeat(k4, prob.group, axis=1)  # GQA: query head h reads K/V head h // group
     v4 = np.repeat(v4, prob.group, axis=1)
-    visible = visible_mask(prob.n_q, prob.n_k, causal)
+    visible = visible_mask(prob.n_q, prob.n_k, causal, mask)
     # P recomputed from the saved LSE, P_ij = exp(S_ij - sigma(LSE_i)), exactly the softmax in real
     # arithmetic (L7.2). In float32 this keeps the rounding of LSE at its magnitude |LSE|, an error of
     # about ulp(LSE) in every exponent that the forward's exp(S - m) / l does not have: the baseline must
@@ -499,12 +501,14 @@ def _dense_backward(q, k, v, dout, causal, scale, dtype, contraction="matmul", f
     return grads, (_finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv))
 
 
-def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None):
+def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None):
     """Float64 gradients (dq, dk, dv) of <dout, O(q, k, v)>, densely from its own float64 forward (O, LSE).
 
     dout is like q; dq comes out like q, dk and dv like k and v (H_kv heads: with GQA each is the sum over
-    the query heads of its group). A row with no visible key (causal, N_q > N_k) gives a zero row of dq and
-    nothing to dk, dv. The formulas and their proof: proofs/L7_backward.md. Materialises S, P, dP, dS:
+    the query heads of its group). mask: a `fa_numba.masks` mask applied densely, as in `attention` (not with
+    causal=True): masked pairs have P = 0 and dS = 0 and their operands are never multiplied. A row with no
+    visible key (causal with N_q > N_k, or any mask's empty row) gives a zero row of dq and nothing to dk,
+    dv. The formulas and their proof: proofs/L7_backward.md. Materialises S, P, dP, dS:
     B H N_q N_k elements each (it is the definition, not a memory-efficient algorithm).
 
     >>> import numpy as np
@@ -514,17 +518,17 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     >>> np.allclose(dv, [[1 + p10] * 2, [1 - p10] * 2], rtol=1e-15, atol=0)   # dV_j = sum_i P_ij dO_i
     True
     """
-    return _dense_backward(q, k, v, dout, causal, scale, np.float64)
+    return _dense_backward(q, k, v, dout, causal, scale, np.float64, mask=mask)
 
 
 def attention_backward_naive_f32(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                                 contraction: str = "matmul"):
+                                 contraction: str = "matmul", mask=None):
     """The same dense gradients in float32: the baseline of the gradients' tolerance rule.
 
     contraction picks how every sum (over d for S, dP and D; over keys for l, O and dQ; over queries for
-    dK and dV) is evaluated, as in `attention_naive_f32`: "matmul", "loop" or "loop_reversed".
+    dK and dV) is evaluated, as in `attention_naive_f32`: one of CONTRACTIONS.
     """
-    return _dense_backward(q, k, v, dout, causal, scale, np.float32, contraction)
+    return _dense_backward(q, k, v, dout, causal, scale, np.float32, contraction, mask=mask)
 
 
 def tolerance_backward(expected: np.ndarray, naive, recompute: float = 0.0) -> float:
@@ -568,10 +572,10 @@ class BaselineBackward:
 
 
 def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                      contractions=CONTRACTIONS) -> BaselineBackward:
+                      contractions=CONTRACTIONS, mask=None) -> BaselineBackward:
     """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward)."""
-    ref, floors = _dense_backward(q, k, v, dout, causal, scale, np.float64, floors=True)
-    naive = [attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c)
+    ref, floors = _dense_backward(q, k, v, dout, causal, scale, np.float64, floors=True, mask=mask)
+    naive = [attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask)
              for c in contractions]
     atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) for t, r in enumerate(ref)]
     return BaselineBackward(*ref, *atols)
@@ -586,7 +590,8 @@ def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") 
 
 
 def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                             name: str = "kernel", contractions=CONTRACTIONS) -> CheckBackward:
-    """Check gradients from any implementation against the float64 reference with the 3x rule."""
-    base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions)
+                             name: str = "kernel", contractions=CONTRACTIONS, mask=None) -> CheckBackward:
+    """Check gradients from any implementation against the float64 reference with the 3x rule (mask as
+    in `attention_backward`)."""
+    base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask)
     return judge_backward(dq, dk, dv, base, name=name)

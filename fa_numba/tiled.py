@@ -15,6 +15,18 @@ elements in the ledger. Local variables stand for on-chip memory (shared memory,
 SKIP tiles are left out of both schedules (pass skip=False to compute them with a full -inf mask instead).
 K/V traffic is counted per query head: with GQA each query head still streams its own copy of its K/V head.
 
+Masks (proofs/L8): `causal=True`, or `mask=` any `fa_numba.masks` mask (not both: shapes.check_mask). The
+schedules are `tiling.schedule`'s, i.e. the walks of `tiling.block_mask`'s lists: v2 (and the backward's
+"q" order) visits, for each query tile, exactly its non-SKIP key tiles in increasing j; v1 (and "kv"), for
+each key tile, exactly its non-SKIP query tiles in increasing i. FULL tiles are folded without a mask,
+PARTIAL tiles (and SKIP tiles visited with skip=False) with their slice of the dense visible matrix
+(`reference.visible_mask`: `mask.dense`, or `causal_mask` for causal=True, so causal=True and
+mask=masks.causal() run the same operations on the same bits). Whether a row sees any key is that
+matrix's row: a dead row is finalised to O = 0, LSE = -inf (zero gradients) whatever its state holds. A
+tile list that is empty loads nothing: v2 and "q" skip Q_i (and dO_i, LSE_i, D_i), v1 and "kv" skip K_j,
+V_j. The block mask itself (lists, row intervals, dense bytes) is metadata the kernels read beside the
+data and is not in the ledger (its size: `iomodel`'s docstring).
+
 `attention_backward` is the backward's spec (proofs/L7_backward.md), with a ledger over BACKWARD_TENSORS:
 a preprocess pass D = rowsum(dO o O), then order "kv" (K/V outer: K_j, V_j read once per K/V head for
 the whole group, dK_j, dV_j on chip, dQ accumulated in HBM, or with deterministic=True written by a
@@ -30,8 +42,8 @@ import numpy as np
 
 from fa_numba import online_softmax as osm
 from fa_numba import shapes, tiling
-from fa_numba.reference import visible_matmul
-from fa_numba.tiling import PARTIAL, SKIP
+from fa_numba.reference import visible_mask, visible_matmul
+from fa_numba.tiling import FULL
 
 TENSORS = ("Q", "K", "V", "O", "l", "m", "LSE")
 # The backward's HBM tensors: the inputs, the forward's O and LSE, dO, D = rowsum(dO o O) and the gradients.
@@ -60,22 +72,36 @@ class Ledger:
         return Ledger({t: c * factor for t, c in self.reads.items()}, {t: c * factor for t, c in self.writes.items()})
 
 
-def _scores(q_i, k_j, scale, grid, i, j, kind):
-    """S_ij = scale * Q_i K_j^T and the tile's visible pairs: None (all) on a FULL tile, the causal mask
-    on PARTIAL (or visited SKIP) tiles."""
+@dataclass(frozen=True)
+class _Mask:
+    """The mask of one call as the spec reads it: `visible` (N_q, N_k) bool, the pairs a query sees
+    (`reference.visible_mask`), or None without masking; `alive` (N_q,) bool, the rows that see a key."""
+
+    visible: np.ndarray | None
+    alive: np.ndarray
+
+    @classmethod
+    def of(cls, n_q: int, n_k: int, causal: bool, mask) -> "_Mask":
+        if not causal and mask is None:
+            return cls(None, np.ones(n_q, dtype=bool))
+        visible = visible_mask(n_q, n_k, causal, mask)
+        return cls(visible, visible.any(axis=1))
+
+    def tile(self, grid, i, j, kind):
+        """The visible pairs of tile (i, j) if it needs its mask (PARTIAL, or SKIP visited with skip=False),
+        else None (FULL: every pair visible)."""
+        if kind == FULL or self.visible is None:
+            return None
+        (r0, r1), (c0, c1) = grid.rows(i), grid.cols(j)
+        return self.visible[r0:r1, c0:c1]
+
+
+def _scores(q_i, k_j, scale, grid, i, j, kind, mask):
+    """S_ij = scale * Q_i K_j^T and the tile's visible pairs: None (all) on a FULL tile, the tile's slice
+    of the mask on PARTIAL (or visited SKIP) tiles."""
     with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 and inf - inf where the inputs hold them
         s = scale * (q_i @ k_j.T)
-    if kind in (PARTIAL, SKIP):
-        r0, r1 = grid.rows(i)
-        c0, c1 = grid.cols(j)
-        return s, np.arange(c0, c1)[None, :] <= np.arange(r0, r1)[:, None] + grid.delta
-    return s, None
-
-
-def _alive(grid, r0, r1, causal):
-    """Rows [r0, r1) that see at least one key: every row, or with causal masking i + delta >= 0."""
-    rows = np.arange(r0, r1)
-    return rows + grid.delta >= 0 if causal else np.ones(r1 - r0, dtype=bool)
+    return s, mask.tile(grid, i, j, kind)
 
 
 def _encode(state):
@@ -90,7 +116,7 @@ def _decode(m, l, O):
     return osm.State(m, l, np.where((l > 0)[:, None], O * l[:, None], O))
 
 
-def _run_v1(q, k, v, scale, sched, causal, ledger):
+def _run_v1(q, k, v, scale, sched, mask, ledger):
     grid = sched.grid
     n_q, d = q.shape
     # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.
@@ -100,9 +126,9 @@ def _run_v1(q, k, v, scale, sched, causal, ledger):
     for name, count in (("O", n_q * d), ("l", n_q), ("m", n_q)):
         ledger.write(name, count)
     loaded_j = None
-    for i, j, kind in sched.visits:  # j outer, i inner
+    for i, j, kind in sched.visits:  # j outer, i inner: the query tiles of key tile j's list
         c0, c1 = grid.cols(j)
-        if j != loaded_j:  # K_j, V_j: (B_c, d) on chip, loaded once per outer step
+        if j != loaded_j:  # K_j, V_j: (B_c, d) on chip, loaded once per key tile with a non-empty list
             k_j, v_j = k[c0:c1], v[c0:c1]
             ledger.read("K", k_j.size)
             ledger.read("V", v_j.size)
@@ -112,15 +138,16 @@ def _run_v1(q, k, v, scale, sched, causal, ledger):
         state = _decode(m[r0:r1], l[r0:r1], O[r0:r1])  # O is stored normalised
         for name, count in (("Q", q_i.size), ("O", q_i.size), ("l", r1 - r0), ("m", r1 - r0)):
             ledger.read(name, count)
-        s, visible = _scores(q_i, k_j, scale, grid, i, j, kind)
+        s, visible = _scores(q_i, k_j, scale, grid, i, j, kind, mask)
         state = osm.update(state, s, v_j, visible)
         O[r0:r1] = _encode(state)
         l[r0:r1], m[r0:r1] = state.l, state.m
         for name, count in (("O", q_i.size), ("l", r1 - r0), ("m", r1 - r0)):
             ledger.write(name, count)
-    # Last pass: LSE = m + log l (-inf on rows that see no key). O already holds acc / l, except on a row
-    # that sees keys whose scores are all -inf (l = 0: only infinite inputs do that), where it becomes 0/0.
-    alive = _alive(grid, 0, n_q, causal)
+    # Last pass: LSE = m + log l (-inf on rows that see no key, by the mask). O already holds acc / l, except
+    # on a row that sees keys whose scores are all -inf (l = 0: only infinite inputs do that), where it
+    # becomes 0/0.
+    alive = mask.alive
     out, lse = osm.finalize(_decode(m, l, O), alive)
     empty_sum = alive & ~(l > 0) & ~np.isnan(l)
     O[empty_sum] = out[empty_sum]
@@ -131,13 +158,13 @@ def _run_v1(q, k, v, scale, sched, causal, ledger):
     return O, lse
 
 
-def _run_v2(q, k, v, scale, sched, causal, ledger):
+def _run_v2(q, k, v, scale, sched, mask, ledger):
     grid = sched.grid
     n_q, d = q.shape
     O = np.empty((n_q, d), dtype=q.dtype)
     lse = np.empty(n_q, dtype=q.dtype)
     by_row = {i: [] for i in range(grid.t_r)}
-    for i, j, kind in sched.visits:  # i outer, j inner: group the visits by query tile
+    for i, j, kind in sched.visits:  # i outer, j inner: query tile i's list of key tiles
         by_row[i].append((j, kind))
     for i, row_visits in by_row.items():
         r0, r1 = grid.rows(i)
@@ -150,37 +177,43 @@ def _run_v2(q, k, v, scale, sched, causal, ledger):
             k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: read once per query tile
             ledger.read("K", k_j.size)
             ledger.read("V", v_j.size)
-            s, visible = _scores(q_i, k_j, scale, grid, i, j, kind)
+            s, visible = _scores(q_i, k_j, scale, grid, i, j, kind, mask)
             state = osm.update(state, s, v_j, visible)
-        O[r0:r1], lse[r0:r1] = osm.finalize(state, _alive(grid, r0, r1, causal))  # written once
+        O[r0:r1], lse[r0:r1] = osm.finalize(state, mask.alive[r0:r1])  # written once; dead rows 0, -inf
         ledger.write("O", (r1 - r0) * d)
         ledger.write("LSE", r1 - r0)
     return O, lse
 
 
-def _check_spec_args(prob, block_q, block_k, causal, dtype, scale):
-    """The spec's common arguments, validated: (block_q, block_k, causal, dtype, scale in that dtype)."""
+def _check_spec_args(prob, block_q, block_k, causal, dtype, scale, mask):
+    """The spec's common arguments, validated: (block_q, block_k, causal, mask, dtype, scale in that dtype)."""
     block_q = shapes.check_block("block_q", block_q)
     block_k = shapes.check_block("block_k", block_k)
-    causal = shapes.check_causal(causal)
+    causal, mask = shapes.check_mask(causal, mask)
+    if mask is not None:
+        mask.check(prob.n_q, prob.n_k)
     dtype = np.dtype(dtype)
     if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(f"dtype must be float32 or float64, got {dtype}")
-    return block_q, block_k, causal, dtype, dtype.type(shapes.resolve_scale(scale, prob.d))
+    return block_q, block_k, causal, mask, dtype, dtype.type(shapes.resolve_scale(scale, prob.d))
 
 
 def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool = False,
-              scale: float | None = None, dtype=np.float64, skip: bool = True):
+              scale: float | None = None, dtype=np.float64, skip: bool = True, mask=None):
     """Run the v1 or v2 schedule tile by tile. Returns (out, lse, ledger) in the caller's layout.
 
     dtype is the compute dtype (float64 for the spec, float32 to mimic the kernels' arithmetic).
-    The ledger sums all batches and heads.
+    mask: any `fa_numba.masks` mask (not with causal=True, its short form): only its non-SKIP tiles are
+    visited, only PARTIAL ones masked, and a row it shows no key gets O = 0, LSE = -inf. The ledger sums
+    all batches and heads and equals `iomodel.traffic(order, ..., mask=mask)`.
     """
     prob = shapes.problem(q, k, v)
     tiling.check_order(order)
-    block_q, block_k, causal, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale)
+    block_q, block_k, causal, mask, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale,
+                                                                    mask)
     q4, k4, v4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v))
-    sched = tiling.schedule(order, prob.n_q, prob.n_k, block_q, block_k, causal, skip=skip)
+    sched = tiling.schedule(order, prob.n_q, prob.n_k, block_q, block_k, causal, skip=skip, mask=mask)
+    visible = _Mask.of(prob.n_q, prob.n_k, causal, mask)
     run = _run_v1 if order == "v1" else _run_v2
     out = np.empty(q4.shape, dtype=dtype)
     lse = np.empty(q4.shape[:-1], dtype=dtype)
@@ -188,7 +221,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     for b in range(prob.batch):
         for h in range(prob.heads):
             h_kv = h // prob.group
-            out[b, h], lse[b, h] = run(q4[b, h], k4[b, h_kv], v4[b, h_kv], scale, sched, causal, ledger)
+            out[b, h], lse[b, h] = run(q4[b, h], k4[b, h_kv], v4[b, h_kv], scale, sched, visible, ledger)
     return shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim), ledger
 
 
@@ -201,10 +234,10 @@ def _preprocess(out, dout):
     return (dout * out).sum(axis=-1)
 
 
-def _tile_backward(q_i, k_j, v_j, do_i, lse_i, D_i, scale, grid, i, j, kind):
+def _tile_backward(q_i, k_j, v_j, do_i, lse_i, D_i, scale, grid, i, j, kind, mask):
     """One tile's P and dS (L7): S from Q_i K_j^T, P = exp(S - sigma(LSE)) recomputed, dP = dO_i V_j^T,
     dS = P o (dP - D). Returns (p, ds, visible); visible (rows, cols) on a masked tile, else None."""
-    s, visible = _scores(q_i, k_j, scale, grid, i, j, kind)
+    s, visible = _scores(q_i, k_j, scale, grid, i, j, kind, mask)
     p = osm.recompute_p(s, lse_i, visible)
     with np.errstate(invalid="ignore", over="ignore"):
         dp = do_i @ v_j.T
@@ -215,20 +248,21 @@ def _transposed(visible):
     return None if visible is None else visible.T
 
 
-def _backward_kv(q, k, v, lse, D, dout, dq, scale, sched, ledger, accumulate_dq):
+def _backward_kv(q, k, v, lse, D, dout, dq, scale, sched, mask, ledger, accumulate_dq):
     """K/V outer (FlashAttention-2's backward) for one K/V head. q, lse, D, dout, dq hold the `group`
     query heads that read it, (group, N_q, ...). Returns (dk, dv) of the head; adds into dq if accumulate_dq."""
     grid = sched.grid
     by_col = {j: [] for j in range(grid.t_c)}
-    for i, j, kind in sched.visits:  # j outer, i inner
+    for i, j, kind in sched.visits:  # j outer, i inner: key tile j's list of query tiles
         by_col[j].append((i, kind))
     dk = np.empty_like(k)
     dv = np.empty_like(v)
     for j, col_visits in by_col.items():  # invariant (L7.6): dk_j, dv_j hold the visited (h, i) so far
         c0, c1 = grid.cols(j)
-        k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: (B_c, d) on chip, read once per key tile
-        ledger.read("K", k_j.size)
-        ledger.read("V", v_j.size)
+        k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: (B_c, d) on chip, read once per key tile with a non-empty list
+        if col_visits:
+            ledger.read("K", k_j.size)
+            ledger.read("V", v_j.size)
         dk_j = np.zeros_like(k_j)  # dK_j, dV_j: (B_c, d) on chip for the whole inner loop
         dv_j = np.zeros_like(v_j)
         for h in range(q.shape[0]):  # the query heads of the group share K_j, V_j and dK_j, dV_j
@@ -238,21 +272,21 @@ def _backward_kv(q, k, v, lse, D, dout, dq, scale, sched, ledger, accumulate_dq)
                 for name, count in (("Q", q_i.size), ("dO", do_i.size), ("LSE", r1 - r0), ("D", r1 - r0)):
                     ledger.read(name, count)
                 p, ds, visible = _tile_backward(q_i, k_j, v_j, do_i, lse[h, r0:r1], D[h, r0:r1], scale, grid,
-                                                i, j, kind)
+                                                i, j, kind, mask)
                 dv_j += visible_matmul(p.T, do_i, _transposed(visible))
                 dk_j += visible_matmul(ds.T, q_i, _transposed(visible))
                 if accumulate_dq:  # dQ_i += scale dS K_j in HBM: an atomic read-modify-write
                     dq[h, r0:r1] += scale * visible_matmul(ds, k_j, visible)
                     ledger.read("dQ", q_i.size)
                     ledger.write("dQ", q_i.size)
-        dk[c0:c1] = scale * dk_j  # dK_j, dV_j: written once
+        dk[c0:c1] = scale * dk_j  # dK_j, dV_j: written once (zeros for a key tile no query tile sees)
         dv[c0:c1] = dv_j
         ledger.write("dK", dk_j.size)
         ledger.write("dV", dv_j.size)
     return dk, dv
 
 
-def _backward_q(q, k, v, lse, D, dout, scale, sched, ledger, dk=None, dv=None):
+def _backward_q(q, k, v, lse, D, dout, scale, sched, mask, ledger, dk=None, dv=None):
     """Q outer for one query head: returns its dq. With dk, dv (the HBM gradients of its K/V head) it also
     adds into them (order "q"); without, it is the dQ pass of the deterministic "kv" order."""
     grid = sched.grid
@@ -275,7 +309,8 @@ def _backward_q(q, k, v, lse, D, dout, scale, sched, ledger, dk=None, dv=None):
             k_j, v_j = k[c0:c1], v[c0:c1]  # K_j, V_j: read once per query tile
             ledger.read("K", k_j.size)
             ledger.read("V", v_j.size)
-            p, ds, visible = _tile_backward(q_i, k_j, v_j, do_i, lse[r0:r1], D[r0:r1], scale, grid, i, j, kind)
+            p, ds, visible = _tile_backward(q_i, k_j, v_j, do_i, lse[r0:r1], D[r0:r1], scale, grid, i, j, kind,
+                                            mask)
             dq_i += visible_matmul(ds, k_j, visible)
             if dk is not None:  # dK_j, dV_j += ... in HBM: atomic read-modify-writes
                 dv[c0:c1] += visible_matmul(p.T, do_i, _transposed(visible))
@@ -289,7 +324,8 @@ def _backward_q(q, k, v, lse, D, dout, scale, sched, ledger, dk=None, dv=None):
 
 
 def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, block_k: int, causal: bool = False,
-                       scale: float | None = None, dtype=np.float64, deterministic: bool = False, skip: bool = True):
+                       scale: float | None = None, dtype=np.float64, deterministic: bool = False, skip: bool = True,
+                       mask=None):
     """The backward of one attention call, tile by tile, in order "kv" or "q". Returns (dq, dk, dv, ledger).
 
     out and lse are the forward's (any order, any precision), dout the upstream gradient; out and dout are
@@ -297,31 +333,37 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
     dtype is the compute dtype (float64 for the spec, float32 to mimic the kernels). Every order starts
     with the preprocess pass D = rowsum(dO o O), then (proofs/L7_backward.md):
 
-    - "kv" (K/V outer, FlashAttention-2's backward): per K/V head, per key tile j: K_j, V_j read once,
-      dK_j, dV_j on chip while every query head of the group walks the query tiles that visit j (Q_i,
-      dO_i, LSE_i, D_i read on each visit), dK_j, dV_j written once. dQ is accumulated in HBM (zeroed
+    - "kv" (K/V outer, FlashAttention-2's backward): per K/V head, per key tile j: K_j, V_j read once
+      (if any query tile visits j), dK_j, dV_j on chip while every query head of the group walks the query
+      tiles that visit j (Q_i, dO_i, LSE_i, D_i read on each visit), dK_j, dV_j written once (zeros for a
+      key tile no query tile visits). dQ is accumulated in HBM (zeroed
       by the preprocess, one atomic read-modify-write per visit); with deterministic=True instead a
       separate Q-outer pass recomputes S, P, dP, dS and writes each dQ_i once, without atomics.
     - "q" (Q outer): dK, dV zeroed in HBM; per query head, per query tile i: Q_i, dO_i, LSE_i, D_i read
       once, dQ_i on chip while the visible key tiles stream through (K_j, V_j read, dK_j, dV_j atomically
       added into HBM), dQ_i written once. deterministic=True is refused (it would need a dK/dV pass).
 
+    mask: causal=True, or any `fa_numba.masks` mask (the forward's): the visits are its block-mask lists.
     SKIP tiles are left out (skip=False visits them with a full mask: the gradients are the same, bit for
     bit, only the ledger grows); only PARTIAL tiles are masked; a query tile that sees no key is never
-    loaded and writes dQ_i = 0. The ledger (BACKWARD_TENSORS) sums all batches and heads, elements per
-    tensor, and equals `iomodel.traffic_backward`. FLOPs per visited tile, r x c: 5 matrix products of
-    2 r c d each (S, dP, dV, dK, dQ); the deterministic dQ pass adds 3 (S, dP, dQ), so 8 instead of 5.
+    loaded and writes dQ_i = 0; a row that sees no key (by the mask) has P = dS = 0 on every pair, so a
+    zero dQ row and nothing in dK, dV. The ledger (BACKWARD_TENSORS) sums all batches and heads, elements
+    per tensor, and equals `iomodel.traffic_backward(..., mask=mask)`. FLOPs per visited tile, r x c: 5
+    matrix products of 2 r c d each (S, dP, dV, dK, dQ); the deterministic dQ pass adds 3 (S, dP, dQ), so 8
+    instead of 5.
     """
     prob = shapes.problem(q, k, v)
     shapes.check_like("out", out, q.shape, "as q")
     shapes.check_like("lse", lse, q.shape[:-1], "as q without its last axis")
     shapes.check_like("dout", dout, q.shape, "as q")
     order, deterministic = tiling.check_backward_order(order, deterministic)
-    block_q, block_k, causal, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale)
+    block_q, block_k, causal, mask, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale,
+                                                                    mask)
     q4, k4, v4, out4, do4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v, out, dout))
     lse4 = np.asarray(lse).reshape(q4.shape[:-1]).astype(dtype)
     sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER[order], prob.n_q, prob.n_k, block_q, block_k, causal,
-                            skip=skip)
+                            skip=skip, mask=mask)
+    visible = _Mask.of(prob.n_q, prob.n_k, causal, mask)
     ledger = Ledger.empty(BACKWARD_TENSORS)
     group = prob.group
     n_qd, n_kd = prob.n_q * prob.d, prob.n_k * prob.d
@@ -343,19 +385,19 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
                 heads = slice(h_kv * group, (h_kv + 1) * group)
                 dk[b, h_kv], dv[b, h_kv] = _backward_kv(q4[b, heads], k4[b, h_kv], v4[b, h_kv], lse4[b, heads],
                                                         D[b, heads], do4[b, heads], dq[b, heads], scale, sched,
-                                                        ledger, accumulate_dq=not deterministic)
+                                                        visible, ledger, accumulate_dq=not deterministic)
         if deterministic:  # the dQ pass: Q outer, one write per dQ_i
             q_sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER["q"], prob.n_q, prob.n_k, block_q, block_k, causal,
-                                      skip=skip)
+                                      skip=skip, mask=mask)
             for b in range(prob.batch):
                 for h in range(prob.heads):
                     dq[b, h] = _backward_q(q4[b, h], k4[b, h // group], v4[b, h // group], lse4[b, h], D[b, h],
-                                           do4[b, h], scale, q_sched, ledger)
+                                           do4[b, h], scale, q_sched, visible, ledger)
     else:
         ledger.write("dK", prob.batch * prob.heads_kv * n_kd)  # dK = dV = 0 in HBM before the atomic adds
         ledger.write("dV", prob.batch * prob.heads_kv * n_kd)
         for b in range(prob.batch):
             for h in range(prob.heads):
                 dq[b, h] = _backward_q(q4[b, h], k4[b, h // group], v4[b, h // group], lse4[b, h], D[b, h],
-                                       do4[b, h], scale, sched, ledger, dk[b, h // group], dv[b, h // group])
+                                       do4[b, h], scale, sched, visible, ledger, dk[b, h // group], dv[b, h // group])
     return (shapes.drop_lead(dq, q.ndim), shapes.drop_lead(dk, k.ndim), shapes.drop_lead(dv, v.ndim), ledger)

@@ -114,9 +114,10 @@ def softmax_bound(scores, values, exps: int, ops: int, sigma=None):
     return np.where(nonempty[..., None], out_bound + slack, 0.0), np.where(nonempty, lse_bound + slack, 0.0)
 
 
-def attention_bound(q, k, v, *, causal: bool, counts: tuple[int, int], scale: float | None = None):
+def attention_bound(q, k, v, *, causal: bool, counts: tuple[int, int], scale: float | None = None, mask=None):
     """Bounds (out (B, H, N_q, d), lse (B, H, N_q)) on |computed - exact| of one float64 evaluation of attention
-    (4-D q, k, v) in an order with the given per-term `counts` (exps, ops), score rounding included."""
+    (4-D q, k, v) in an order with the given per-term `counts` (exps, ops), score rounding included; `mask`
+    a `fa_numba.masks` mask (not with causal=True)."""
     from fa_numba import reference
 
     q, k, v = (np.asarray(x, float) for x in (q, k, v))
@@ -126,8 +127,7 @@ def attention_bound(q, k, v, *, causal: bool, counts: tuple[int, int], scale: fl
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     s = scale * q @ np.swapaxes(k, -1, -2)
     sigma = gamma(d + 1) * abs(scale) * (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2))
-    if causal:
-        s = np.where(reference.causal_mask(q.shape[2], k.shape[2]), s, -np.inf)
+    s = np.where(reference.visible_mask(q.shape[2], k.shape[2], causal, mask), s, -np.inf)
     return softmax_bound(s, v[:, :, None], *counts, sigma=sigma)
 
 

@@ -41,15 +41,16 @@ class Magnitudes:
     terms: int  # B H N_q d, the number of terms of <dO, O>
 
 
-def magnitudes(q, k, v, dout, causal: bool, scale: float | None = None) -> Magnitudes:
+def magnitudes(q, k, v, dout, causal: bool, scale: float | None = None, mask=None) -> Magnitudes:
+    """The magnitudes of one problem, with causal masking or any `fa_numba.masks` mask (mask=)."""
     prob = shapes.problem(q, k, v)
     scale = shapes.resolve_scale(scale, prob.d)
     q4, k4, v4, do4 = (shapes.as_4d(np.asarray(x, dtype=np.float64)) for x in (q, k, v, dout))
     k4 = np.repeat(k4, prob.group, axis=1)
     v4 = np.repeat(v4, prob.group, axis=1)
-    out, lse = reference.attention(q, k, v, causal=causal, scale=scale)
+    out, lse = reference.attention(q, k, v, causal=causal, scale=scale, mask=mask)
     out4, lse4 = shapes.as_4d(out), lse.reshape(q4.shape[:-1])
-    visible = reference.visible_mask(prob.n_q, prob.n_k, causal)
+    visible = reference.visible_mask(prob.n_q, prob.n_k, causal, mask)
     s = scale * q4 @ np.swapaxes(k4, -1, -2)
     shift = np.where(np.isneginf(lse4), 0.0, lse4)
     p = np.where(visible, np.exp(np.where(visible, s, -np.inf) - shift[..., None]), 0.0)

@@ -191,9 +191,11 @@ def random_dense(n_q: int, n_k: int, density: float, seed: int, empty_rows=()) -
 
 @st.composite
 def mask_cases(draw, max_n: int = 20, max_d: int = 8, max_block: int = 9, multihead: bool = True,
-               kinds=MASK_KINDS) -> MaskCase:
+               kinds=MASK_KINDS, amplitudes: tuple[float, ...] = (1.0,),
+               logits: tuple[float, ...] = (1.0, 1.0, 30.0, 1e4)) -> MaskCase:
     """A random mask of a random kind, with sizes it allows (documents: N_q = N_k = sum of the lengths)."""
-    case = draw(cases(max_n=max_n, max_d=max_d, max_block=max_block, multihead=multihead))
+    case = draw(cases(max_n=max_n, max_d=max_d, max_block=max_block, multihead=multihead, amplitudes=amplitudes,
+                      logits=logits))
     kind = draw(st.sampled_from(kinds))
     n_q, n_k = case.n_q, case.n_k
     if kind.startswith("documents"):
@@ -219,7 +221,8 @@ def mask_cases(draw, max_n: int = 20, max_d: int = 8, max_block: int = 9, multih
         empty = draw(st.sets(st.integers(0, n_q - 1), max_size=n_q))
         mask = masks.from_dense(random_dense(n_q, n_k, density, draw(st.integers(0, 2**32 - 1)), empty))
     return MaskCase(Case(n_q, n_k, case.d, case.block_q, case.block_k, False, batch=case.batch,
-                         heads_kv=case.heads_kv, group=case.group, logit=case.logit, seed=case.seed), mask)
+                         heads_kv=case.heads_kv, group=case.group, logit=case.logit, seed=case.seed,
+                         amplitude=case.amplitude), mask)
 
 
 def _mask_case(n_q, n_k, block_q, block_k, mask, d=3, seed=0):
@@ -258,3 +261,15 @@ def with_hard_mask_cases(test=None, **fixed):
     for mc in HARD_MASK_CASES:
         test = example(mc=mc, **fixed)(test)
     return test
+
+
+@st.composite
+def mask_kernel_cases(draw) -> MaskCase:
+    """Mask cases small enough for the simulator: N <= 16, d <= 6, tiles <= 8, <= 16 blocks a forward launch
+    (the backward's square tiles are B = block_q)."""
+    mc = draw(mask_cases(max_n=16, max_d=6, max_block=8))
+    c = mc.case
+    if launch_blocks(c) <= SIM_MAX_BLOCKS:
+        return mc
+    return MaskCase(Case(c.n_q, c.n_k, c.d, max(c.block_q, -(-c.n_q // 4)), c.block_k, False, batch=1,
+                         heads_kv=c.heads_kv, group=min(c.group, 2), logit=c.logit, seed=c.seed), mc.mask)

@@ -6,9 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 
-from fa_numba import reference
+from scipy.special import softmax
+
+from fa_numba import masks, reference
 from float64_bounds import finite_difference_bounds, float64_atols, magnitudes
-from strategies import BACKWARD_HARD_CASES, Case, cases
+from strategies import (BACKWARD_HARD_CASES, HARD_MASK_CASES, Case, MaskCase, cases, mask_cases,
+                        with_backward_hard_cases, with_hard_mask_cases)
+from test_masks import definition
 
 STEP = 1e-6  # central-difference step; its error bound is derived per entry in float64_bounds
 
@@ -229,3 +233,110 @@ def test_check_attention_backward_rejects_a_wrong_answer():
             reference.check_attention_backward(*wrong, q, k, v, dout, causal=True)
     with pytest.raises(AssertionError, match="non-finite mismatch"):
         reference.check_attention_backward(grads[0] * np.nan, *grads[1:], q, k, v, dout, causal=True)
+
+
+# --- masks beyond causal (proofs/L8) -----------------------------------------------------------------
+
+
+def _explicit_gradients(q, k, v, dout, visible):
+    """The gradients row by row over an explicit visible matrix (L7's formulas on each row's visible keys,
+    with scipy's softmax): no dense masking, no visible_matmul. A row with no visible key adds nothing."""
+    b_, h_, n_q, d = q.shape
+    group = h_ // k.shape[1]
+    scale = 1 / np.sqrt(d)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(b_):
+        for h in range(h_):
+            kk, vv = k[b, h // group], v[b, h // group]
+            for i in range(n_q):
+                keys = np.flatnonzero(visible[i])
+                if not keys.size:
+                    continue
+                p = softmax(scale * (kk[keys] @ q[b, h, i]))
+                o = p @ vv[keys]
+                ds = p * (vv[keys] @ dout[b, h, i] - dout[b, h, i] @ o)  # P (dP - D)
+                dv[b, h // group, keys] += p[:, None] * dout[b, h, i]
+                dk[b, h // group, keys] += scale * ds[:, None] * q[b, h, i]
+                dq[b, h, i] = scale * ds @ kk[keys]
+    return dq, dk, dv
+
+
+@pytest.mark.lemma("L8")
+@given(mc=mask_cases(max_n=10, max_d=5, amplitudes=(1.0, 5.0)))
+@with_hard_mask_cases
+def test_gradients_with_a_mask_match_explicit_per_row_loops(mc: MaskCase):
+    """The dense gradients with any mask against L7's formulas looped over each row's visible keys, within the
+    float64 bound of two evaluations (tests/float64_bounds.py); rows with no visible key exactly 0."""
+    q, k, v = mc.case.inputs()
+    dout = mc.case.grad_output()
+    visible = definition(mc.mask, mc.n_q, mc.n_k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dead rows and masked scores must not warn
+        grads = reference.attention_backward(q, k, v, dout, mask=mc.mask)
+        naive = reference.attention_backward_naive_f32(q, k, v, dout, mask=mc.mask)
+    atols = float64_atols(magnitudes(q, k, v, dout, False, mask=mc.mask))
+    dead = ~visible.any(axis=1)
+    explicit = _explicit_gradients(q, k, v, dout, visible)
+    for name, g, n, e, atol in zip(("dq", "dk", "dv"), grads, naive, explicit, atols):
+        assert g.shape == e.shape and g.dtype == np.float64 and n.dtype == np.float32
+        reference.assert_close(g, e, atol, name=name)
+        assert np.isfinite(n).all()
+    assert (grads[0][..., dead, :] == 0).all() and (naive[0][..., dead, :] == 0).all()
+    unseen = ~visible.any(axis=0)  # keys no query sees: zero dK, dV
+    for g in (*grads[1:], *naive[1:]):
+        assert (g[..., unseen, :] == 0).all()
+
+
+@pytest.mark.lemma("L8")
+@pytest.mark.parametrize("fn", [reference.attention_backward, reference.attention_backward_naive_f32],
+                         ids=["float64", "naive_f32"])
+@pytest.mark.parametrize("mc", [mc for mc in HARD_MASK_CASES
+                                if not definition(mc.mask, mc.n_q, mc.n_k).any(axis=1).all()],
+                         ids=lambda mc: repr(mc.mask))
+def test_dead_rows_under_a_mask_get_exactly_zero_gradient_and_touch_nothing(fn, mc: MaskCase):
+    q, k, v = mc.case.inputs()
+    dout = mc.case.grad_output()
+    dead = ~definition(mc.mask, mc.n_q, mc.n_k).any(axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dq, dk, dv = fn(q, k, v, dout, mask=mc.mask)
+        q2, dout2 = q.copy(), dout.copy()
+        q2[:, :, dead], dout2[:, :, dead] = np.nan, np.nan  # a dead row's query and upstream gradient reach nothing
+        dq2, dk2, dv2 = fn(q2, k, v, dout2, mask=mc.mask)
+    assert (dq[:, :, dead] == 0).all() and np.isfinite(dq).all()
+    for a, b in ((dq2, dq), (dk2, dk), (dv2, dv)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.lemma("L8")
+@given(case=cases(max_n=10, max_d=5))
+@with_backward_hard_cases
+def test_causal_flag_equals_the_causal_mask_in_the_backward_reference_bitwise(case: Case):
+    q, k, v = case.inputs()
+    dout = case.grad_output()
+    for fn in (reference.attention_backward, reference.attention_backward_naive_f32):
+        for a, b in zip(fn(q, k, v, dout, causal=True), fn(q, k, v, dout, mask=masks.causal())):
+            np.testing.assert_array_equal(a, b)
+    by_flag, by_mask = (vars(reference.baseline_backward(q, k, v, dout, contractions=("matmul",), **kw)).values()
+                        for kw in ({"causal": True}, {"mask": masks.causal()}))
+    for a, b in zip(by_flag, by_mask):  # the gradients and their tolerances
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.lemma("L8")
+def test_check_attention_backward_with_a_mask_rejects_unmasked_gradients():
+    mask = masks.sliding_window(2, 0)
+    q, k, v = Case(n_q=7, n_k=7, d=4, block_q=1, block_k=1, causal=False, seed=13).inputs()
+    dout = Case(n_q=7, n_k=7, d=4, block_q=1, block_k=1, causal=False, seed=13).grad_output()
+    grads = reference.attention_backward_naive_f32(q, k, v, dout, mask=mask)
+    check = reference.check_attention_backward(*grads, q, k, v, dout, mask=mask)
+    assert check.err_dq <= check.atol_dq and check.err_dk <= check.atol_dk
+    for wrong in (reference.attention_backward_naive_f32(q, k, v, dout, causal=True),  # the window forgotten
+                  reference.attention_backward_naive_f32(q, k, v, dout, mask=masks.sliding_window(1, 0))):
+        for t, name in enumerate(("dq", "dk", "dv")):
+            given_grads = list(grads)
+            given_grads[t] = wrong[t]
+            with pytest.raises(AssertionError, match=f"kernel {name}"):
+                reference.check_attention_backward(*given_grads, q, k, v, dout, mask=mask)
+    with pytest.raises(ValueError, match=r"pass causal=True or mask=\.\.\., not both"):
+        reference.attention_backward(q, k, v, dout, causal=True, mask=mask)

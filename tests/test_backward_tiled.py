@@ -7,9 +7,11 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fa_numba import iomodel, online_softmax as osm, reference, tiled, tiling
+from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling
 from float64_bounds import float64_atols, magnitudes
-from strategies import Case, cases, with_backward_hard_cases
+from strategies import (HARD_MASK_CASES, Case, MaskCase, cases, mask_cases, with_backward_hard_cases,
+                        with_hard_mask_cases)
+from test_masks import definition
 
 # (order, deterministic): the three variants of the spec.
 VARIANTS = (("kv", False), ("kv", True), ("q", False))
@@ -261,3 +263,108 @@ def test_backward_bytes_summary():
     assert b["read"]["dO"] == t.reads["dO"] * 2 and b["read"]["dQ"] == t.reads["dQ"] * 4
     assert b["write"]["D"] == 64 * 4 and b["read"]["K"] == 64 * 16 * 2
     assert iomodel.total_bytes(t, 2) == sum(b["read"].values()) + sum(b["write"].values())
+
+
+# --- masks beyond causal (proofs/L8) -----------------------------------------------------------------
+
+
+def _mask_backward(mc: MaskCase, order: str, deterministic: bool, inputs, forward, dtype=np.float64, skip=True,
+                   mask=None):
+    q, k, v, dout = inputs
+    out, lse = forward
+    return tiled.attention_backward(q, k, v, out, lse, dout, order=order, block_q=mc.case.block_q,
+                                    block_k=mc.case.block_k, mask=mc.mask if mask is None else mask, dtype=dtype,
+                                    deterministic=deterministic, skip=skip)
+
+
+@pytest.mark.lemma("L8")
+@given(mc=mask_cases(max_n=14, amplitudes=(1.0, 5.0)))
+@with_hard_mask_cases
+def test_float64_backward_spec_with_a_mask_equals_the_reference(mc: MaskCase):
+    inputs = _inputs(mc.case)
+    forward = reference.attention(*inputs[:3], mask=mc.mask)
+    ref = reference.attention_backward(*inputs, mask=mc.mask)
+    atols = float64_atols(magnitudes(*inputs, False, mask=mc.mask))  # as the causal test above (L7)
+    dead = ~definition(mc.mask, mc.n_q, mc.n_k).any(axis=1)
+    for order, deterministic in VARIANTS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # dead rows and masked scores must not warn
+            grads = _mask_backward(mc, order, deterministic, inputs, forward)[:3]
+        for name, g, r, atol in zip(("dq", "dk", "dv"), grads, ref, atols):
+            reference.assert_close(g, r, atol, name=f"tiled {order}{' deterministic' if deterministic else ''} {name}")
+        assert (grads[0][..., dead, :] == 0).all()  # decided by the mask: exactly zero
+
+
+@pytest.mark.lemma("L8")
+@given(mc=mask_cases(max_n=14, amplitudes=(1.0, 5.0)))
+@with_hard_mask_cases
+def test_float32_backward_spec_with_a_mask_passes_the_3x_rule(mc: MaskCase):
+    """From the float32 forward spec's O and LSE with the same mask, as the kernels will run."""
+    inputs = _inputs(mc.case, np.float32)
+    q, k, v, dout = inputs
+    out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=mc.case.block_q, block_k=mc.case.block_k,
+                                  mask=mc.mask, dtype=np.float32)
+    base = reference.baseline_backward(q, k, v, dout, mask=mc.mask)
+    for order, deterministic in VARIANTS:
+        grads = _mask_backward(mc, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
+        assert all(g.dtype == np.float32 for g in grads)
+        reference.judge_backward(*grads, base, name=f"tiled {order} float32")
+
+
+@pytest.mark.lemma("L8")
+@given(mc=mask_cases(max_n=12))
+@with_hard_mask_cases
+def test_backward_builtins_equal_from_dense_and_skipping_changes_only_the_ledger(mc: MaskCase):
+    """from_dense of a mask's definition gives the same gradients bit for bit and the same ledger; visiting
+    its SKIP tiles too (skip=False) gives the same gradients bit for bit and a larger ledger (L7.4, L8.5)."""
+    inputs = _inputs(mc.case)
+    forward = reference.attention(*inputs[:3], mask=mc.mask)
+    dense = masks.from_dense(definition(mc.mask, mc.n_q, mc.n_k))
+    any_skip = (tiling.classify(*mc.tiles, mask=mc.mask) == tiling.SKIP).any()
+    for order, deterministic in VARIANTS:
+        *grads, ledger = _mask_backward(mc, order, deterministic, inputs, forward)
+        *by_dense, ledger_dense = _mask_backward(mc, order, deterministic, inputs, forward, mask=dense)
+        *visited, ledger_all = _mask_backward(mc, order, deterministic, inputs, forward, skip=False)
+        for g, g_dense, g_all in zip(grads, by_dense, visited):
+            np.testing.assert_array_equal(g, g_dense)
+            np.testing.assert_array_equal(g, g_all)
+        assert ledger == ledger_dense
+        assert (ledger != ledger_all) == any_skip
+
+
+@pytest.mark.lemma("L8")
+@given(case=cases(max_n=12))
+@with_backward_hard_cases
+def test_causal_flag_equals_the_causal_mask_in_the_backward_spec_bitwise(case: Case):
+    inputs = _inputs(case)
+    forward = reference.attention(*inputs[:3], causal=True)
+    q, k, v, dout = inputs
+    for order, deterministic in VARIANTS:
+        for dtype in (np.float64, np.float32):
+            runs = [tiled.attention_backward(q, k, v, *forward, dout, order=order, block_q=case.block_q,
+                                             block_k=case.block_k, dtype=dtype, deterministic=deterministic, **kw)
+                    for kw in ({"causal": True}, {"mask": masks.causal()})]
+            for a, b in zip(*(r[:3] for r in runs)):
+                np.testing.assert_array_equal(a, b)
+            assert runs[0][3] == runs[1][3]
+
+
+@pytest.mark.lemma("L8")
+@pytest.mark.parametrize("order, deterministic", VARIANTS)
+@pytest.mark.parametrize("mc", [mc for mc in HARD_MASK_CASES
+                                if not definition(mc.mask, mc.n_q, mc.n_k).any(axis=1).all()],
+                         ids=lambda mc: repr(mc.mask))
+def test_dead_rows_under_a_mask_are_exactly_zero_in_the_spec_and_touch_nothing(order, deterministic, mc: MaskCase):
+    """A row the mask shows no key: dQ row 0, and its Q, O, dO (even NaN) reach no gradient, bit for bit."""
+    q, k, v, dout = inputs = _inputs(mc.case)
+    forward = reference.attention(q, k, v, mask=mc.mask)
+    dead = ~definition(mc.mask, mc.n_q, mc.n_k).any(axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dq, dk, dv, _ = _mask_backward(mc, order, deterministic, inputs, forward)
+        q2, dout2, out2 = q.copy(), dout.copy(), forward[0].copy()
+        q2[:, :, dead], dout2[:, :, dead], out2[:, :, dead] = np.nan, np.nan, np.nan
+        dq2, dk2, dv2, _ = _mask_backward(mc, order, deterministic, (q2, k, v, dout2), (out2, forward[1]))
+    assert (dq[:, :, dead] == 0).all()
+    for a, b in ((dq2, dq), (dk2, dk), (dv2, dv)):
+        np.testing.assert_array_equal(a, b)

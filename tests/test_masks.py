@@ -13,7 +13,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from scipy.special import logsumexp, softmax
 
-from fa_numba import masks, online_softmax as osm, reference, tiling
+from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling
 from fa_numba.tiling import FULL, PARTIAL, SKIP
 from strategies import (HARD_MASK_CASES, Case, MaskCase, Stripes, cases, mask_cases, with_hard_cases,
                         with_hard_mask_cases)
@@ -538,6 +538,11 @@ def test_a_mask_that_does_not_fit_the_sizes_is_named():
         tiling.classify(5, 6, 2, 2, mask=masks.documents([2, 3]))
     with pytest.raises(ValueError, match="n_q = n_k = sum"):
         reference.attention(*Case(4, 4, 2, 1, 1, False).inputs(), mask=masks.documents([2, 3]))
+    with pytest.raises(ValueError, match="n_q = n_k = sum"):
+        tiled.attention(*Case(4, 4, 2, 1, 1, False).inputs(), order="v1", block_q=2, block_k=2,
+                        mask=masks.documents([2, 3]))
+    with pytest.raises(ValueError, match=r"from_dense mask of shape 3x3 \(N_q x N_k\) does not fit n_q=3, n_k=4"):
+        iomodel.traffic_backward("kv", 3, 4, 2, 2, 2, mask=masks.from_dense(np.eye(3, dtype=bool)))
     with pytest.raises(ValueError, match=r"from_dense mask of shape 3x3 \(N_q x N_k\) does not fit n_q=3, n_k=4"):
         masks.from_dense(np.eye(3, dtype=bool)).dense(3, 4)
     with pytest.raises(TypeError, match="fn.i, j. must return a bool array, got dtype int64"):
@@ -562,6 +567,13 @@ def test_causal_and_a_mask_together_is_an_error_naming_both():
         lambda: reference.attention(q, k, v, causal=True, mask=mask),
         lambda: reference.attention_naive_f32(q, k, v, causal=True, mask=mask),
         lambda: reference.check_attention(q, q[..., 0], q, k, v, causal=True, mask=mask),
+        lambda: reference.attention_backward(q, k, v, q, causal=True, mask=mask),
+        lambda: reference.check_attention_backward(q, k, v, q, k, v, q, causal=True, mask=mask),
+        lambda: tiled.attention(q, k, v, order="v2", block_q=2, block_k=2, causal=True, mask=mask),
+        lambda: tiled.attention_backward(q, k, v, q, q[..., 0], q, order="kv", block_q=2, block_k=2, causal=True,
+                                         mask=mask),
+        lambda: iomodel.traffic("v1", 4, 4, 2, 2, 2, True, mask=mask),
+        lambda: iomodel.traffic_backward("q", 4, 4, 2, 2, 2, True, mask=mask),
     ]
     for call in calls:
         with pytest.raises(ValueError, match=r"pass causal=True or mask=\.\.\., not both \(got causal=True and "

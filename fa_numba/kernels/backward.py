@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint64 as u64
 
-from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, mask_arrays,
-                                     to_f32)
+from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, check_mask_form,
+                                     mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import UNROLL_BUDGET
 
@@ -120,6 +120,7 @@ class BackwardConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_mask_form(self.mask_form, self.causal)
         if self.threads > 1024:
             raise ValueError(f"block_q = block_k = {self.block} gives {self.threads} threads per block, over 1024")
         if self.shared_bytes > SHARED_BYTES_LIMIT:

@@ -31,6 +31,18 @@ INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 BF16_BITS = (np.dtype(np.uint16), np.dtype(np.int16))  # how bfloat16 inputs reach the kernels (to_f32)
 
 
+def check_mask_form(mask_form, causal: bool) -> None:
+    """mask_form is one of MASK_FORMS and agrees with causal: "causal" exactly when causal=True ("none" is also
+    accepted with it), a block-mask form only without it. A "causal" form with causal=False would compile an
+    unmasked kernel, so it is refused here rather than trusted."""
+    if mask_form not in MASK_FORMS:
+        raise ValueError(f"mask_form must be one of {MASK_FORMS}, got {mask_form!r}")
+    if causal and mask_form not in ("none", "causal"):
+        raise ValueError(f"mask_form {mask_form!r} is a block mask's form and causal=True is not: pass one of them")
+    if mask_form == "causal" and not causal:
+        raise ValueError("mask_form 'causal' needs causal=True (the causal kernels are compiled from the flag)")
+
+
 @dataclass(frozen=True)
 class Config:
     """One compiled specialisation: tile sizes, head dim and masking are compile-time constants.
@@ -82,9 +94,7 @@ class Config:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {self.head_dim}")
-        if self.mask_form not in MASK_FORMS or (self.causal and self.mask_form not in ("none", "causal")):
-            raise ValueError(f"mask_form must be one of {MASK_FORMS} (and 'none' or 'causal' with causal=True), "
-                             f"got {self.mask_form!r}")
+        check_mask_form(self.mask_form, self.causal)
         if self.engine:
             self.layout.check()
             return self
