@@ -1,6 +1,7 @@
 """Docs are tests: the README's Python snippets and the package's doctests run here."""
 
 import doctest
+import json
 import pathlib
 import re
 
@@ -45,3 +46,21 @@ def test_readme_table_matches_compare(capsys):
     assert len(table) >= 3
     for line in table:
         assert line in readme, line
+
+
+def test_readme_profile_table_matches_the_shipped_profile():
+    """Every row of the README's profile table is the shipped JSON's numbers for that configuration."""
+    profiles = json.loads((ROOT / "benchmarks" / "results" / "profile_sm90_2026-11-29.json").read_text())["profiles"]
+    by_config = {(p["name"], p["config"]["head_dim"], p["config"]["causal"]): p for p in profiles
+                 if p["config"]["dtype"] == "float32"}
+    section = (ROOT / "README.md").read_text().split("## profile:", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (v1|v2|v1-rowwise|v2-rowwise|bwd-kv|bwd-q)(?: \(engine\))? \| (\d+) \| (on|off) \| (.*)$",
+                      section, re.M)
+    assert len(rows) >= 8
+    for name, d, causal, rest in rows:
+        p = by_config[(name, int(d), causal == "on")]
+        threads, registers, spills, _, warps, ffma, _, _, bound = (c.strip() for c in rest.split("|")[:9])
+        assert (int(threads), int(registers), int(spills)) == (p["threads"], p["registers"], p["spill_stores"]), name
+        assert warps.startswith(f"{p['occupancy']['warps_per_sm']} ({p['occupancy']['limiter']})"), (name, warps)
+        assert ffma == f"{round(100 * p['bound']['ffma_fraction'])}%", (name, ffma)
+        assert bound.startswith(f"{p['bound']['tflops']:.1f} TFLOP/s"), (name, bound)
