@@ -73,7 +73,7 @@ def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
         p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"])
         p.add_argument("--causal", action="store_true", help="bottom-right causal (the same as --mask causal)")
     p.add_argument("--mask", type=_mask_spec, metavar="SPEC",
-                   help=MASK_HELP + (" (every N of --n)" if sweep else "") + "; not with --causal"
+                   help=MASK_HELP + (" (so one N per documents mask)" if sweep else "") + "; not with --causal"
                    + (" on/both" if sweep else ""))
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     tiles_help = ("default: by head dim, as fa_numba.attention picks them (kernels.default_tiles); in the "
@@ -103,8 +103,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--plot", metavar="PATH", help="HBM bytes vs N (and time vs N on a GPU), PNG or PDF")
     s.add_argument("--tile-map", metavar="PATH",
-                   help="the SKIP/FULL/PARTIAL tile grid of the first N with >= 8 query tiles: of --mask when given, "
-                        "else causal (also with --causal off, whose every tile is FULL: the title says so)")
+                   help="the SKIP/FULL/PARTIAL tile grid of the first N with >= 8 query tiles (else the largest): "
+                        "of --mask, else causal (also with --causal off, whose every tile is FULL: the title says so)")
     sub.add_parser("profile", add_help=False,  # listed here; main() hands its arguments to fa_numba.profile
                    help="static profile of every kernel from its sm_90 SASS (no GPU needed; see fa_numba.profile)")
     return top
@@ -161,8 +161,9 @@ def _run_compare(args, top) -> int:
     return 0 if cmp.all_passed(result) else 1
 
 
-CSV_FIELDS = ["n", "head_dim", "causal", "mask", "tile_size", "variant", "ran", "passed", "err_out", "err_lse", "tiles_computed",
-              "tiles_skipped", "tiles_masked", "bytes_total", "scores_bytes", "dense_bytes", "median_ms", "tflops", "gbps"]
+CSV_FIELDS = ["n", "head_dim", "causal", "mask", "tile_size", "variant", "ran", "passed", "err_out", "err_lse",
+              "tiles_computed", "tiles_skipped", "tiles_masked", "bytes_total", "scores_bytes", "dense_bytes", "median_ms",
+              "tflops", "gbps"]
 
 
 def _run_sweep(args, top) -> int:
