@@ -1,8 +1,10 @@
 """`python -m fa_numba compare | sweep | profile` (also installed as `fa-numba`).
 
-compare: every registered kernel on the same random inputs, side by side (see fa_numba.compare).
-sweep:   compare over a list of sizes (and head dims, causal on/off), with progress on stderr, CSV/JSON,
-         and optional plots (matplotlib, the `plot` extra): HBM bytes vs N and the causal tile map.
+compare: every registered kernel on the same random inputs, side by side (see fa_numba.compare), with no
+         mask, --causal, or any block mask (--mask window:128,0, documents:100,300,...; masks.parse).
+sweep:   compare over a list of sizes (and head dims, causal on/off, or one --mask), with progress on
+         stderr, CSV/JSON, and optional plots (matplotlib, the `plot` extra): HBM bytes vs N and the tile
+         map of the mask swept (causal without one).
 profile: the static profile of every kernel from its sm_90 SASS, compiled on the CPU (fa_numba.profile).
 Exit codes: 0 all checks passed, 1 a variant failed its check, 2 bad arguments (with usage).
 """
@@ -15,7 +17,7 @@ import importlib.util
 import json
 import sys
 
-from fa_numba import backend, iomodel, tiling
+from fa_numba import backend, iomodel, masks, tiling
 from fa_numba import compare as cmp
 from fa_numba.kernels import VARIANTS
 
@@ -48,6 +50,18 @@ def _variants(text: str) -> list[str]:
     return names
 
 
+def _mask_spec(text: str) -> str:
+    """A mask as masks.parse reads it, returned as its spec (one spelling: "window:inf,0" is "causal")."""
+    try:
+        return masks.parse(text).spec()
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+MASK_HELP = (f"a block mask, one of {masks.SYNTAX}; its SKIP tiles are never loaded. Documents are "
+             "self-attention over packed sequences: N_q = N_k must equal the sum of the lengths")
+
+
 def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
     defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
     p.add_argument("--batch", type=_positive, default=defaults["batch"])
@@ -57,7 +71,10 @@ def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
         p.add_argument("--n-q", type=_positive, default=defaults["n_q"])
         p.add_argument("--n-k", type=_positive, default=None, help="default: --n-q")
         p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"])
-        p.add_argument("--causal", action="store_true")
+        p.add_argument("--causal", action="store_true", help="bottom-right causal (the same as --mask causal)")
+    p.add_argument("--mask", type=_mask_spec, metavar="SPEC",
+                   help=MASK_HELP + (" (so one N per documents mask)" if sweep else "") + "; not with --causal"
+                   + (" on/both" if sweep else ""))
     p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     tiles_help = ("default: by head dim, as fa_numba.attention picks them (kernels.default_tiles); in the "
                   "simulator 16 for a shape it can run")
@@ -85,7 +102,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--csv", metavar="PATH")
     s.add_argument("--json", metavar="PATH")
     s.add_argument("--plot", metavar="PATH", help="HBM bytes vs N (and time vs N on a GPU), PNG or PDF")
-    s.add_argument("--tile-map", metavar="PATH", help="the causal SKIP/FULL/PARTIAL grid of the first N")
+    s.add_argument("--tile-map", metavar="PATH",
+                   help="the SKIP/FULL/PARTIAL tile grid of the first N with >= 8 query tiles (else the largest): "
+                        "of --mask, else causal (also with --causal off, whose every tile is FULL: the title says so)")
     sub.add_parser("profile", add_help=False,  # listed here; main() hands its arguments to fa_numba.profile
                    help="static profile of every kernel from its sm_90 SASS (no GPU needed; see fa_numba.profile)")
     return top
@@ -93,11 +112,25 @@ def parser() -> argparse.ArgumentParser:
 
 def _shape(args, n_q, n_k, head_dim, causal) -> cmp.Shape:
     return cmp.Shape(batch=args.batch, heads=args.heads, heads_kv=args.heads_kv, n_q=n_q, n_k=n_k,
-                     head_dim=head_dim, causal=causal, dtype=args.dtype, block_q=args.block_q,
+                     head_dim=head_dim, causal=causal, mask=args.mask, dtype=args.dtype, block_q=args.block_q,
                      block_k=args.block_k, seed=args.seed)
 
 
+def _check_mask_fits(args, top, sizes) -> None:
+    """--mask against every (N_q, N_k) to run, before anything runs: a usage error naming --mask (e.g.
+    documents whose lengths do not add up to N)."""
+    for n_q, n_k in sizes:
+        try:
+            cmp.check_mask(args.mask, False, n_q, n_k)
+        except ValueError as err:
+            top.error(f"argument --mask: {err}")
+
+
 def _run_compare(args, top) -> int:
+    if args.mask and args.causal:
+        top.error(f"argument --mask: not allowed with --causal (--causal is --mask causal): pass one of them, "
+                  f"got --causal and --mask {args.mask}")
+    _check_mask_fits(args, top, [(args.n_q, args.n_k or args.n_q)])
     try:
         shape = _shape(args, args.n_q, args.n_k, args.head_dim, args.causal).resolved()  # tiles picked here
     except ValueError as err:
@@ -128,12 +161,17 @@ def _run_compare(args, top) -> int:
     return 0 if cmp.all_passed(result) else 1
 
 
-CSV_FIELDS = ["n", "head_dim", "causal", "tile_size", "variant", "ran", "passed", "err_out", "err_lse", "tiles_computed",
-              "tiles_skipped", "tiles_masked", "bytes_total", "scores_bytes", "dense_bytes", "median_ms", "tflops", "gbps"]
+CSV_FIELDS = ["n", "head_dim", "causal", "mask", "tile_size", "variant", "ran", "passed", "err_out", "err_lse",
+              "tiles_computed", "tiles_skipped", "tiles_masked", "bytes_total", "scores_bytes", "dense_bytes", "median_ms",
+              "tflops", "gbps"]
 
 
 def _run_sweep(args, top) -> int:
     head_dims = args.head_dims or ([64] if backend.name() == "gpu" else [16])
+    if args.mask and args.causal != "off":
+        top.error(f"argument --mask: not allowed with --causal {args.causal} (a mask replaces causal; --mask causal "
+                  f"is --causal on): pass one of them")
+    _check_mask_fits(args, top, [(n, n) for n in args.n])
     causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
     configs = [(n, d, c) for d in head_dims for c in causals for n in args.n]
     results, flat, ok = [], [], True
@@ -148,7 +186,8 @@ def _run_sweep(args, top) -> int:
         # size per d, the launch defaults, so that bytes vs N compare like with like
         picked = [_shape(args, n, n, d, causal).resolved(simulator_tiles=False) for n, d, causal in configs]
     for index, ((n, d, causal), shape) in enumerate(zip(configs, picked), 1):
-        print(f"[{index}/{len(configs)}] N={n} d={d} causal={causal} ...", file=sys.stderr, flush=True)
+        masking = f"mask={args.mask}" if args.mask else f"causal={causal}"
+        print(f"[{index}/{len(configs)}] N={n} d={d} {masking} ...", file=sys.stderr, flush=True)
         result = cmp.run(shape, args.orders, repeats=args.repeats, count=False if args.no_count else None)
         for note in result["notes"]:
             if note != cmp.NO_GPU_NOTE:
@@ -156,7 +195,8 @@ def _run_sweep(args, top) -> int:
         ok &= cmp.all_passed(result)
         results.append(result)
         for r in result["rows"]:
-            flat.append({"n": n, "head_dim": d, "causal": causal, "tile_size": f"{shape.block_q}x{shape.block_k}",
+            flat.append({"n": n, "head_dim": d, "causal": causal, "mask": shape.mask,
+                         "tile_size": f"{shape.block_q}x{shape.block_k}",
                          "variant": r["variant"], "ran": result["ran"],
                          "passed": r.get("passed"), "err_out": r.get("err_out"), "err_lse": r.get("err_lse"),
                          "tiles_computed": r["tiles_computed"], "tiles_skipped": r["tiles_skipped"],
@@ -182,8 +222,22 @@ def _run_sweep(args, top) -> int:
         from fa_numba import plots
 
         n, block_q, block_k = _tile_map_shape([s for s in picked if s.head_dim == head_dims[0]])
-        plots.tile_map(tiling.classify(n, n, block_q, block_k, causal=True), n, n, block_q, block_k, args.tile_map)
+        mask, label = _tile_map_mask(args)
+        plots.tile_map(tiling.classify(n, n, block_q, block_k, mask=mask), n, n, block_q, block_k, args.tile_map,
+                       label=label)
     return 0 if ok else 1
+
+
+def _tile_map_mask(args) -> tuple[masks.Mask, str]:
+    """The mask whose tiles --tile-map draws, and its title: --mask when given, else causal. An unmasked sweep
+    (--causal off) still gets the causal map, as before masks existed (its own grid is all FULL and shows
+    nothing); the title says that the sweep ran unmasked."""
+    if args.mask:
+        mask = masks.parse(args.mask)
+        return mask, f"mask {mask.describe()}"
+    if args.causal == "off":
+        return masks.causal(), "causal (for reference: this sweep ran unmasked, every tile FULL)"
+    return masks.causal(), "causal"
 
 
 def _tile_map_shape(swept: list) -> tuple[int, int, int]:
@@ -194,12 +248,13 @@ def _tile_map_shape(swept: list) -> tuple[int, int, int]:
 
 
 def _print_sweep(flat: list[dict]) -> None:
-    header = ["N", "d", "causal", "tile size", "variant", "check", "err O", "tiles", "skipped", "HBM MiB", "S MiB",
+    header = ["N", "d", "causal", "mask", "tile size", "variant", "check", "err O", "tiles", "skipped", "HBM MiB", "S MiB",
               "median ms"]
     table = [header]
     for r in flat:
         check = "-" if r["passed"] is None else ("pass" if r["passed"] else "FAIL")
-        table.append([str(r["n"]), str(r["head_dim"]), str(r["causal"]), r["tile_size"], r["variant"], check,
+        table.append([str(r["n"]), str(r["head_dim"]), str(r["causal"]), r["mask"] or "-", r["tile_size"],
+                      r["variant"], check,
                       "-" if r["err_out"] is None else f"{r['err_out']:.2e}", str(r["tiles_computed"]),
                       str(r["tiles_skipped"]), f"{r['bytes_total'] / 2**20:.2f}", f"{r['scores_bytes'] / 2**20:.2f}",
                       "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"])

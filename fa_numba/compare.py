@@ -7,6 +7,9 @@ simulator, the bytes its element accesses actually counted; on a GPU, its time (
 is reported as failed and never timed. Shapes too large for the simulator get the analytic columns only.
 Tiles not chosen are those `fa_numba.attention` would launch with (in the simulator, 16 x 16 for a shape it
 runs); `Shape.tiles` and the rendered `tiles:` line say which were used and why.
+A shape may carry a block mask (`Shape.mask`, the text `masks.parse` reads: "window:128,0",
+"documents:100,300,50", ...): tiles, bytes, FLOPs and the check then follow the mask, and the kernels are
+launched with it as `fa_numba.attention(mask=...)` launches them (`masking`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from fa_numba import backend, iomodel, reference, shapes, tiling
+from fa_numba import backend, iomodel, masks, reference, shapes, tiling
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
-from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM
+from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, kernel_mask
 from fa_numba.timing import attention_flops, time_call
 
 SIM_MAX_BLOCKS = 64
@@ -42,7 +45,8 @@ class Shape:
     `fa_numba.attention` would launch with (`kernels.default_tiles(d)`), except that in the simulator a
     shape it can run with 16 x 16 tiles gets those (small blocks keep a simulated run to seconds); a shape
     too large for it keeps the launch defaults for its analytic columns. `tiles` records which tiles were
-    used and why ("chosen", "default for d=64", ...)."""
+    used and why ("chosen", "default for d=64", ...). `mask` is a block mask as the text `masks.parse`
+    reads (masks.SYNTAX), kept as text so that the shape stays JSON-ready; not with causal=True."""
 
     batch: int = 1
     heads: int = 2
@@ -51,6 +55,7 @@ class Shape:
     n_k: int | None = None
     head_dim: int = 16
     causal: bool = False
+    mask: str | None = None  # e.g. "window:128,0"; resolved() checks it and writes it as masks' spec()
     dtype: str = "float32"
     block_q: int | None = None
     block_k: int | None = None
@@ -73,11 +78,45 @@ class Shape:
         out = replace(self, n_k=self.n_k or self.n_q, heads_kv=self.heads_kv or self.heads)
         if out.heads % out.heads_kv:
             raise ValueError(f"heads_kv ({out.heads_kv}) must divide heads ({out.heads})")
+        mask = check_mask(out.mask, out.causal, out.n_q, out.n_k)
+        out = replace(out, mask=None if mask is None else mask.spec())  # one spelling: "window:inf,0" is "causal"
         if out.tiles is None or out.block_q is None or out.block_k is None:
             out = _pick_tiles(out, backend.name() == "simulator" and simulator_tiles is not False)
+        causal, _, form = masking(out)
         for variant in VARIANTS.values():  # every registered kernel must take these tiles
-            variant.config(out.block_q, out.block_k, out.head_dim, out.causal)
+            variant.config(out.block_q, out.block_k, out.head_dim, causal, form)
         return out
+
+
+def check_mask(spec, causal: bool, n_q: int, n_k: int) -> masks.Mask | None:
+    """The mask of a spec (None: no mask) that fits N_q x N_k, or a ValueError that names it and says what
+    was expected: the syntax (masks.SYNTAX), causal=True and a mask together, sizes the mask does not fit
+    (documents need N_q = N_k = the sum of their lengths). A masks.Mask with a spec is taken as its spec."""
+    if spec is None:
+        return None
+    if isinstance(spec, masks.Mask):
+        if spec.spec() is None:  # from_function / from_dense: no text, so no JSON-ready shape
+            raise TypeError(f"mask must be text as masks.parse reads it ({masks.SYNTAX}), or a mask that has one; "
+                            f"{spec.describe()} has none: call fa_numba.attention(mask=...) directly")
+        spec = spec.spec()
+    mask = masks.parse(spec)
+    shapes.check_mask(causal, mask)  # causal=True and a mask: refused by name
+    try:
+        mask.check(n_q, n_k)
+    except ValueError as err:
+        raise ValueError(f"mask {spec!r} does not fit N_q={n_q}, N_k={n_k}: {err}") from None
+    return mask
+
+
+def masking(s: Shape) -> tuple[bool, masks.Mask | None, str]:
+    """(causal, block mask, mask_form) of a resolved shape, as fa_numba.attention resolves them: causal=True
+    or a mask of kernel form "causal" run the closed forms (causal=True, no block mask), any other mask runs
+    the block-mask path in its kernel form ("intervals" or "dense"); no mask is ("none")."""
+    mask = None if s.mask is None else masks.parse(s.mask)
+    if mask is None or mask.kernel_form() == "causal":
+        causal = s.causal or mask is not None
+        return causal, None, "causal" if causal else "none"
+    return False, mask, mask.kernel_form()
 
 
 def _pick_tiles(s: Shape, try_simulator: bool) -> Shape:
@@ -146,11 +185,12 @@ def machine() -> dict:
 
 
 def analytic(s: Shape, order: str) -> dict:
-    """Tiles and HBM bytes of one order from the closed forms (no kernel run)."""
-    sched = tiling.schedule(order, s.n_q, s.n_k, s.block_q, s.block_k, s.causal)
+    """Tiles and HBM bytes of one order from the closed forms (the mask's block-mask lists; no kernel run)."""
+    causal, mask, _ = masking(s)
+    sched = tiling.schedule(order, s.n_q, s.n_k, s.block_q, s.block_k, causal, mask=mask)
     per = s.batch * s.heads
-    model = iomodel.traffic(order, s.n_q, s.n_k, s.head_dim, s.block_q, s.block_k, s.causal,
-                            batch=s.batch, heads=s.heads, heads_kv=s.heads_kv)
+    model = iomodel.traffic(order, s.n_q, s.n_k, s.head_dim, s.block_q, s.block_k, causal,
+                            batch=s.batch, heads=s.heads, heads_kv=s.heads_kv, mask=mask)
     itemsize = np.dtype(s.dtype).itemsize
     return {
         "tiles_computed": sched.computed * per,
@@ -158,7 +198,7 @@ def analytic(s: Shape, order: str) -> dict:
         "tiles_masked": sched.masked * per,
         "bytes_model": iomodel.to_bytes(model, itemsize),
         "bytes_total": iomodel.total_bytes(model, itemsize),
-        "flops": attention_flops(s.batch, s.heads, s.n_q, s.n_k, s.head_dim, s.causal),
+        "flops": attention_flops(s.batch, s.heads, s.n_q, s.n_k, s.head_dim, causal, mask=mask),
     }
 
 
@@ -207,19 +247,21 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     qc, kc, vc = q[part], k[part_kv], v[part_kv]
     n_scores = qc.shape[0] * qc.shape[1] * s.n_q * s.n_k
     contractions = reference.CONTRACTIONS if n_scores <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    base = reference.baseline(qc, kc, vc, causal=s.causal, contractions=contractions, block_q=s.block_q,
-                              block_k=s.block_k)
+    causal, mask, form = masking(s)
+    base = reference.baseline(qc, kc, vc, causal=causal, contractions=contractions, block_q=s.block_q,
+                              block_k=s.block_k, mask=mask)
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, s.block_q, s.block_k)
     for row in rows:
-        kernel = VARIANTS[row["variant"]].make(s.block_q, s.block_k, s.head_dim, s.causal)
+        kernel = VARIANTS[row["variant"]].make(s.block_q, s.block_k, s.head_dim, causal, form)
         if count:
             from fa_numba.kernels.counting import run_counted
 
-            out, lse, ledger = run_counted(kernel, q, k, v, scale)
+            out, lse, ledger = run_counted(kernel, q, k, v, scale, mask=blocks)
             row["bytes_counted"] = iomodel.to_bytes(ledger, np.dtype(s.dtype).itemsize)
         else:
             d_out, d_lse, workspace = poisoned_outputs(q.shape)
-            kernel(dq, dk, dv, d_out, d_lse, scale, workspace)
+            kernel(dq, dk, dv, d_out, d_lse, scale, workspace, mask=blocks)
             out, lse = d_out.copy_to_host(), d_lse.copy_to_host()
         out, lse = out[part], lse[part]
         atol_out, atol_lse = base.tolerances(row["order"])
@@ -232,8 +274,8 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
             row["passed"], row["failure"] = False, str(failure)
             continue  # a variant that fails its check is never timed
         if on_gpu and repeats > 0:
-            timing = time_call(lambda: kernel(dq, dk, dv, d_out, d_lse, scale, workspace), warmup=warmup,
-                               repeats=repeats, slow_ms=slow_ms, slow_repeats=slow_repeats)
+            timing = time_call(lambda: kernel(dq, dk, dv, d_out, d_lse, scale, workspace, mask=blocks),
+                               warmup=warmup, repeats=repeats, slow_ms=slow_ms, slow_repeats=slow_repeats)
             row["time"] = timing.as_dict()
             seconds = timing.median_ms * 1e-3
             row["tflops"] = row["flops"] / seconds / 1e12
@@ -286,23 +328,24 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
     unknown = [v for v in variants if v not in BACKWARD_VARIANTS]
     if unknown:
         raise ValueError(f"backward variants must be among {sorted(BACKWARD_VARIANTS)}, got {unknown}")
+    causal, mask, form = masking(s)
     for kind in ("kv", "q"):
-        backward.BackwardConfig(kind, block, s.head_dim, s.causal).check()
+        backward.BackwardConfig(kind, block, s.head_dim, causal, mask_form=form).check()
     on_gpu = backend.name() == "gpu"
     count = (not on_gpu) if count is None else count
     itemsize = np.dtype(s.dtype).itemsize
     rows = []
     for name in variants:
         order, deterministic, description = BACKWARD_VARIANTS[name]
-        sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER[order], s.n_q, s.n_k, block, block, s.causal)
-        model = iomodel.traffic_backward(order, s.n_q, s.n_k, s.head_dim, block, block, s.causal, batch=s.batch,
-                                         heads=s.heads, heads_kv=s.heads_kv, deterministic=deterministic)
+        sched = tiling.schedule(tiling.BACKWARD_VISIT_ORDER[order], s.n_q, s.n_k, block, block, causal, mask=mask)
+        model = iomodel.traffic_backward(order, s.n_q, s.n_k, s.head_dim, block, block, causal, batch=s.batch,
+                                         heads=s.heads, heads_kv=s.heads_kv, deterministic=deterministic, mask=mask)
         rows.append({"variant": name, "order": order, "deterministic": deterministic, "description": description,
                      "tiles_computed": sched.computed * s.batch * s.heads,
                      "tiles_skipped": sched.skipped * s.batch * s.heads,
                      "tiles_masked": sched.masked * s.batch * s.heads,
                      "bytes_model": iomodel.to_bytes(model, itemsize), "bytes_total": iomodel.total_bytes(model, itemsize),
-                     "flops": attention_flops(s.batch, s.heads, s.n_q, s.n_k, s.head_dim, s.causal)
+                     "flops": attention_flops(s.batch, s.heads, s.n_q, s.n_k, s.head_dim, causal, mask=mask)
                      * BACKWARD_MATMULS[deterministic] / 2})
     feasible, why_not = (True, "") if on_gpu else simulator_feasible(s)
     shape_dict = {**asdict(s), "block_q": block, "block_k": block, "tiles": why}
@@ -314,24 +357,25 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
     q, k, v = inputs(s)
     dout = np.random.default_rng((s.seed, 1)).standard_normal(q.shape).astype(q.dtype)
     scale = 1 / math.sqrt(s.head_dim)
-    out, lse = attention_forward(q, k, v, s.causal, block)
+    out, lse = attention_forward(q, k, v, causal, block, mask=mask)
     contractions = reference.CONTRACTIONS if s.batch * s.heads * s.n_q * s.n_k <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    base = reference.baseline_backward(q, k, v, dout, causal=s.causal, contractions=contractions)
+    base = reference.baseline_backward(q, k, v, dout, causal=causal, contractions=contractions, mask=mask)
     device = [cuda.to_device(x) for x in (q, k, v, out, lse, dout)]
+    blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, block, block)  # the backward's square tiles
     for row in rows:
         order, deterministic = row["order"], row["deterministic"]
         grads_dev = (cuda.device_array(q.shape, np.float32), cuda.device_array(k.shape, np.float32),
                      cuda.device_array(k.shape, np.float32), cuda.device_array(q.shape[:-1], np.float32))
 
         def launch():
-            backward.run(*device, *grads_dev, scale, causal=s.causal, order=order, deterministic=deterministic,
-                         block=block)
+            backward.run(*device, *grads_dev, scale, causal=causal, order=order, deterministic=deterministic,
+                         block=block, mask=blocks)
 
         if count:
             from fa_numba.kernels.counting import run_counted_backward
 
-            *grads, ledger = run_counted_backward(q, k, v, out, lse, dout, scale, causal=s.causal, order=order,
-                                                  deterministic=deterministic, block=block)
+            *grads, ledger = run_counted_backward(q, k, v, out, lse, dout, scale, causal=causal, order=order,
+                                                  deterministic=deterministic, block=block, mask=blocks)
             row["bytes_counted"] = iomodel.to_bytes(ledger, itemsize)
         else:
             launch()
@@ -356,11 +400,12 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
     return result
 
 
-def attention_forward(q, k, v, causal, block):
-    """O and LSE of the v2 kernel (what a training step hands the backward), as host arrays."""
+def attention_forward(q, k, v, causal, block, mask=None):
+    """O and LSE of the v2 kernel with the same masking (what a training step hands the backward), as host
+    arrays."""
     from fa_numba import api
 
-    return api.attention(q, k, v, causal=causal, return_lse=True, block_q=block, block_k=block)
+    return api.attention(q, k, v, causal=causal, return_lse=True, block_q=block, block_k=block, mask=mask)
 
 
 def all_passed(result: dict) -> bool:
@@ -424,11 +469,18 @@ def _error(r: dict, key: str) -> str:
     return f"{r[key]:.2e}" if key in r else "-"
 
 
+def masking_text(shape: dict) -> str:
+    """How a table names the masking of a shape dict: "mask=window(8, 0)" (masks' describe(), which
+    shortens a long list of documents; the JSON keeps the full spec), or "causal=..." without a mask."""
+    spec = shape.get("mask")  # .get: results written before shapes had masks
+    return f"causal={shape['causal']}" if spec is None else f"mask={masks.parse(spec).describe()}"
+
+
 def render(result: dict) -> str:
     """The aligned text table of `run`."""
     s = result["shape"]
     title = (f"shape: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
-             f"d={s['head_dim']} causal={s['causal']} dtype={s['dtype']} seed={s['seed']}")
+             f"d={s['head_dim']} {masking_text(s)} dtype={s['dtype']} seed={s['seed']}")
     return _render(result, title,
                    lambda unit: ["variant", "check", "err O", "err LSE", "tiles", "skipped", "masked", f"Q+O {unit}",
                                  f"K+V {unit}", f"l+m {unit}", f"total {unit}"],
@@ -442,7 +494,7 @@ def render_backward(result: dict) -> str:
     """The aligned text table of `run_backward`."""
     s = result["shape"]
     title = (f"backward of: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
-             f"d={s['head_dim']} causal={s['causal']} dtype={s['dtype']} seed={s['seed']}")
+             f"d={s['head_dim']} {masking_text(s)} dtype={s['dtype']} seed={s['seed']}")
     return _render(result, title,
                    lambda unit: ["variant", "check", "err dQ", "err dK", "err dV", "tiles", "skipped", f"Q+dO {unit}",
                                  f"K+V {unit}", f"dQ+dK+dV {unit}", f"total {unit}"],

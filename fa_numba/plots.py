@@ -14,6 +14,15 @@ def _pyplot():
     return plt
 
 
+def _group(row: dict) -> tuple:
+    """One line of a plot: variant, head dim, causal, mask ("" for none; rows from before masks have no key)."""
+    return row["variant"], row["head_dim"], row["causal"], row.get("mask") or ""
+
+
+def _group_label(variant: str, d: int, causal: bool, mask: str) -> str:
+    return f"{variant} d={d}{' causal' if causal else ''}{' ' + mask if mask else ''}"
+
+
 def traffic_vs_n(rows: list[dict], path: str) -> None:
     """HBM bytes vs N for each variant (analytic, log-log), with the N^2 bytes of a materialised S;
     and, when the rows carry GPU times, a second panel of time vs N."""
@@ -21,12 +30,10 @@ def traffic_vs_n(rows: list[dict], path: str) -> None:
     timed = any(r.get("median_ms") for r in rows)
     fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4.5), squeeze=False)
     ax = axes[0][0]
-    groups = sorted({(r["variant"], r["head_dim"], r["causal"]) for r in rows})
-    for variant, d, causal in groups:
-        sel = sorted((r for r in rows if (r["variant"], r["head_dim"], r["causal"]) == (variant, d, causal)),
-                     key=lambda r: r["n"])
-        ax.plot([r["n"] for r in sel], [r["bytes_total"] for r in sel], marker="o",
-                label=f"{variant} d={d}{' causal' if causal else ''}")
+    groups = sorted({_group(r) for r in rows})
+    for group in groups:
+        sel = sorted((r for r in rows if _group(r) == group), key=lambda r: r["n"])
+        ax.plot([r["n"] for r in sel], [r["bytes_total"] for r in sel], marker="o", label=_group_label(*group))
     ns = sorted({r["n"] for r in rows})
     scores = {r["n"]: r["scores_bytes"] for r in rows}
     dense = {}
@@ -39,11 +46,9 @@ def traffic_vs_n(rows: list[dict], path: str) -> None:
     ax.legend(fontsize=8)
     if timed:
         ax = axes[0][1]
-        for variant, d, causal in groups:
-            sel = sorted((r for r in rows if (r["variant"], r["head_dim"], r["causal"]) == (variant, d, causal)
-                          and r.get("median_ms")), key=lambda r: r["n"])
-            ax.plot([r["n"] for r in sel], [r["median_ms"] for r in sel], marker="o",
-                    label=f"{variant} d={d}{' causal' if causal else ''}")
+        for group in groups:
+            sel = sorted((r for r in rows if _group(r) == group and r.get("median_ms")), key=lambda r: r["n"])
+            ax.plot([r["n"] for r in sel], [r["median_ms"] for r in sel], marker="o", label=_group_label(*group))
         ax.set(xscale="log", yscale="log", xlabel="N", ylabel="median ms (CUDA events)", title="time vs N")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -51,8 +56,10 @@ def traffic_vs_n(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def tile_map(kinds: np.ndarray, n_q: int, n_k: int, block_q: int, block_k: int, path: str) -> None:
-    """The T_r x T_c causal classification: SKIP (never loaded), FULL (no mask), PARTIAL (masked inside)."""
+def tile_map(kinds: np.ndarray, n_q: int, n_k: int, block_q: int, block_k: int, path: str,
+             label: str = "causal") -> None:
+    """The T_r x T_c classification (tiling.classify) of a mask: SKIP (never loaded), FULL (no mask),
+    PARTIAL (masked inside). label names the mask in the title ("causal", "mask window(8, 0)", ...)."""
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
@@ -66,7 +73,7 @@ def tile_map(kinds: np.ndarray, n_q: int, n_k: int, block_q: int, block_k: int, 
     ax.grid(which="minor", color="white", linewidth=0.8)
     ax.tick_params(which="minor", length=0)
     ax.set(xlabel=f"key tile j (B_c = {block_k})", ylabel=f"query tile i (B_r = {block_q})",
-           title=f"causal tiles, N_q={n_q}, N_k={n_k}\n"
+           title=f"{label} tiles, N_q={n_q}, N_k={n_k}\n"
                  f"{(kinds == 0).sum()} skipped, {(kinds == 1).sum()} full, {(kinds == 2).sum()} partial")
     from matplotlib.ticker import MaxNLocator
 

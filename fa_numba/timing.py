@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from fa_numba import backend
+from fa_numba import backend, shapes
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,25 @@ def time_call(fn, *, warmup: int = 3, repeats: int = 20, slow_ms: float | None =
     return Timing(float(median), float(p10), float(p90), repeats, "cuda-events" if on_gpu else "wall-clock (simulator)")
 
 
-def attention_flops(batch: int, heads: int, n_q: int, n_k: int, d: int, causal: bool) -> float:
-    """4 B H N_q N_k d (two matmuls of 2 flops per multiply-add), halved for causal masking."""
-    flops = 4.0 * batch * heads * n_q * n_k * d
+def attention_flops(batch: int, heads: int, n_q: int, n_k: int, d: int, causal: bool = False, mask=None) -> float:
+    """4 B H d times the (query, key) pairs computed (two matmuls of 2 flops per multiply-add).
+
+    Without a mask every N_q N_k pair counts; causal=True halves that (the convention of flash-attn's
+    benchmarks, not the exact triangle). A `fa_numba.masks` mask counts its visible pairs exactly: the sum of
+    its row intervals' lengths, or of its dense form where it has no intervals (from_function / from_dense).
+    causal=True and a mask together are refused, as everywhere (shapes.check_mask)."""
+    causal, mask = shapes.check_mask(causal, mask)
+    per_pair = 4.0 * batch * heads * d
+    if mask is not None:
+        return per_pair * _visible_pairs(mask, n_q, n_k)
+    flops = per_pair * n_q * n_k
     return flops / 2 if causal else flops
+
+
+def _visible_pairs(mask, n_q: int, n_k: int) -> int:
+    """The (query, key) pairs a mask shows: from its row intervals (O(N_q)), else its dense form."""
+    intervals = mask.row_intervals(n_q, n_k)
+    if intervals is None:
+        return int(mask.dense(n_q, n_k).sum())
+    lo, hi = intervals
+    return int((hi.astype(np.int64) - lo).sum())

@@ -25,7 +25,7 @@ def test_compare_prints_every_variant_and_writes_json(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert set(result) >= {"machine", "shape", "rows", "ran", "notes"}
     assert set(result["machine"]) >= {"device", "backend", "numba", "numba_cuda", "numpy", "python", "date"}
-    assert result["shape"] == dict(batch=1, heads=2, heads_kv=1, n_q=20, n_k=28, head_dim=4, causal=True,
+    assert result["shape"] == dict(batch=1, heads=2, heads_kv=1, n_q=20, n_k=28, head_dim=4, causal=True, mask=None,
                                    dtype="float32", block_q=8, block_k=8, seed=0, tiles="chosen")
     assert "\ntiles: 8x8 (chosen)\n" in text
     for row in result["rows"]:

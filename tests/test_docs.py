@@ -35,11 +35,12 @@ def test_doctests(module):
 
 @pytest.mark.skipif(fa_numba.backend.name() != "simulator",
                     reason="the README shows the simulator's table; a GPU adds timing columns")
-def test_readme_table_matches_compare(capsys):
-    """The sample table in the README is what `compare` prints by default in the simulator."""
+@pytest.mark.parametrize("argv", [[], ["--mask", "window:8,0"]], ids=["default", "mask"])
+def test_readme_table_matches_compare(argv, capsys):
+    """The sample tables in the README are what `compare` (and `compare --mask window:8,0`) print in the simulator."""
     from fa_numba import cli
 
-    assert cli.main(["compare"]) == 0
+    assert cli.main(["compare", *argv]) == 0
     printed = capsys.readouterr().out.splitlines()
     table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
     readme = (ROOT / "README.md").read_text()
