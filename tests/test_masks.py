@@ -303,9 +303,9 @@ def test_skipping_is_exact_for_any_mask(mc: MaskCase):
     np.testing.assert_allclose(lse2[~empty], ref_lse[~empty], rtol=1e-12, atol=1e-12)
 
 
-def _explicit(q, k, v, visible, scale=None):
-    """Per (b, h) loops over an explicit visible matrix with scipy's softmax / logsumexp (as
-    tests/test_reference.py's `_explicit` does for causal)."""
+def explicit_attention(q, k, v, visible, scale=None):
+    """Per (b, h, row) loops over an explicit (N_q, N_k) visible matrix with scipy's softmax and logsumexp:
+    the dense definition, independent of `reference` (rows with no visible key: O = 0, LSE = -inf)."""
     b_, h_, n_q, d = q.shape
     group = h_ // k.shape[1]
     scale = 1 / np.sqrt(d) if scale is None else scale
@@ -334,7 +334,7 @@ def test_reference_with_a_mask_matches_explicit_masked_scores(mc: MaskCase):
         warnings.simplefilter("error")  # rows with no visible key must not warn
         out, lse = reference.attention(q, k, v, mask=mc.mask)
         out32, lse32 = reference.attention_naive_f32(q, k, v, mask=mc.mask)
-    exp_out, exp_lse = _explicit(q, k, v, visible)
+    exp_out, exp_lse = explicit_attention(q, k, v, visible)
     assert np.isfinite(out).all() and np.isfinite(out32).all()
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(exp_lse))
     np.testing.assert_array_equal(np.isneginf(lse32), np.isneginf(exp_lse))

@@ -10,28 +10,16 @@ from scipy.special import softmax
 from bounds import assert_within, attention_bound, dense_counts
 from fa_numba import reference, tiling
 from strategies import Case, cases, with_hard_cases
+from test_masks import explicit_attention
 
 
 def _explicit(q, k, v, causal, scale=None):
-    """Per (b, h) loops with an explicit mask and scipy's softmax, LSE = max + log sum exp(s - max): an independent
-    definition, evaluated densely (one exp per key, a normalising division, a dot product)."""
-    b_, h_, n_q, d = q.shape
-    n_k = k.shape[2]
-    group = h_ // k.shape[1]
-    scale = 1 / np.sqrt(d) if scale is None else scale
-    out = np.zeros((b_, h_, n_q, d))
-    lse = np.full((b_, h_, n_q), -np.inf)
-    for b in range(b_):
-        for h in range(h_):
-            kk, vv = k[b, h // group], v[b, h // group]
-            for i in range(n_q):
-                visible = [j for j in range(n_k) if not causal or j <= i + n_k - n_q]
-                if not visible:
-                    continue
-                s = scale * (kk[visible] @ q[b, h, i])
-                lse[b, h, i] = s.max() + np.log(np.sum(np.exp(s - s.max())))
-                out[b, h, i] = softmax(s) @ vv[visible]
-    return out, lse
+    """Per-row loops over an explicitly built causal mask with scipy's softmax: an independent definition,
+    evaluated densely (one exp per key, a normalising division, a dot product); tests/test_masks.py's
+    `explicit_attention` for any visible matrix."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    visible = np.array([[not causal or j <= i + n_k - n_q for j in range(n_k)] for i in range(n_q)], dtype=bool)
+    return explicit_attention(q, k, v, visible, scale)
 
 
 @pytest.mark.lemma("L3")
