@@ -138,6 +138,35 @@ def test_engine_at_the_micro_tile_edges(order, case: Case, aliased):
     reference.assert_close(lse, spec_lse, check.atol_lse, name=f"engine {order} vs tiled spec lse")
 
 
+# The layouts a launch actually gets (default_tiles and the shipped micro-tiles, 128 or 256 threads), run once
+# each: the edge cases above use small tiles to stay fast, so without these the shipped thread layouts would
+# be compiled and profiled but never executed before a GPU. N not a multiple of either tile, GQA, causal with
+# N_q > N_k; one query-tile row of blocks keeps each run to seconds in the simulator.
+SHIPPED = [
+    Case(n_q=70, n_k=45, d=32, block_q=64, block_k=64, causal=True, heads_kv=1, group=2, seed=21),
+    Case(n_q=70, n_k=45, d=64, block_q=64, block_k=32, causal=True, seed=22),
+    Case(n_q=40, n_k=37, d=128, block_q=64, block_k=16, causal=False, heads_kv=1, group=2, seed=23),
+    Case(n_q=20, n_k=37, d=256, block_q=16, block_k=16, causal=True, seed=24),
+]
+
+
+@pytest.mark.lemma("L4")
+@pytest.mark.parametrize("order", ["v1", "v2"])
+@pytest.mark.parametrize("case", SHIPPED, ids=_name)
+def test_the_shipped_layouts_run_and_pass_the_rule(order, case: Case):
+    assert (case.block_q, case.block_k) == default_tiles(case.d)
+    kernel = VARIANTS[order].make(case.block_q, case.block_k, case.d, case.causal)
+    assert (kernel.config.layout.tm, kernel.config.layout.tn) == default_config(case.d)[2:]
+    q, k, v = case.inputs(np.float32)
+    from numba import cuda
+
+    d_out, d_lse, workspace = poisoned_outputs(q.shape)
+    kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), d_out, d_lse, 1 / np.sqrt(case.d), workspace)
+    reference.check_attention(d_out.copy_to_host(), d_lse.copy_to_host(), q, k, v, causal=case.causal,
+                              name=f"engine {order} shipped d={case.d}", order=order, block_q=case.block_q,
+                              block_k=case.block_k)
+
+
 def test_the_registry_runs_the_engine_under_the_names_users_know():
     assert VARIANTS["v1"].engine and VARIANTS["v2"].engine
     assert not VARIANTS["v1-rowwise"].engine and not VARIANTS["v2-rowwise"].engine
