@@ -65,6 +65,26 @@ def test_backward_kernels_on_the_hard_cases(case: Case):
         reference.judge_backward(*grads, base, name=f"kernel {order}{' deterministic' if deterministic else ''}")
 
 
+# The tiles and micro-tiles a launch gets by default (backward.DEFAULTS: 32x32 with 4x4 per thread at d = 64,
+# 16x16 with 2x2 at d = 128, 8x8 with 1x1 at d = 256; 64 threads each), run once per order: the random cases
+# above pick their own tiles, so without these the shipped layouts would be compiled but never executed.
+SHIPPED = [Case(n_q=37, n_k=45, d=64, block_q=32, block_k=32, causal=True, seed=31),
+           Case(n_q=21, n_k=18, d=128, block_q=16, block_k=16, causal=False, heads_kv=1, group=2, seed=32),
+           Case(n_q=11, n_k=13, d=256, block_q=8, block_k=8, causal=True, seed=33)]
+
+
+@pytest.mark.lemma("L7")
+@pytest.mark.parametrize("case", SHIPPED, ids=lambda c: f"d{c.d}-b{c.block_q}")
+def test_the_shipped_backward_layouts_pass_the_3x_rule(case: Case):
+    assert backward.default_backward_tiles(case.d)[0] == case.block_q
+    q, k, v, dout, out, lse = _problem(case)
+    base = reference.baseline_backward(q, k, v, dout, causal=case.causal)
+    for order, deterministic in ORDERS:
+        grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=case.causal, order=order,
+                                            deterministic=deterministic)  # tiles left to the defaults
+        reference.judge_backward(*grads, base, name=f"shipped d={case.d} {order}{' det' if deterministic else ''}")
+
+
 @pytest.mark.lemma("L7")
 @pytest.mark.skipif(not SIMULATOR, reason="element counts are taken with counting arrays in the CUDA simulator")
 @pytest.mark.parametrize("order, deterministic", ORDERS, ids=["kv", "kv-deterministic", "q"])

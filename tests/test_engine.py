@@ -173,3 +173,21 @@ def test_the_registry_runs_the_engine_under_the_names_users_know():
     assert {VARIANTS[n].order for n in ("v1", "v1-rowwise")} == {"v1"}
     assert {VARIANTS[n].order for n in ("v2", "v2-rowwise")} == {"v2"}
     assert VARIANTS["v2"].config(*default_tiles(64), 64, True).threads == 256
+
+
+def test_any_valid_tile_choice_builds_at_any_head_dim():
+    """Tiles the caller picks (not the defaults) give layouts whose single unrolled step can exceed the unroll
+    budget (16x16 at d = 128: 4x4 micro-tiles, 32 features per thread); they must still build, with one step
+    per iteration, or be refused with a ValueError that says why. (16x16 at d = 128 once raised StopIteration.)"""
+    built = 0
+    for d in (16, 64, 128, 256):
+        for block_q, block_k in ((8, 8), (16, 16), (32, 16), (64, 64)):
+            for order in ("v1", "v2"):
+                try:
+                    kernel = VARIANTS[order].make(block_q, block_k, d, True)
+                except ValueError as refused:
+                    assert "shared memory" in str(refused) or "threads" in str(refused), str(refused)
+                    continue
+                assert kernel.config.layout.threads >= 1
+                built += 1
+    assert built >= 24

@@ -135,7 +135,7 @@ def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS):
     B(k, e) = smem[b_base + e B_CS + k B_KS]: one register micro-tile of a product of two shared tiles.
 
     The reduction runs in chunks of STEP (an inner loop the compiler unrolls; see engine.make_engine)."""
-    STEP = next(t for t in (8, 4, 2, 1) if KLEN % t == 0 and t * (MA * MB + MA + MB) <= max(UNROLL_BUDGET, 1))
+    STEP = next((t for t in (8, 4, 2) if KLEN % t == 0 and t * (MA * MB + MA + MB) <= UNROLL_BUDGET), 1)  # >= 1 step
 
     @cuda.jit(device=True, inline=True)
     def gemm(smem, acc, a_base, b_base):

@@ -188,8 +188,10 @@ def make_engine(layout: Layout) -> SimpleNamespace:
     # body (FFMAs plus fragment loads per step) within UNROLL_BUDGET operations. A larger body is not
     # unrolled (and the loop then recomputes every address); a smaller one pays the loop's own branch and
     # counter more often. `python -m fa_numba profile` shows the result.
-    STEP = next(t for t in (16, 8, 4, 2, 1) if D % t == 0 and t * (TM * TN + TM + TN) <= max(UNROLL_BUDGET, 1))
-    KSTEP = next(t for t in (8, 4, 2, 1) if BC % t == 0 and t * (TM * TD + TM + TD) <= max(UNROLL_BUDGET, 1))
+    # One step always: a layout whose single step is over the budget (wide micro-tiles at a large d, e.g. 16x16
+    # tiles at d = 128) runs that step without unrolling more.
+    STEP = next((t for t in (16, 8, 4, 2) if D % t == 0 and t * (TM * TN + TM + TN) <= UNROLL_BUDGET), 1)
+    KSTEP = next((t for t in (8, 4, 2) if BC % t == 0 and t * (TM * TD + TM + TD) <= UNROLL_BUDGET), 1)
 
     def tile_loader(W, transposed):
         """A loader of a W-row tile of src (rows past `rows` and features past d read as zeros) into smem at
