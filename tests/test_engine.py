@@ -181,7 +181,7 @@ def test_any_valid_tile_choice_builds_at_any_head_dim():
     per iteration, or be refused with a ValueError that says why. (16x16 at d = 128 once raised StopIteration.)"""
     built = 0
     for d in (16, 64, 128, 256):
-        for block_q, block_k in ((8, 8), (16, 16), (32, 16), (64, 64)):
+        for block_q, block_k in ((8, 8), (16, 16), (32, 16), (32, 32), (64, 64)):
             for order in ("v1", "v2"):
                 try:
                     kernel = VARIANTS[order].make(block_q, block_k, d, True)
