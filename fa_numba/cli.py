@@ -107,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
                         "of --mask, else causal (also with --causal off, whose every tile is FULL: the title says so)")
     sub.add_parser("profile", add_help=False,  # listed here; main() hands its arguments to fa_numba.profile
                    help="static profile of every kernel from its sm_90 SASS (no GPU needed; see fa_numba.profile)")
+    top.set_defaults(usage_of={"compare": c, "sweep": s})  # errors found after parsing show the subcommand's usage
     return top
 
 
@@ -267,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         from fa_numba import profile
 
         return profile.main(argv[1:])
-    top = parser()
-    args = top.parse_args(argv)
+    args = parser().parse_args(argv)
+    top = args.usage_of[args.command]  # its .error prints the subcommand's usage line and exits with 2
     if args.heads_kv and args.heads % args.heads_kv:
         top.error(f"argument --heads-kv: {args.heads_kv} must divide --heads ({args.heads})")
     if args.command == "compare":

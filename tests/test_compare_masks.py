@@ -157,7 +157,7 @@ def test_mask_argument_errors_exit_2_naming_the_argument(argv, message, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "usage:" in err and message in err
+    assert f"usage: fa_numba {argv[0]} " in err and f"fa_numba {argv[0]}: error: {message}" in err  # its own usage
 
 
 def test_sweep_with_a_mask_has_the_mask_column_and_its_bytes(tmp_path, capsys):
