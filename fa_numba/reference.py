@@ -10,14 +10,14 @@ yardstick of the tolerance rule (DESIGN.md, proofs/L6_floating_point.md):
     err(x) = max |x - ref_float64|,   pass iff err(x) <= 2 * err(naive float32) + floor + score floor,
     floor  = 2 * max |fl32(ref + 0.3) - 0.3 - ref|, taken at its bound ulp32(max |ref| + 0.3),
 
-and for the output of the v1 order also + the round-trip term.
+and for a tiled order also + the rescaling terms, and for the output of the v1 order + the round-trip term.
 
 Refinements, all because the simulator's tensors are tiny (a few dozen entries), where one sample of
 rounding noise can be lucky: err(naive float32) is the largest error over five evaluation orders of the
 sums (BLAS matmul; plain loops forward and reversed that round every product as a kernel without FMA does;
 a balanced tree, as SIMD reductions sum; fused multiply-adds in index order, as a GPU kernel's FFMA loop
-does), and the floor is the ulp bound its DESIGN.md formula tends to on large tensors. Two terms are
-derived (proofs/L6, parts 3 and 4), with u = U32 = 2^-24 and W_ij = P_ij u |S_ij|:
+does), and the floor is the ulp bound its DESIGN.md formula tends to on large tensors. Three terms are
+derived (proofs/L6, parts 3, 4 and 6), with u = U32 = 2^-24 and W_ij = P_ij u |S_ij|:
 
 - score floor: every float32 implementation rounds each score at least once; to first order that moves
   O_ix by at most sum_j W_ij (|V_jx| + |O_ix|) and LSE_i by at most sum_j W_ij (max over entries). The naive
@@ -29,6 +29,12 @@ derived (proofs/L6, parts 3 and 4), with u = U32 = 2^-24 and W_ij = P_ij u |S_ij
   gamma_2 (1 + gamma_2)^(R - 1) max_{i,x} sum_{t < T_i - 1} |sum_{j < c_1(t)} P_ij V_jx|,
   T_i the key tiles row i's query tile visits, R = max T_i - 1, gamma_n = n u / (1 - n u). l, m and LSE
   make no round trip. The term needs the tiles: baseline(..., block_q=, block_k=), judged with order="v1".
+- online rescalings (v1 and v2): when a visited tile raises the row max, acc and l are multiplied by
+  alpha = exp(m_old - m_new), which the naive computation never computes: alpha's own error (EXP_REL, 3 ulps
+  of a float32 exp), the rounding of m_old - m_new and of the product, e(t) = EXP_REL + u + u |m_new - m_old|
+  relative, reweight the keys seen so far against the later ones: O moves by at most
+  e(t) (|Pi(t)| + |O| mass(t)) and LSE = m + log l by e(t) mass(t), Pi(t) and mass(t) the partial output and
+  weight before the rescaling. Judged with order="v1" or "v2" and the tiles.
 
 Causal masking is bottom-right aligned (FlashAttention >= 2.1): query i sees key j iff j <= i + N_k - N_q.
 Any other mask (`fa_numba.masks`: window, documents, prefix-LM, a function, a dense array) is passed as
@@ -71,6 +77,10 @@ def gamma(n: int, u: float = U32) -> float:
 
 
 ROUND_TRIP = gamma(2)  # one v1 round trip, fl(fl(acc / l) l) = acc (1 + d1)(1 + d2): at most gamma_2 relative
+# A float32 exp is within 3 ulps of the exact value (NumPy's SIMD float32 exp documents 2.52 ulps, CUDA's expf
+# 2 ulps), and an ulp of y is at most 2^-23 |y|: a relative error of at most EXP_REL.
+EXP_ULPS = 3
+EXP_REL = EXP_ULPS * 2.0**-23
 
 
 def visits(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
@@ -170,22 +180,43 @@ class Terms:
     With W_ij = P_ij u |S_ij| (u = U32), the score floor is score_out = max_{i,x} (W |V| + |O| sum_j W)_ix and
     score_lse = max_i sum_j W_ij: what one float32 rounding of every score can move O and LSE by, to first
     order. v1_out = ROUND_TRIP (1 + ROUND_TRIP)^(R - 1) max_{i,x} sum_{t < T_i - 1} |sum_{j < c_1(t)} P_ij V_jx|,
-    T_i = visits(...)_i, R = max_i T_i - 1: what v1's round trips of O through HBM can move O by (None when
-    the tiles were not given).
+    T_i = visits(...)_i, R = max_i T_i - 1: what v1's round trips of O through HBM can move O by. online_out and
+    online_lse: what the online softmax's rescalings (acc and l times alpha = exp(m_old - m_new), both
+    orders) can move O and LSE by (proofs/L6, part 6). The tiled terms are None when the tiles were not given.
     """
 
     score_out: float
     score_lse: float
     v1_out: float | None = None
+    online_out: float | None = None
+    online_lse: float | None = None
 
 
-def _round_trip_sums(p, v4, visible, tiles):
-    """(sums, R): sums (B, H, N_q, d) adds up, over the round trips of row i (after every key tile its query
-    tile visits but the last), the partial output |P_i,:c_1(t) V_:c_1(t)| after key tile t, which the round
-    trip after tile t perturbs (proofs/L6, part 3); R = max_i T_i - 1 is the most round trips a row makes.
+@dataclass(frozen=True)
+class _TileSums:
+    """What the tiled orders' extra roundings act on, per row (proofs/L6, parts 3 and 6); see `_tile_sums`."""
+
+    trips: np.ndarray  # (B, H, N_q, d): sum over v1's round trips of |Pi(t)|
+    max_trips: int  # R: the most round trips a row makes
+    rescaled: np.ndarray  # (B, H, N_q, d): sum over the rescalings of e(t) (|Pi(t)| + |O| mass(t))
+    rescaled_lse: np.ndarray  # (B, H, N_q): sum over the rescalings of e(t) mass(t)
+    max_rescales: int  # the most rescalings a row makes
+    max_shift: float  # the largest |m_new - m_old| of a rescaling
+
+
+def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
+    """Sums over the key tiles each row's query tile visits, in order (float64, from the reference's P, S, O).
 
     A query tile visits the key tiles where it sees at least one key (`visible`): with causal masking the
-    prefix `visits` counts, with any other mask the non-SKIP tiles of its row of the block mask.
+    prefix `visits` counts, with any other mask the non-SKIP tiles of its row of the block mask. With
+    Pi(t) = P_i,:c_1(t) V_:c_1(t) the partial output and mass(t) = sum_{j < c_1(t)} P_ij the partial weight
+    after key tile t:
+    - v1 makes a round trip of O through HBM after every visited tile but the last (part 3);
+    - both orders rescale acc and l by alpha = exp(m_old - m_new) when a visited tile raises the row max
+      (part 6), with a relative error of at most e(t) = EXP_REL + u + u |m_new - m_old| (alpha's exp, the
+      product, the rounded difference); a tile whose max is within the rounding of the scores,
+      2u (|m_old| + |tile max|), of the running max m_old may raise the float32 max, so it counts too. A
+      rescaling of an empty state (mass 0) is exact and is not counted.
     """
     block_q, block_k = tiles
     n_q, n_k = visible.shape
@@ -198,13 +229,36 @@ def _round_trip_sums(p, v4, visible, tiles):
     tile_visits = seen[rows]
     last = np.where(tile_visits.any(axis=1), t_c - 1 - np.argmax(tile_visits[:, ::-1], axis=1), -1)
     partial = np.zeros(p.shape[:-1] + v4.shape[-1:])
-    total = np.zeros_like(partial)
-    for t in range(t_c):
-        c0, c1 = t * block_k, min((t + 1) * block_k, n_k)
-        partial += visible_matmul(p[..., c0:c1], v4[..., c0:c1, :], visible[:, c0:c1])
-        trip = tile_visits[:, t] & (t < last)  # a round trip after tile t: visited, and not the last visit
-        total += np.where(trip[:, None], np.abs(partial), 0.0)
-    return total, int((tile_visits.sum(axis=1) - 1).max(initial=0))
+    trips = np.zeros_like(partial)
+    rescaled = np.zeros_like(partial)
+    mass = np.zeros(p.shape[:-1])
+    rescaled_mass = np.zeros_like(mass)
+    rescaled_lse = np.zeros_like(mass)
+    rescales = np.zeros(mass.shape, dtype=int)
+    running_max = np.full(mass.shape, -np.inf)  # max of the visible scores of the keys before the tile
+    max_shift = 0.0
+    with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
+        for t in range(t_c):
+            c0, c1 = t * block_k, min((t + 1) * block_k, n_k)
+            tile_max = s[..., c0:c1].max(axis=-1)  # -inf on rows that see no key of the tile
+            near = 2 * U32 * (np.abs(np.where(np.isfinite(running_max), running_max, 0))
+                              + np.abs(np.where(np.isfinite(tile_max), tile_max, 0)))
+            rescale = tile_visits[:, t] & (mass > 0) & (tile_max >= running_max - near)
+            shift = np.where(rescale, np.maximum(tile_max - running_max, 0.0), 0.0)
+            max_shift = max(max_shift, _finite_max(shift))
+            error = np.where(rescale, EXP_REL + U32 + U32 * shift, 0.0)  # e(t), 0 where nothing is rescaled
+            rescaled += error[..., None] * np.abs(partial)
+            rescaled_mass += error * mass
+            rescaled_lse += error * mass
+            rescales += rescale
+            partial += visible_matmul(p[..., c0:c1], v4[..., c0:c1, :], visible[:, c0:c1])
+            mass += p[..., c0:c1].sum(axis=-1)
+            running_max = np.fmax(running_max, tile_max)
+            trip = tile_visits[:, t] & (t < last)  # a round trip after tile t: visited, and not the last visit
+            trips += np.where(trip[:, None], np.abs(partial), 0.0)
+        rescaled += np.abs(out) * rescaled_mass[..., None]
+    return _TileSums(trips, int((tile_visits.sum(axis=1) - 1).max(initial=0)), rescaled, rescaled_lse,
+                     int(rescales.max(initial=0)), max_shift)
 
 
 def _dense(q, k, v, causal, scale, dtype, contraction="matmul", mask=None, terms=False, tiles=None):
@@ -233,10 +287,14 @@ def _dense(q, k, v, causal, scale, dtype, contraction="matmul", mask=None, terms
     result = shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim)
     if not terms:
         return result
-    v1_out = None
+    v1_out = online_out = online_lse = None
     if tiles is not None:
-        sums, trips = _round_trip_sums(p, v4, visible, tiles)
-        v1_out = ROUND_TRIP * (1 + ROUND_TRIP) ** max(trips - 1, 0) * _finite_max(sums)
+        sums = _tile_sums(p, v4, s, visible, out, tiles)
+        v1_out = ROUND_TRIP * (1 + ROUND_TRIP) ** max(sums.max_trips - 1, 0) * _finite_max(sums.trips)
+        # each rescaling multiplies the state by (1 + e), |e| <= EXP_REL + 2u + u max|shift|; they compound
+        compound = (1 + EXP_REL + 2 * U32 + U32 * sums.max_shift) ** max(sums.max_rescales - 1, 0)
+        online_out = compound * _finite_max(sums.rescaled)
+        online_lse = compound * _finite_max(sums.rescaled_lse)
     with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN, and are skipped
         w = np.abs(s, out=s)  # reuse S's memory for W = P u |S|, 0 where P = 0 (a masked P |S| would be 0 inf)
         np.copyto(w, 0, where=p == 0)
@@ -244,7 +302,7 @@ def _dense(q, k, v, causal, scale, dtype, contraction="matmul", mask=None, terms
         w *= U32
         w_sum = w.sum(axis=-1)
         score_out = visible_matmul(w, np.abs(v4), visible) + np.abs(out) * w_sum[..., None]
-    return result + (Terms(_finite_max(score_out), _finite_max(w_sum), v1_out),)
+    return result + (Terms(_finite_max(score_out), _finite_max(w_sum), v1_out, online_out, online_lse),)
 
 
 def _finite_max(x: np.ndarray) -> float:
@@ -370,9 +428,9 @@ class Check:
 class Baseline:
     """The float64 reference of one problem and the tolerances the derived rule allows around it.
 
-    atol_out and atol_lse are the rule for an order that keeps its state on chip (v2, or any dense
-    implementation); `tolerances("v1")` adds v1's round-trip term to atol_out, which needs the baseline to
-    have been built with the tiles (baseline(..., block_q=, block_k=)).
+    atol_out and atol_lse are the rule for a dense implementation; `tolerances("v2")` adds the online
+    softmax's rescaling terms and `tolerances("v1")` those and v1's round-trip term, which need the
+    baseline to have been built with the tiles (baseline(..., block_q=, block_k=)).
     """
 
     out: np.ndarray
@@ -382,14 +440,16 @@ class Baseline:
     terms: Terms = Terms(0.0, 0.0)
 
     def tolerances(self, order: str | None = None) -> tuple[float, float]:
-        """(atol_out, atol_lse) for an implementation of `order` ("v1", "v2", or None for a dense one)."""
-        if order in (None, "v2"):
+        """(atol_out, atol_lse) for an implementation of `order`: None for a dense one; "v2" adds the online
+        softmax's rescaling terms, "v1" those and its round-trip term (all need the tiles)."""
+        if order is None:
             return self.atol_out, self.atol_lse
-        if order != "v1":
+        if order not in ("v1", "v2"):
             raise ValueError(f"order must be 'v1', 'v2' or None, got {order!r}")
-        if self.terms.v1_out is None:
-            raise ValueError("judging order 'v1' needs the tiles: build the baseline with block_q= and block_k=")
-        return self.atol_out + self.terms.v1_out, self.atol_lse
+        if self.terms.online_out is None:
+            raise ValueError(f"judging order {order!r} needs the tiles: build the baseline with block_q= and block_k=")
+        atol_out = self.atol_out + self.terms.online_out + (self.terms.v1_out if order == "v1" else 0.0)
+        return atol_out, self.atol_lse + self.terms.online_lse
 
 
 def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contractions=CONTRACTIONS,

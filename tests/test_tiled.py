@@ -28,6 +28,34 @@ def _assert_float64_agrees(case: Case, inputs, out, lse, ref_out, ref_lse, count
     assert_within(lse, ref_lse, bound_lse, name="lse")
 
 
+@pytest.mark.lemma("L6")
+@given(case=cases())
+@with_hard_cases
+def test_rescaling_terms_bound_an_inexact_alpha(case: Case):
+    """Isolate the rescalings (L6 part 6): run both orders in float64 with every rescaling factor alpha =
+    exp(m_old - m_new) < 1 off by the most a float32 exp may err, 3 ulps, always upwards: the keys seen before
+    each rescaling gain weight against the later ones. O and LSE then stay within the rescaling terms, plus
+    float64 rounding."""
+    q, k, v = inputs = case.inputs()
+    base = reference.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k,
+                              contractions=("matmul",))
+    real_exp = tiled.osm._exp_nonpositive
+
+    def inexact_alpha(x):  # update's exps: alpha of a vector of rows, the weights p of a (rows, cols) tile
+        y = real_exp(x)
+        return np.where(x < 0, y * (1 + reference.EXP_REL), y) if x.ndim == 1 else y
+
+    bounds = [attention_bound(*inputs, causal=case.causal, counts=c)
+              for c in (tiled_counts(case.n_k, case.block_k), dense_counts(case.n_k))]
+    float64_out, float64_lse = bounds[0][0] + bounds[1][0], bounds[0][1] + bounds[1][1]
+    for order in ("v1", "v2"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tiled.osm, "_exp_nonpositive", inexact_alpha)
+            out, lse, _ = _run(case, order, inputs=inputs)
+        assert_within(out, base.out, base.terms.online_out + float64_out, name=f"{order} out")
+        assert_within(lse, base.lse, base.terms.online_lse + float64_lse, name=f"{order} lse")
+
+
 @pytest.mark.lemma("L4")
 @given(case=cases())
 @with_hard_cases
