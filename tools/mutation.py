@@ -96,33 +96,32 @@ class Target:
     scope: tuple[str, ...] = ()  # qualified names (functions, classes, methods) to mutate; empty: everything
 
 
+def _files(*names: str) -> tuple[str, ...]:
+    return tuple(n if "::" in n else f"tests/test_{n}.py" for n in names)
+
+
 MODULES = {
-    "shapes": Target("fa_numba/shapes.py", (
-        "tests/test_inputs.py", "tests/test_contracts_shapes.py", "tests/test_reference.py", "tests/test_tiled.py",
-        "tests/test_tiling.py", "tests/test_iomodel.py", "tests/test_masks.py", "tests/test_backward_reference.py",
-        "tests/test_backward_tiled.py", "tests/test_nonfinite.py"), (NONFINITE_KERNELS,)),
-    "reference": Target("fa_numba/reference.py", (
-        "tests/test_reference.py", "tests/test_contracts_reference.py", "tests/test_backward_reference.py",
-        _doctests("reference"), "tests/test_nonfinite.py", "tests/test_inputs.py", "tests/test_masks.py",
-        "tests/test_tiled.py", "tests/test_backward_tiled.py", "tests/test_online_softmax.py"), (NONFINITE_KERNELS,)),
-    "online_softmax": Target("fa_numba/online_softmax.py", (
-        "tests/test_online_softmax.py", "tests/test_seeds.py", "tests/test_contracts_online_softmax.py",
-        "tests/test_nonfinite.py", "tests/test_tiled.py", "tests/test_tiling.py", "tests/test_masks.py",
-        "tests/test_backward_tiled.py"), (NONFINITE_KERNELS,)),
-    "tiling": Target("fa_numba/tiling.py", (
-        "tests/test_tiling.py", "tests/test_seeds.py", "tests/test_contracts_tiling.py", "tests/test_masks.py",
-        _doctests("tiling"), "tests/test_inputs.py", "tests/test_tiled.py", "tests/test_iomodel.py",
-        "tests/test_backward_tiled.py")),
-    "masks": Target("fa_numba/masks.py", (
-        "tests/test_masks.py", "tests/test_contracts_masks.py", _doctests("masks"))),
-    "tiled": Target("fa_numba/tiled.py", (
-        "tests/test_tiled.py", "tests/test_contracts_tiled.py", "tests/test_tiling.py", "tests/test_iomodel.py",
-        "tests/test_backward_tiled.py", "tests/test_nonfinite.py", "tests/test_inputs.py", _doctests("tiled")),
+    "shapes": Target("fa_numba/shapes.py", _files(
+        "inputs", "contracts_shapes", "reference", "tiled", "tiling", "iomodel", "masks", "backward_reference",
+        "backward_tiled", "nonfinite"), (NONFINITE_KERNELS,)),
+    "reference": Target("fa_numba/reference.py", _files(
+        "reference", "contracts_reference", "backward_reference", "contracts_defaults", "contracts_tiled",
+        _doctests("reference"), "nonfinite", "inputs", "masks", "tiled", "backward_tiled", "online_softmax"),
         (NONFINITE_KERNELS,)),
-    "iomodel": Target("fa_numba/iomodel.py", (
-        "tests/test_iomodel.py", "tests/test_contracts_iomodel.py", "tests/test_backward_tiled.py",
-        "tests/test_seeds.py", "tests/test_inputs.py", _doctests("iomodel"))),
-    "profile": Target("fa_numba/profile.py", PROFILE_PURE_TESTS + ("tests/test_contracts_profile.py",), scope=(
+    "online_softmax": Target("fa_numba/online_softmax.py", _files(
+        "online_softmax", "seeds", "contracts_online_softmax", "contracts_tiled", "contracts_reference", "nonfinite",
+        "tiled", "tiling", "masks", "backward_tiled"), (NONFINITE_KERNELS,)),
+    "tiling": Target("fa_numba/tiling.py", _files(
+        "tiling", "seeds", "contracts_tiling", "contracts_defaults", "masks", _doctests("tiling"), "inputs", "tiled",
+        "iomodel", "backward_tiled")),
+    "masks": Target("fa_numba/masks.py", _files(
+        "masks", "contracts_masks", "contracts_defaults", _doctests("masks"))),
+    "tiled": Target("fa_numba/tiled.py", _files(
+        "tiled", "contracts_tiled", "contracts_reference", "contracts_defaults", "tiling", "iomodel", "backward_tiled",
+        "nonfinite", "inputs"), (NONFINITE_KERNELS,)),
+    "iomodel": Target("fa_numba/iomodel.py", _files(
+        "iomodel", "contracts_iomodel", "contracts_tiled", "backward_tiled", "seeds", "inputs")),
+    "profile": Target("fa_numba/profile.py", PROFILE_PURE_TESTS + _files("contracts_profile"), scope=(
         "parse_sass", "innermost_loops", "hot_loops", "float64_instructions", "parse_ptxas", "_round_up",
         "occupancy", "bound", "Instruction.base", "Instruction.category", "Loop.mix", "Loop.opcodes", "Loop.ffma",
         "Loop.issued", "Loop.issued_per_ffma")),
