@@ -1,0 +1,198 @@
+"""Contracts of the definition and the tolerance rule (fa_numba.reference) that no other test states: its
+public helpers (visible_matmul and its contraction orders, max_error, assert_close), what it does with a
+mask object that breaks the mask protocol, a problem with no finite reference entry, and the agreement
+of the backward definition with the spec on infinite inputs."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fa_numba import reference, tiled
+from strategies import Case
+
+# --- visible_matmul: sum_j p_ij v_j over the visible pairs, non-finite values included ----------------
+
+
+def _loop_sum(p, v, visible):
+    """The sum entry by entry in Python floats (IEEE: 0 * inf = NaN, inf - inf = NaN), visible pairs only."""
+    out = np.zeros(p.shape[:-1] + v.shape[-1:])
+    for idx in np.ndindex(out.shape):
+        *lead, i, x = idx
+        lead = tuple(lead)
+        total = 0.0
+        for j in range(p.shape[-1]):
+            if visible[i, j]:
+                total += float(p[lead + (i, j)]) * float(v[lead + (j, x)])
+        out[idx] = total
+    return out
+
+
+# visible_matmul computes p_ij * v_jx on masked pairs too before discarding them, so 0 * inf warns there
+# (the result is right; the warning is noise, reported with the mutation run of issue 14).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@given(seed=st.integers(0, 2**32 - 1), poison=st.sampled_from([np.nan, np.inf, -np.inf]),
+       masked=st.booleans(), contraction=st.sampled_from(reference.CONTRACTIONS))
+def test_visible_matmul_sums_over_the_visible_pairs_with_nonfinite_values(seed, poison, masked, contraction):
+    """Batched (B, H, rows, keys) x (B, H, keys, d): a NaN or +-inf value entry reaches exactly the rows that
+    see its key, with its sign (p > 0), and no masked row; visible=None means every pair is visible.
+    p is 0 on masked pairs, as every caller's is (the mask zeroes P and dS first)."""
+    rng = np.random.default_rng(seed)
+    b, h, rows, keys, d = 2, 2, 3, 4, 2
+    visible = rng.random((rows, keys)) < 0.6 if masked else np.ones((rows, keys), dtype=bool)
+    p = np.where(visible, rng.random((b, h, rows, keys)) + 0.1, 0.0)
+    v = rng.standard_normal((b, h, keys, d))
+    for _ in range(2):
+        v[tuple(rng.integers(0, n) for n in v.shape)] = poison
+    got = reference.visible_matmul(p, v, visible if masked else None, contraction)
+    expected = _loop_sum(p, v, visible)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-13, atol=1e-15)
+
+
+def test_each_contraction_is_the_summation_order_it_names():
+    """"matmul" is BLAS (np.matmul), "loop" adds one rounded product per key in index order, "loop_reversed"
+    in the reverse order: bit for bit, so the tolerance rule's three baselines are three real orders."""
+    rng = np.random.default_rng(3)
+    p = rng.random((2, 5, 40)).astype(np.float32)
+    v = rng.standard_normal((2, 40, 3)).astype(np.float32)
+
+    def ordered(keys):
+        total = np.zeros((2, 5, 3), dtype=np.float32)
+        for j in keys:
+            total += p[..., j, None] * v[..., j, None, :]
+        return total
+
+    expected = {"matmul": np.matmul(p, v), "loop": ordered(range(40)), "loop_reversed": ordered(reversed(range(40)))}
+    got = {c: reference.visible_matmul(p, v, contraction=c) for c in reference.CONTRACTIONS}
+    for c in reference.CONTRACTIONS:
+        np.testing.assert_array_equal(got[c], expected[c], err_msg=c)
+    assert not np.array_equal(expected["loop"], expected["loop_reversed"])  # the orders really differ here
+    assert not np.array_equal(expected["loop"], expected["matmul"])
+
+
+# --- a mask object that breaks the protocol -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _BadDense:
+    """A mask with every method of the protocol whose dense() gives the wrong dtype or the wrong shape."""
+
+    dtype: str
+    shape_offset: int = 0
+
+    def check(self, n_q, n_k):
+        pass
+
+    def dense(self, n_q, n_k):
+        return np.ones((n_q, n_k + self.shape_offset), dtype=self.dtype)
+
+    def classify_tile(self, *args):
+        return 1
+
+    def row_intervals(self, n_q, n_k):
+        return None
+
+    def kernel_form(self):
+        return "dense"
+
+
+@pytest.mark.parametrize("mask, got", [(_BadDense("uint8"), r"got uint8 \(3, 4\)"),
+                                       (_BadDense("bool", 1), r"got bool \(3, 5\)")], ids=["uint8", "wrong shape"])
+def test_a_mask_whose_dense_form_is_not_a_bool_array_of_the_sizes_is_refused(mask, got):
+    q, k, v = Case(3, 4, 2, 1, 1, False).inputs()
+    with pytest.raises(TypeError, match=r"dense\(3, 4\) must give an \(3, 4\) bool array, " + got):
+        reference.attention(q, k, v, mask=mask)
+
+
+# --- max_error, assert_close, the baselines ---------------------------------------------------------------
+
+
+def test_max_error_reads_finite_reference_entries_and_a_nan_there_is_an_infinite_error():
+    assert reference.max_error(np.array([5.0, np.nan]), np.array([-np.inf, np.nan])) == 0.0  # nothing finite
+    assert reference.max_error(np.array([1.5, 7.0]), np.array([1.0, -np.inf])) == 0.5
+    # A NaN or inf where the reference is finite is an infinite error (never NaN, which no `<=` rejects).
+    assert reference.max_error(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == np.inf
+    assert reference.max_error(np.array([np.inf, 2.5]), np.array([1.0, 2.0])) == np.inf
+
+
+def test_a_problem_with_no_finite_reference_entry_is_allowed_no_error():
+    """All-NaN inputs: the reference is NaN everywhere, so the rules allow nothing (every atol is 0) and
+    only the same NaNs pass."""
+    q, k, v = Case(3, 4, 2, 1, 1, True).inputs()
+    q = np.full_like(q, np.nan)
+    base = reference.baseline(q, k, v)
+    assert (base.atol_out, base.atol_lse) == (0.0, 0.0) and np.isnan(base.out).all()
+    reference.judge(base.out.copy(), base.lse.copy(), base)
+    with pytest.raises(AssertionError, match="non-finite mismatch"):
+        reference.judge(np.zeros_like(base.out), base.lse, base)
+    dout = np.ones_like(q)
+    back = reference.baseline_backward(q, k, v, dout)
+    assert (back.atol_dq, back.atol_dk, back.atol_dv) == (0.0, 0.0, 0.0)
+
+
+def test_assert_close_sits_on_its_bound_and_counts_each_entry_once():
+    # |actual - expected| <= atol: an error of exactly atol passes (0.5 is exact in binary).
+    assert reference.assert_close(np.array([1.5, 2.0]), np.array([1.0, 2.0]), 0.5) == 0.5
+    with pytest.raises(AssertionError, match="1 entries beyond atol"):
+        reference.assert_close(np.array([1.5, 2.0]), np.array([1.0, 2.0]), 0.25)
+    # A finite value where the reference is -inf is a non-finite mismatch, and only that.
+    with pytest.raises(AssertionError) as info:
+        reference.assert_close(np.array([1.0, 0.0]), np.array([1.0, -np.inf]), 1e9)
+    assert "1 entries non-finite mismatch" in str(info.value) and "beyond atol" not in str(info.value)
+
+
+def test_assert_close_reports_how_many_fail_and_shows_only_the_first_five():
+    """A failure on a large tensor stays readable: the count of bad entries and five of them."""
+    expected = np.zeros(100)
+    actual = np.where(np.arange(100) % 10 == 3, 1.0, 0.0)  # entries 3, 13, ..., 93 are off by 1
+    with pytest.raises(AssertionError) as info:
+        reference.assert_close(actual, expected, 0.5, name="big")
+    message = str(info.value)
+    assert message.startswith("big: max error 1.000e+00 vs atol 5.000e-01; 10 entries beyond atol (first: (3,)")
+    assert message.count("got ") == 5 and "(43,)" in message and "(53,)" not in message
+
+
+@pytest.mark.parametrize("make", [
+    lambda q, k, v, dout: reference.baseline(q, k, v),
+    lambda q, k, v, dout: reference.check_attention(*reference.attention(q, k, v), q, k, v),
+    lambda q, k, v, dout: reference.baseline_backward(q, k, v, dout),
+    lambda q, k, v, dout: reference.check_attention_backward(*reference.attention_backward(q, k, v, dout), q, k, v,
+                                                             dout),
+], ids=["Baseline", "Check", "BaselineBackward", "CheckBackward"])
+def test_baselines_and_checks_are_immutable(make):
+    """A baseline is computed once and shared by every implementation judged against it: none can change it."""
+    case = Case(3, 4, 2, 1, 1, True)
+    result = make(*case.inputs(), case.grad_output())
+    name = dataclasses.fields(result)[-1].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(result, name, 1.0)
+
+
+# --- the backward definition and the spec on infinite inputs ------------------------------------------------
+
+
+def test_a_query_whose_scores_are_all_minus_inf_gets_the_same_gradients_from_the_definition_and_the_spec():
+    """q_2 = -inf against positive keys: S_2j = -inf for every key, so O_2 = 0/0 = NaN and LSE_2 = -inf.
+    Its P = exp(S - sigma(LSE)) is exactly 0 (sigma(-inf) = 0), so it adds nothing to dV; its D = dO . O is
+    NaN, so dQ_2 and (through dS) dK are NaN. The spec in every order gives the same entries, NaN included."""
+    rng = np.random.default_rng(1)
+    q, k, v, dout = rng.standard_normal((4, 1)), np.abs(rng.standard_normal((5, 1))) + 0.5, \
+        rng.standard_normal((5, 1)), rng.standard_normal((4, 1))
+    q[2, 0] = -np.inf
+    out, lse = reference.attention(q, k, v)
+    assert np.isnan(out[2]).all() and lse[2] == -np.inf and np.isfinite(lse[[0, 1, 3]]).all()
+    dq, dk, dv = reference.attention_backward(q, k, v, dout)
+    assert np.isnan(dq[2]).all() and np.isfinite(dq[[0, 1, 3]]).all()
+    assert np.isnan(dk).all() and np.isfinite(dv).all()
+    for order, deterministic in (("kv", False), ("kv", True), ("q", False)):
+        grads = tiled.attention_backward(q, k, v, out, lse, dout, order=order, block_q=2, block_k=2,
+                                         deterministic=deterministic)[:3]
+        for g, r in zip(grads, (dq, dk, dv)):
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+            np.testing.assert_allclose(g[~np.isnan(g)], r[~np.isnan(r)], rtol=1e-12, atol=1e-15)
