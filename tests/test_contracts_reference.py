@@ -57,7 +57,8 @@ def test_visible_matmul_sums_over_the_visible_pairs_with_nonfinite_values(seed, 
 
 def test_each_contraction_is_the_summation_order_it_names():
     """"matmul" is BLAS (np.matmul), "loop" adds one rounded product per key in index order, "loop_reversed"
-    in the reverse order: bit for bit, so the tolerance rule's three baselines are three real orders."""
+    in the reverse order, "pairwise" in a balanced tree, "fma" rounds once per step (product and sum fused):
+    bit for bit, so the tolerance rule's baselines are five real orders."""
     rng = np.random.default_rng(3)
     p = rng.random((2, 5, 40)).astype(np.float32)
     v = rng.standard_normal((2, 40, 3)).astype(np.float32)
@@ -68,11 +69,26 @@ def test_each_contraction_is_the_summation_order_it_names():
             total += p[..., j, None] * v[..., j, None, :]
         return total
 
-    expected = {"matmul": np.matmul(p, v), "loop": ordered(range(40)), "loop_reversed": ordered(reversed(range(40)))}
-    got = {c: reference.visible_matmul(p, v, contraction=c) for c in reference.CONTRACTIONS}
+    def tree(lo, hi):
+        if hi - lo == 1:
+            return p[..., lo, None] * v[..., lo, None, :]
+        mid = (lo + hi) // 2
+        return tree(lo, mid) + tree(mid, hi)
+
+    def fused():
+        total = np.zeros((2, 5, 3), dtype=np.float32)
+        for j in range(40):  # the float64 product of two float32 numbers is exact: one rounding per step
+            total = (p[..., j, None].astype(np.float64) * v[..., j, None, :] + total).astype(np.float32)
+        return total
+
+    expected = {"matmul": np.matmul(p, v), "loop": ordered(range(40)), "loop_reversed": ordered(reversed(range(40))),
+                "pairwise": tree(0, 40), "fma": fused()}
+    assert set(expected) == set(reference.CONTRACTIONS)
     for c in reference.CONTRACTIONS:
-        np.testing.assert_array_equal(got[c], expected[c], err_msg=c)
-    assert not np.array_equal(expected["loop"], expected["loop_reversed"])  # the orders really differ here
+        np.testing.assert_array_equal(reference.visible_matmul(p, v, contraction=c), expected[c], err_msg=c)
+    orders = ("loop", "loop_reversed", "pairwise", "fma")
+    distinct = {expected[c].tobytes() for c in orders}
+    assert len(distinct) == len(orders)  # the orders really differ here
     assert not np.array_equal(expected["loop"], expected["matmul"])
 
 
