@@ -69,7 +69,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / ".mutation" / "results.jsonl"
 EQUIVALENTS = ROOT / "tests" / "mutation_equivalents.md"
 # What a test run reads besides the test files themselves: a change here invalidates recorded results.
-TEST_SUPPORT = ("tests/conftest.py", "tests/strategies.py", "tests/float64_bounds.py", "setup.cfg")
+TEST_SUPPORT = ("tests/conftest.py", "tests/strategies.py", "tests/bounds.py", "tests/float64_bounds.py",
+               "setup.cfg")
 
 # ----------------------------------------------------------------------------------------------------
 # Which tests each module's mutants run (the fast CPU tests that exercise it, the most direct first: -x
