@@ -212,3 +212,73 @@ def test_a_query_whose_scores_are_all_minus_inf_gets_the_same_gradients_from_the
         for g, r in zip(grads, (dq, dk, dv)):
             np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
             np.testing.assert_allclose(g[~np.isnan(g)], r[~np.isnan(r)], rtol=1e-12, atol=1e-15)
+
+
+# --- the derived terms' building blocks ---------------------------------------------------------------
+
+
+def test_gamma_is_highams_bound_and_refuses_n_u_of_one_or_more():
+    """gamma_n = n u / (1 - n u) bounds |prod_{k<=n} (1 + d_k) - 1| for |d_k| <= u (Higham, Lemma 3.1); it is
+    defined for 0 <= n u < 1 and refuses anything else by name."""
+    from fractions import Fraction
+
+    assert reference.gamma(0) == 0.0
+    assert reference.gamma(1, 0.25) == 0.25 / 0.75 and reference.gamma(3, 0.25) == 3.0
+    assert reference.gamma(2) == 2 * reference.U32 / (1 - 2 * reference.U32) == reference.ROUND_TRIP
+    u = Fraction(1, 2**10)
+    for n in (1, 2, 7, 100, 1000):
+        worst = max(abs((1 + u) ** n - 1), abs((1 - u) ** n - 1))  # the extreme products, exactly
+        assert worst <= reference.gamma(n, float(u))
+    for n, unit in ((-1, reference.U32), (4, 0.25), (5, 0.25), (2**24, reference.U32)):
+        with pytest.raises(ValueError, match="gamma needs 0 <= n u < 1"):
+            reference.gamma(n, unit)
+
+
+def _one_row(scores, values):
+    """One query row, d = 1, scale 1, one key per tile: S_j = scores[j] exactly (float32 inputs, exact)."""
+    q = np.ones((1, 1), dtype=np.float32)
+    k = np.asarray(scores, dtype=np.float32)[:, None]
+    v = np.asarray(values, dtype=np.float32)[:, None]
+    assert (k[:, 0].astype(np.float64) == np.asarray(scores)).all()
+    base = reference.baseline(q, k, v, scale=1.0, block_q=1, block_k=1)
+    s = np.asarray(scores, dtype=np.float64)
+    p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+    return base.terms, p, float(p @ np.asarray(values, dtype=np.float64))
+
+
+U = reference.U32
+
+
+@pytest.mark.parametrize("second, counted", [
+    (1.0, True),  # a tie: the float32 max may be either score
+    (1 - 3 * U, True),  # within 2u (|m| + |tile max|) ~ 4u of the running max: float32 scores may order them either way
+    (1 - 5 * U, False),  # beyond it: the float32 max cannot rise
+    (0.5, False),
+    (1 + 2.0**-10, True),  # a real rise, shift 2^-10
+])
+def test_the_rescaling_term_counts_a_tile_that_may_raise_the_float32_max(second, counted):
+    """Proofs/L6, part 6, on one row of two one-key tiles: the first tile starts the state (mass 0, nothing
+    to rescale); the second rescales acc and l iff its score may be the new float32 max, by alpha with a
+    relative error e = EXP_REL + u + u |shift|, moving O by e (|Pi| + |O| mass) and LSE by e mass."""
+    terms, p, o = _one_row([1.0, second], [1.0, -2.0])
+    if not counted:
+        assert terms.online_out == 0.0 and terms.online_lse == 0.0
+        return
+    e = reference.EXP_REL + U + U * max(second - 1.0, 0.0)
+    assert terms.online_out == pytest.approx(e * p[0] * (1.0 + abs(o)), rel=1e-12, abs=0)
+    assert terms.online_lse == pytest.approx(e * p[0], rel=1e-12, abs=0)
+
+
+def test_rescalings_compound_with_the_largest_shift_a_row_makes():
+    """Two rises of 2^-10 each: the terms add over the rescalings, and the second-order factor
+    (1 + EXP_REL + 2u + u max shift)^(rescalings - 1) uses the largest shift actually made."""
+    shift = 2.0**-10
+    values = [1.0, -2.0, 0.5]
+    terms, p, o = _one_row([1.0, 1.0 + shift, 1.0 + 2 * shift], values)
+    e = reference.EXP_REL + U + U * shift
+    partial_1, partial_2 = p[0] * values[0], p[0] * values[0] + p[1] * values[1]
+    mass_1, mass_2 = p[0], p[0] + p[1]
+    compound = 1 + reference.EXP_REL + 2 * U + U * shift
+    assert terms.online_out == pytest.approx(
+        compound * (e * (abs(partial_1) + abs(partial_2)) + abs(o) * e * (mass_1 + mass_2)), rel=1e-12, abs=0)
+    assert terms.online_lse == pytest.approx(compound * e * (mass_1 + mass_2), rel=1e-12, abs=0)

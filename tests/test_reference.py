@@ -181,8 +181,8 @@ def test_tolerance_is_the_documented_rule():
     expected_lse = (2 * max(np.abs(n[1][finite] - ref_lse[finite]).max() for n in naive)
                     + np.spacing(np.float32(np.abs(ref_lse[finite]).max() + 0.3)) + score_lse)
     check = reference.check_attention(*naive[0], q, k, v, causal=True)
-    assert check.atol_out == pytest.approx(expected_out, rel=1e-12)
-    assert check.atol_lse == pytest.approx(expected_lse, rel=1e-12)
+    assert check.atol_out == pytest.approx(expected_out, rel=1e-12, abs=0)
+    assert check.atol_lse == pytest.approx(expected_lse, rel=1e-12, abs=0)
     assert len({float(np.abs(n[0] - ref_out).max()) for n in naive}) > 1  # the orders really differ
     assert score_out > 0 and score_lse > 0
     # v1: a round trip after every visited key tile but the last, each perturbing the partial output so far by
@@ -226,11 +226,11 @@ def test_tolerance_is_the_documented_rule():
                                    block_k=case.block_k)
     assert trips == 4 and sums > 0 and rescales >= 2 and online_out > 0 and online_lse > 0
     assert v1.atol_out == pytest.approx(expected_out + round_trip * (1 + round_trip) ** (trips - 1) * sums
-                                        + compound * online_out, rel=1e-12)
-    assert v1.atol_lse == pytest.approx(expected_lse + compound * online_lse, rel=1e-12)  # no round trip
+                                        + compound * online_out, rel=1e-12, abs=0)
+    assert v1.atol_lse == pytest.approx(expected_lse + compound * online_lse, rel=1e-12, abs=0)  # no round trip
     v2 = reference.check_attention(*naive[0], q, k, v, causal=True, order="v2", block_q=case.block_q,
                                    block_k=case.block_k)
-    assert v2.atol_out == pytest.approx(expected_out + compound * online_out, rel=1e-12)
+    assert v2.atol_out == pytest.approx(expected_out + compound * online_out, rel=1e-12, abs=0)
     assert v2.atol_lse == v1.atol_lse
     for order in ("v1", "v2"):
         with pytest.raises(ValueError, match="needs the tiles"):
@@ -272,7 +272,7 @@ def test_round_trip_term_follows_any_mask(spec):
     base = reference.baseline(q, k, v, mask=mask, block_q=block_q, block_k=block_k)
     round_trip = 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
     assert trips >= 1 and sums > 0
-    assert base.terms.v1_out == pytest.approx(round_trip * (1 + round_trip) ** (trips - 1) * sums, rel=1e-12)
+    assert base.terms.v1_out == pytest.approx(round_trip * (1 + round_trip) ** (trips - 1) * sums, rel=1e-12, abs=0)
     if spec == "causal":
         causal = reference.baseline(q, k, v, causal=True, block_q=block_q, block_k=block_k)
         assert causal.terms == base.terms
