@@ -82,6 +82,9 @@ def test_each_module_maps_to_test_files_that_exist():
         assert (ROOT / target.path).is_file(), name
         missing = [t for t in target.tests if not (ROOT / t.split("::")[0]).is_file()]
         assert not missing, f"{name}: {missing}"
+        for test in [t for t in (*target.tests, *target.deselect) if "::" in t]:  # a named test must exist
+            path, function = test.split("::")
+            assert f"def {function.split('[')[0]}(" in (ROOT / path).read_text(), test
         assert not [t for t in target.tests if "kernel" in t.split("::")[0]], name  # CPU tests only
 
 
