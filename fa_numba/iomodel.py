@@ -71,16 +71,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _keys_seen(grid: Grid, i: int, causal: bool) -> int:
-    """K_i: keys (a prefix) that query tile i reads."""
-    last_tile = grid.last_visible_tile(i, causal)
+def _keys_seen(grid: Grid, i: int) -> int:
+    """K_i: keys (a prefix) that query tile i reads under causal masking."""
+    last_tile = grid.last_visible_tile(i, True)
     return min(grid.n_k, (last_tile + 1) * grid.block_k)
 
 
-def _rows_visiting(grid: Grid, j: int, causal: bool) -> int:
-    """R_j: query rows (a suffix) whose tiles visit key tile j."""
-    if not causal:
-        return grid.n_q
+def _rows_visiting(grid: Grid, j: int) -> int:
+    """R_j: query rows (a suffix) whose tiles visit key tile j under causal masking."""
     c0, _ = grid.cols(j)
     first_tile = min(max(_ceil_div(c0 + 1 - grid.delta, grid.block_q) - 1, 0), grid.t_r - 1)
     return grid.n_q - first_tile * grid.block_q
@@ -113,8 +111,8 @@ def visits(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False,
     rows = np.array([r1 - r0 for r0, r1 in map(grid.rows, range(grid.t_r))], dtype=np.int64)  # r_i
     cols = np.array([c1 - c0 for c0, c1 in map(grid.cols, range(grid.t_c))], dtype=np.int64)  # c_j
     if mask is None:  # causal: the closed forms of L5
-        keys = [_keys_seen(grid, i, True) for i in range(grid.t_r)]
-        return Visits(sum(_rows_visiting(grid, j, True) for j in range(grid.t_c)), sum(keys),
+        keys = [_keys_seen(grid, i) for i in range(grid.t_r)]
+        return Visits(sum(_rows_visiting(grid, j) for j in range(grid.t_c)), sum(keys),
                       int(sum(r for r, k in zip(rows, keys) if k)), n_k)
     blocks = tiling.block_mask(n_q, n_k, block_q, block_k, mask)
     per_row, per_col = np.diff(blocks.row_ptr), np.diff(blocks.col_ptr)  # n_i, m_j: the lists' lengths
