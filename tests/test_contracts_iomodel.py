@@ -54,3 +54,15 @@ def test_extra_memory_scales_with_every_head_of_every_batch(n_q, batch, heads):
     """v1 keeps l, m and LSE per query row of every (batch, head); v2 only LSE."""
     assert iomodel.extra_memory_elements("v1", n_q, batch, heads) == 3 * batch * heads * n_q
     assert iomodel.extra_memory_elements("v2", n_q, batch, heads) == batch * heads * n_q
+
+
+def test_visits_are_an_immutable_value():
+    """The four sums are a value: equal for equal schedules, hashable (a cache key), and not changeable by a
+    caller that holds one (the traffic of every order is built from the same object)."""
+    import dataclasses
+
+    a = iomodel.visits(9, 7, 2, 3, causal=True)
+    assert a == iomodel.visits(9, 7, 2, 3, causal=True) and hash(a) == hash(iomodel.visits(9, 7, 2, 3, causal=True))
+    assert a != iomodel.visits(9, 7, 2, 3, causal=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.rows = 0
