@@ -153,3 +153,15 @@ def test_the_table_fails_on_a_survivor_that_is_not_explained(tmp_path, capsys):
 
     code, out = _report(tmp_path, killed_all[1:], capsys)  # one mutant without a result
     assert code == 1 and "without a result" in out
+
+
+def test_renumber_shows_each_equivalent_at_its_current_line(tmp_path):
+    path = tmp_path / "equivalents.md"
+    path.write_text(mutation.EQUIVALENTS.read_text())
+    mutation.renumber(path)
+    lines = {m.id: m.line for name in mutation.MODULES for m in mutation.mutants(name)}
+    listed = mutation.equivalents(path)
+    assert listed
+    for mutant_id, line in listed.items():
+        assert f".py:{lines[mutant_id]} " in line, line
+    assert mutation.renumber(path) == 0  # a second pass changes nothing

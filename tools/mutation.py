@@ -5,6 +5,7 @@
     python tools/mutation.py --show ID             the diff of one mutant
     python tools/mutation.py --only ID [ID ...]    run these mutants (again), whatever is recorded
     python tools/mutation.py --report [MODULE ...] the per-module table and every survivor, from the results
+    python tools/mutation.py --renumber            refresh the line numbers shown in the equivalents file
 
 MODULE is a key of MODULES below (shapes, reference, online_softmax, tiling, masks, tiled, iomodel,
 profile). Exit status: 0 when every mutant of the modules asked for has a result and every survivor is
@@ -563,6 +564,25 @@ def equivalents(path: Path = EQUIVALENTS) -> dict[str, str]:
     return found
 
 
+def renumber(path: Path = EQUIVALENTS) -> int:
+    """Rewrite the `file.py:LINE` after each id in the equivalents file to the mutant's current line (ids do
+    not move with edits elsewhere; the line numbers shown to the reader do). Returns how many changed."""
+    lines = {m.id: m.line for module in MODULES for m in mutants(module)}
+    changed = 0
+
+    def fix(hit):
+        nonlocal changed
+        line = lines.get(hit.group(2))
+        if line is None or int(hit.group(3)) == line:
+            return hit.group(0)
+        changed += 1
+        return f"{hit.group(1)}{line}"
+
+    text = re.sub(r"^(- `([a-z_]+-[0-9a-f]{8})` [\w.]+\.py:)(\d+)", fix, path.read_text(), flags=re.M)
+    path.write_text(text)
+    return changed
+
+
 def report(modules: list[str], args) -> int:
     results = load_results(args.results)
     listed = equivalents()
@@ -642,6 +662,8 @@ def main(argv=None) -> int:
     p.add_argument("--survivors", action="store_true",
                    help="keep killed results recorded with other tests; run survivors and unrecorded mutants")
     p.add_argument("--fresh", action="store_true", help="ignore recorded results")
+    p.add_argument("--renumber", action="store_true",
+                   help="update the line numbers shown in tests/mutation_equivalents.md, run nothing")
     p.add_argument("--timeout", type=float, default=0, help="seconds per mutant (default: 5x the clean run + 30)")
     p.add_argument("--baseline-timeout", type=float, default=900, help=argparse.SUPPRESS)
     p.add_argument("--results", type=Path, default=RESULTS, help="the JSON-lines record (default: %(default)s)")
@@ -673,6 +695,9 @@ def main(argv=None) -> int:
         return 0
     if args.report:
         return report(modules, args)
+    if args.renumber:
+        print(f"{renumber()} line numbers updated in {EQUIVALENTS.relative_to(ROOT)}")
+        return 0
     if not args.no_nice:
         os.nice(19 - os.nice(0))
     return run(modules, args.only, args)
