@@ -437,7 +437,7 @@ class Baseline:
     lse: np.ndarray
     atol_out: float
     atol_lse: float
-    terms: Terms = Terms(0.0, 0.0)
+    terms: Terms
 
     def tolerances(self, order: str | None = None) -> tuple[float, float]:
         """(atol_out, atol_lse) for an implementation of `order`: None for a dense one; "v2" adds the online

@@ -249,24 +249,34 @@ def _one_row(scores, values):
 U = reference.U32
 
 
-@pytest.mark.parametrize("second, counted", [
-    (1.0, True),  # a tie: the float32 max may be either score
-    (1 - 3 * U, True),  # within 2u (|m| + |tile max|) ~ 4u of the running max: float32 scores may order them either way
-    (1 - 5 * U, False),  # beyond it: the float32 max cannot rise
-    (0.5, False),
-    (1 + 2.0**-10, True),  # a real rise, shift 2^-10
+@pytest.mark.parametrize("first, second, counted", [
+    (1.0, 1.0, True),  # a tie: the float32 max may be either score
+    (0.0, 0.0, True),  # a tie where the allowance for the scores' rounding is 0: counted by the tie alone
+    (1.0, 1 - 3 * U, True),  # within 2u (|m| + |tile max|) ~ 4u of the running max: float32 may order them either way
+    (1.0, 1 - 5 * U, False),  # beyond it: the float32 max cannot rise
+    (1.0, 0.5, False),
+    (1.0, 1 + 2.0**-10, True),  # a real rise, shift 2^-10
 ])
-def test_the_rescaling_term_counts_a_tile_that_may_raise_the_float32_max(second, counted):
+def test_the_rescaling_term_counts_a_tile_that_may_raise_the_float32_max(first, second, counted):
     """Proofs/L6, part 6, on one row of two one-key tiles: the first tile starts the state (mass 0, nothing
     to rescale); the second rescales acc and l iff its score may be the new float32 max, by alpha with a
     relative error e = EXP_REL + u + u |shift|, moving O by e (|Pi| + |O| mass) and LSE by e mass."""
-    terms, p, o = _one_row([1.0, second], [1.0, -2.0])
+    terms, p, o = _one_row([first, second], [1.0, -2.0])
     if not counted:
         assert terms.online_out == 0.0 and terms.online_lse == 0.0
         return
-    e = reference.EXP_REL + U + U * max(second - 1.0, 0.0)
+    e = reference.EXP_REL + U + U * max(second - first, 0.0)
     assert terms.online_out == pytest.approx(e * p[0] * (1.0 + abs(o)), rel=1e-12, abs=0)
     assert terms.online_lse == pytest.approx(e * p[0], rel=1e-12, abs=0)
+
+
+def test_the_tolerance_adds_no_score_floor_unless_given():
+    """tolerance(expected, naive) = 2 err(naive) + rounding_floor(expected), the score floor only when passed."""
+    expected = np.array([1.0, -2.0, 0.5])
+    naive = [expected + np.array([2.0**-20, 0.0, 0.0]), expected - np.array([0.0, 2.0**-18, 0.0])]  # exact errors
+    atol = reference.tolerance(expected, naive)
+    assert atol == 2 * 2.0**-18 + reference.rounding_floor(expected)
+    assert reference.tolerance(expected, naive, 2.0**-10) == atol + 2.0**-10
 
 
 def test_rescalings_compound_with_the_largest_shift_a_row_makes():
