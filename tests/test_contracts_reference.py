@@ -176,11 +176,12 @@ def test_assert_close_reports_how_many_fail_and_shows_only_the_first_five():
 
 @pytest.mark.parametrize("make", [
     lambda q, k, v, dout: reference.baseline(q, k, v),
+    lambda q, k, v, dout: reference.baseline(q, k, v, block_q=1, block_k=1).terms,
     lambda q, k, v, dout: reference.check_attention(*reference.attention(q, k, v), q, k, v),
     lambda q, k, v, dout: reference.baseline_backward(q, k, v, dout),
     lambda q, k, v, dout: reference.check_attention_backward(*reference.attention_backward(q, k, v, dout), q, k, v,
                                                              dout),
-], ids=["Baseline", "Check", "BaselineBackward", "CheckBackward"])
+], ids=["Baseline", "Terms", "Check", "BaselineBackward", "CheckBackward"])
 def test_baselines_and_checks_are_immutable(make):
     """A baseline is computed once and shared by every implementation judged against it: none can change it."""
     case = Case(3, 4, 2, 1, 1, True)
