@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from fa_numba import reference
+
 U64 = 2.0**-53  # unit roundoff of float64
 EXP = 3 * U64  # relative error of np.exp / np.log in float64: 1 ulp off the correctly rounded value
 UNDERFLOW = float(np.finfo(np.float64).smallest_subnormal)  # absolute slack per rounding below the normal range
 
 
 def gamma(n: int, u: float = U64) -> float:
-    """Higham's gamma_n = n u / (1 - n u)."""
-    assert 0 <= n * u < 1
-    return n * u / (1 - n * u)
+    """Higham's gamma_n = n u / (1 - n u), in float64's unit roundoff by default (reference.gamma, whose
+    default is float32's)."""
+    return reference.gamma(n, u)
 
 
 def factor(exps, ops, gap):

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bounds import U64
 from fa_numba import reference, shapes
-
-U64 = 2.0**-53
 
 
 @dataclass(frozen=True)
