@@ -68,8 +68,8 @@ class Shape:
         tiles (a sweep uses it to keep one tile size across its sizes); None: the simulator's rule."""
         for name in ("batch", "heads", "n_q", "head_dim"):
             shapes.check_block(name, getattr(self, name))
-        if np.dtype(self.dtype) not in INPUT_DTYPES:
-            raise ValueError(f"dtype must be float32 or float16, got {self.dtype!r}")
+        if self.dtype != "bfloat16" and np.dtype(self.dtype) not in INPUT_DTYPES:
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be <= {MAX_HEAD_DIM}, got {self.head_dim}")
         for name in ("block_q", "block_k"):
@@ -191,7 +191,7 @@ def analytic(s: Shape, order: str) -> dict:
     per = s.batch * s.heads
     model = iomodel.traffic(order, s.n_q, s.n_k, s.head_dim, s.block_q, s.block_k, causal,
                             batch=s.batch, heads=s.heads, heads_kv=s.heads_kv, mask=mask)
-    itemsize = np.dtype(s.dtype).itemsize
+    itemsize = input_dtype(s.dtype).itemsize
     return {
         "tiles_computed": sched.computed * per,
         "tiles_skipped": sched.skipped * per,
@@ -202,9 +202,28 @@ def analytic(s: Shape, order: str) -> dict:
     }
 
 
+def input_dtype(name: str) -> np.dtype:
+    """Shape.dtype as a NumPy dtype: bfloat16 is ml_dtypes' (NumPy has none; ml_dtypes is the test extra)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def kernel_view(x: np.ndarray) -> np.ndarray:
+    """What a kernel reads: bfloat16 as its 16 bits, as fa_numba.attention passes it (arrays.adopt), else x."""
+    return x.view(np.uint16) if x.dtype.name == "bfloat16" else x
+
+
+def reference_view(x: np.ndarray) -> np.ndarray:
+    """What the reference reads: bfloat16 widened to float32 (exact, as reference widens float16 itself)."""
+    return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
+
+
 def inputs(s: Shape):
     rng = np.random.default_rng(s.seed)
-    dt = np.dtype(s.dtype)
+    dt = input_dtype(s.dtype)
     q = rng.standard_normal((s.batch, s.heads, s.n_q, s.head_dim)).astype(dt)
     k = rng.standard_normal((s.batch, s.heads_kv, s.n_k, s.head_dim)).astype(dt)
     v = rng.standard_normal((s.batch, s.heads_kv, s.n_k, s.head_dim)).astype(dt)
@@ -244,7 +263,8 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
         part, part_kv = (slice(0, 1), slice(0, checked)), (slice(0, 1), slice(0, checked // group))
         result["notes"].append(f"checked against the reference on batch 0, heads 0..{checked - 1} "
                                f"(the float64 reference of the whole call is too large)")
-    qc, kc, vc = q[part], k[part_kv], v[part_kv]
+    qc, kc, vc = (reference_view(x) for x in (q[part], k[part_kv], v[part_kv]))
+    q, k, v = (kernel_view(x) for x in (q, k, v))
     n_scores = qc.shape[0] * qc.shape[1] * s.n_q * s.n_k
     contractions = reference.CONTRACTIONS if n_scores <= EXACT_CHECK_MAX_SCORES else ("matmul",)
     causal, mask, form = masking(s)
@@ -258,7 +278,7 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
             from fa_numba.kernels.counting import run_counted
 
             out, lse, ledger = run_counted(kernel, q, k, v, scale, mask=blocks)
-            row["bytes_counted"] = iomodel.to_bytes(ledger, np.dtype(s.dtype).itemsize)
+            row["bytes_counted"] = iomodel.to_bytes(ledger, input_dtype(s.dtype).itemsize)
         else:
             d_out, d_lse, workspace = poisoned_outputs(q.shape)
             kernel(dq, dk, dv, d_out, d_lse, scale, workspace, mask=blocks)
@@ -333,7 +353,7 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
         backward.BackwardConfig(kind, block, s.head_dim, causal, mask_form=form).check()
     on_gpu = backend.name() == "gpu"
     count = (not on_gpu) if count is None else count
-    itemsize = np.dtype(s.dtype).itemsize
+    itemsize = input_dtype(s.dtype).itemsize
     rows = []
     for name in variants:
         order, deterministic, description = BACKWARD_VARIANTS[name]
@@ -359,7 +379,9 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
     scale = 1 / math.sqrt(s.head_dim)
     out, lse = attention_forward(q, k, v, causal, block, mask=mask)
     contractions = reference.CONTRACTIONS if s.batch * s.heads * s.n_q * s.n_k <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    base = reference.baseline_backward(q, k, v, dout, causal=causal, contractions=contractions, mask=mask)
+    base = reference.baseline_backward(*(reference_view(x) for x in (q, k, v, dout)), causal=causal,
+                                       contractions=contractions, mask=mask)
+    q, k, v, dout = (kernel_view(x) for x in (q, k, v, dout))
     device = [cuda.to_device(x) for x in (q, k, v, out, lse, dout)]
     blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, block, block)  # the backward's square tiles
     for row in rows:
