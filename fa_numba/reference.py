@@ -555,8 +555,9 @@ def _dense_backward(q, k, v, dout, causal, scale, dtype, contraction="matmul", f
         p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], dtype(0))  # P ulp(LSE)
         e = (np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]), dtype(0))
              + p_lse * np.abs(dp - d_row[..., None]))
-        floor_dq = scale * np.matmul(e, np.abs(k4))
-        floor_dk = (scale * np.matmul(np.swapaxes(e, -1, -2), np.abs(q4))).reshape(grouped).sum(axis=2)
+        # magnitudes: |scale|, so that a negative scale gives the same (non-negative) floor as its opposite
+        floor_dq = abs(scale) * np.matmul(e, np.abs(k4))
+        floor_dk = (abs(scale) * np.matmul(np.swapaxes(e, -1, -2), np.abs(q4))).reshape(grouped).sum(axis=2)
         floor_dv = np.matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4)).reshape(grouped).sum(axis=2)
     return grads, (_finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv))
 
