@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from fa_numba import api
+from fa_numba import api, masks, shapes
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, order, backward_order, deterministic, mask):
+        if shapes.check_mask(causal, mask)[1] is not None and q.dim() >= 2 and k.dim() >= 2:
+            # evaluated once, here: the backward differentiates the mask this forward used, even if the
+            # state a from_function predicate reads changes in between (masks.fixed)
+            mask = masks.fixed(mask, q.shape[-2], k.shape[-2])
         out, lse = api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True, mask=mask)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = dict(causal=causal, scale=scale, order=backward_order, deterministic=deterministic, mask=mask)

@@ -28,8 +28,16 @@ Every mask has
     kernel_form(), kernel_arrays(n_q, n_k)  how a kernel evaluates the mask inside a PARTIAL tile (below)
     check(n_q, n_k)                         ValueError if the mask does not fit these sizes
     describe(), spec()                      "window(128, 0)"; the text `parse` reads back ("window:128,0")
-The built-ins' row intervals are their intervals above clipped to [0, N_k). Masks are frozen dataclasses:
-hashable and comparable by value (from_function by the identity of fn), so they can key a cache.
+The built-ins' row intervals are their intervals above clipped to [0, N_k). Masks are frozen dataclasses,
+hashable and comparable by value (from_function by the identity of fn). Their parameters are ints up to
+INDEX_MAX = 2^31 - 1 (the kernels index in int32), refused beyond it when the mask is made.
+
+When a mask means what it means: a built-in or from_dense mask is a value, fixed when it is made. A
+from_function mask is a predicate, and fn may read state that changes (the document-id idiom
+`lambda i, j: ids[i] == ids[j]`): it is evaluated at every call. `fixed(mask, n_q, n_k)` turns it into the
+from_dense mask of its answers; attention, attention_backward and autograd's forward call it once per call
+(autograd's backward reuses its forward's evaluation), and only such value masks key a cache
+(kernels.common.kernel_mask), so no cache can serve a predicate's old answers.
 
 Tile classification (proofs/L8). Every built-in is a *monotone interval mask*: row i sees the keys in
 [lambda_i, eta_i) (the column above, before clipping), lambda_i < eta_i, both nondecreasing in i. For such a
@@ -96,10 +104,13 @@ from fa_numba.tiling import FULL, PARTIAL, SKIP, Kind
 KERNEL_FORMS = ("causal", "intervals", "dense")
 UNBOUNDED = "inf"  # how `parse` and `spec` write a window side of None
 DESCRIBE_MAX_DOCUMENTS = 6  # describe() lists at most this many document lengths
+INDEX_MAX = 2**31 - 1  # the largest position, window side or length a mask takes (int32, as the kernels index)
 
 
 def _check_count(name: str, value, minimum: int, *, allow_none: bool = False, what: str = ""):
-    """An int >= minimum (or None when allowed): the built-ins' parameters. Errors name the argument."""
+    """An int in [minimum, INDEX_MAX] (or None when allowed): the built-ins' parameters. The kernels hold
+    positions and interval ends in int32, so a larger value is refused here, when the mask is made, rather
+    than overflowing inside a launch. Errors name the argument."""
     expected = f"an int >= {minimum}" + (" or None (unbounded)" if allow_none else "") + what
     if value is None and allow_none:
         return None
@@ -107,6 +118,9 @@ def _check_count(name: str, value, minimum: int, *, allow_none: bool = False, wh
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be {expected}, got {value}")
+    if value > INDEX_MAX:
+        raise ValueError(f"{name} must be at most {INDEX_MAX} (positions are int32 in the kernels"
+                         + ("; None is unbounded" if allow_none else "") + f"), got {value}")
     return int(value)
 
 
@@ -333,6 +347,9 @@ class Documents(Mask):
                         for t, n in enumerate(lengths))
         if not lengths:
             raise ValueError("lengths must hold at least one document length, got an empty sequence")
+        if sum(lengths) > INDEX_MAX:
+            raise ValueError(f"lengths must sum to at most {INDEX_MAX} (N = sum(lengths) positions, int32 in the "
+                             f"kernels), got {sum(lengths)}")
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "causal", shapes.check_causal(self.causal))
 
@@ -515,6 +532,20 @@ def from_dense(array) -> FromDense:
     if array.dtype != np.bool_:
         raise TypeError(f"array must be a bool array (True = visible), got dtype {array.dtype}")
     return FromDense((int(array.shape[0]), int(array.shape[1])), np.ascontiguousarray(array).tobytes())
+
+
+VALUE_MASKS = (Causal, SlidingWindow, PrefixLM, Documents, FromDense)  # fixed when made: their fields say all
+
+
+def fixed(mask: Mask, n_q: int, n_k: int) -> Mask:
+    """The mask as a value on N_q x N_k: a built-in or from_dense mask is one already and comes back as is;
+    any other (from_function, or a mask class of one's own) is evaluated now, on every pair, and comes back
+    as from_dense of its answers. Call it once per launch: a predicate reading changing state is then seen
+    as it is at that call, and every cache keys by content."""
+    if isinstance(mask, VALUE_MASKS):
+        mask.check(n_q, n_k)
+        return mask
+    return from_dense(mask.dense(n_q, n_k))
 
 
 # ----------------------------------------------------------------------------------------------------
