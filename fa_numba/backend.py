@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import sys
+import threading
 import warnings
 
 
@@ -122,9 +123,42 @@ def patch_simulator() -> None:
     kernelapi.FakeCUDAAtomic.add = atomic_add
 
 
-def warn_if_slow_in_simulator(work: int) -> None:
-    """Warn before a launch the simulator will take minutes over (work = B H N_q N_k d)."""
-    if name() == "simulator" and work > SIM_MAX_WORK:
-        seconds = 20 * work / SIM_MAX_WORK
+SIM_SECONDS_PER_MAX_WORK = 20  # seconds the simulator takes for SIM_MAX_WORK (2 cores, measured)
+SIM_REFUSE_SECONDS = 3600  # a simulator launch estimated longer than this is refused, not started
+
+
+def check_simulator_work(batch: int, heads: int, n_q: int, n_k: int, d: int, passes: int = 1) -> None:
+    """Before a launch in the simulator: refuse one it would take over an hour for (ValueError with the
+    sizes that are feasible), warn before one it will take minutes over. `passes`: matrix products per
+    pair relative to the forward's (the backward's is 3). Nothing happens on a GPU."""
+    if name() != "simulator":
+        return
+    work = passes * batch * heads * n_q * n_k * d
+    seconds = SIM_SECONDS_PER_MAX_WORK * work / SIM_MAX_WORK
+    if seconds > SIM_REFUSE_SECONDS:
+        hour = SIM_REFUSE_SECONDS * SIM_MAX_WORK // SIM_SECONDS_PER_MAX_WORK
+        n_hour = int((hour / (passes * batch * heads * d)) ** 0.5)
+        n_fast = int((SIM_MAX_WORK / (passes * batch * heads * d)) ** 0.5)
+        raise ValueError(
+            f"too large for the CUDA simulator (no GPU): {passes} x B*H*N_q*N_k*d = {work:,} would take about "
+            f"{seconds:,.0f} s; feasible here: N_q = N_k <= {n_hour} at B={batch} H={heads} d={d} within "
+            f"an hour, <= {n_fast} in about {SIM_SECONDS_PER_MAX_WORK} s")
+    if work > SIM_MAX_WORK:
         warnings.warn(f"running in the CUDA simulator (no GPU): B*H*N_q*N_k*d = {work:,} will take about "
                       f"{seconds:,.0f} s; shapes up to {SIM_MAX_WORK:,} take seconds", stacklevel=3)
+
+
+_LAUNCH_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def serialised():
+    """Around a launch: in the simulator, one launch at a time. Its launch is not re-entrant (a second
+    thread's launch replaces the first's thread-to-block bookkeeping, and the first then fails with
+    "'Thread' object has no attribute 'blockIdx'"), so callers on several threads queue here. Re-entrant,
+    so nested launch paths are fine. On a GPU it does nothing: launches stay concurrent."""
+    if name() != "simulator":
+        yield
+        return
+    with _LAUNCH_LOCK:
+        yield

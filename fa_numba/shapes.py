@@ -35,6 +35,8 @@ class Problem:
 def _check_dtype(name: str, x, allowed: tuple[np.dtype, ...], names: str | None = None) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
+    if isinstance(x, np.matrix):  # an ndarray subclass that stays 2-D under every reshape
+        raise TypeError(f"{name} must be a NumPy ndarray, not np.matrix (np.asarray({name}) gives one)")
     names = names or ", ".join(str(a) for a in allowed)
     try:
         dtype = np.dtype(x.dtype)
@@ -111,15 +113,23 @@ def drop_lead(x: np.ndarray, ndim: int) -> np.ndarray:
     return x.reshape(x.shape[4 - ndim :])
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def resolve_scale(scale, d: int) -> float:
-    """`scale` defaults to 1/sqrt(d); otherwise it must be a finite real number."""
+    """`scale` defaults to 1/sqrt(d); otherwise it must be a real number that is finite in float32, the
+    kernels' arithmetic (1e39 is finite in float64 but inf in float32, and would make every score inf)."""
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    expected = f"scale must be finite in float32 (|scale| <= {FLOAT32_MAX:.8g})"
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond float64's range, e.g. 10**400
+        raise ValueError(f"{expected}, got an int of {len(str(abs(int(scale))))} digits") from None
+    if not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
+        raise ValueError(f"{expected}, got {scale}")
     return scale
 
 

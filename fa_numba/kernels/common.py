@@ -131,8 +131,9 @@ class CompiledKernel:
             raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
                              else f"this kernel (mask_form {self.config.form!r}) takes no mask")
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
-        self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace,
-                    mask_arrays(mask))
+        with backend.serialised():  # the simulator runs one launch at a time
+            self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace,
+                        mask_arrays(mask))
 
     @staticmethod
     def array_types(dtype: str):
@@ -209,11 +210,18 @@ def kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> KernelM
     """The KernelMask of a block mask (a fa_numba.masks mask whose kernel_form() is "intervals" or "dense")
     on the B_r x B_c grid, copied to the device once per (mask, sizes, tiles) and cached.
 
+    The cache keys by the mask's value, so it takes value masks only (masks.VALUE_MASKS: built-ins and
+    from_dense, fixed when made); a from_function mask must come as masks.fixed(mask, n_q, n_k), its
+    answers at this call, so that a predicate reading changed state is never served its old tile lists.
+
     lohi: the row intervals ("intervals"), or for a dense mask each row's first and last visible key + 1
     (a superset the kernels refine with the dense mask inside PARTIAL tiles; lo = hi on a row that sees none).
     """
-    from fa_numba import tiling
+    from fa_numba import masks, tiling
 
+    if not isinstance(mask, masks.VALUE_MASKS):
+        raise TypeError(f"kernel_mask caches by value and takes value masks only, got {mask!r}: pass "
+                        f"masks.fixed(mask, n_q, n_k) (its answers at this call)")
     form = mask.kernel_form()
     if form not in LIST_FORMS:
         raise ValueError(f"mask {mask!r} has kernel form {form!r}: launch it with causal=True instead")
