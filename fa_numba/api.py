@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, shapes
+from fa_numba import arrays, backend, masks, shapes
 from fa_numba.kernels import VARIANTS, default_tiles
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, kernel_mask
 
@@ -35,7 +35,29 @@ def _resolve_mask(causal, mask, prob):
     mask.check(prob.n_q, prob.n_k)
     if mask.kernel_form() == "causal":
         return True, None, "causal"
+    mask = masks.fixed(mask, prob.n_q, prob.n_k)  # a predicate is evaluated now, at this call (masks.fixed)
     return False, mask, mask.kernel_form()
+
+
+def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
+    """The kernels accumulate acc = sum_j p_j v_j before dividing by l (p_j <= 1, so |acc| <= N_k max|v|):
+    it is finite, and so is O, when N_k max|v| <= FLOAT32_MAX. Host inputs beyond that range are refused
+    (the exact answer may be finite, like 3e38 for V = 3e38 everywhere, but acc is not); non-finite entries
+    are not range errors (they propagate by the NaN rules). Device inputs are not scanned: that would cost a
+    reduction and a host synchronisation per call; the same range holds for them, and beyond it O may be inf.
+    Attention is linear in V, so scaling V down and O up is exact in real arithmetic."""
+    if on_device:
+        return
+    values = np.asarray(v)
+    if bfloat16:  # the bits: bfloat16 is the high half of a float32
+        values = (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    magnitude = np.abs(values, dtype=np.float32)
+    largest = float(magnitude[np.isfinite(magnitude)].max(initial=0.0))
+    if largest * n_k > shapes.FLOAT32_MAX:
+        raise ValueError(f"v must satisfy N_k * max|v| <= {shapes.FLOAT32_MAX:.8g} (the float32 accumulator "
+                         f"sum_j p_j v_j reaches it before the division by l), got N_k = {n_k} and max|v| = "
+                         f"{largest:.8g}: scale v down by {n_k * largest / shapes.FLOAT32_MAX:.3g} or more and "
+                         f"the output up (attention is linear in v)")
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
@@ -77,9 +99,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
     VARIANTS[order].config(block_q, block_k, prob.d, causal, form)  # threads, shared memory: before any allocation
 
-    backend.warn_if_slow_in_simulator(prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
+    _check_value_range(v, prob.n_k, call.bfloat16, call.on_device)
     layout = tuple(q.shape[:-1])  # the caller's (B, H, N_q), (H, N_q) or (N_q,)
-    with backend.explain_driver_errors(), call.context():
+    with backend.explain_driver_errors(), backend.serialised(), call.context():
         dq, dk, dv = (_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v)))
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
@@ -101,6 +124,39 @@ def _prepare_stats(name: str, x, on_device: bool, ndim: int):
         return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
     x = np.ascontiguousarray(x, dtype=np.float32)
     return cuda.to_device(x.reshape((1,) * (3 - x.ndim) + x.shape))
+
+
+def _saved_inputs(call, q, named: dict) -> tuple:
+    """out, lse, dout read like q, k, v (same library and side) and checked by name: shapes from q; out
+    and dout in float32 or q's dtype (bfloat16 included: each is read on its own, so a bfloat16 out can
+    come with a float32 dout and the float32 lse), lse float32."""
+    q_dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
+    wanted = {"out": f"dtype float32 or q's dtype {q_dtype} (the forward's output)",
+              "dout": f"q's dtype {q_dtype} or float32", "lse": "dtype float32 (the forward's)"}
+    shapes_ = {"out": q.shape, "dout": q.shape, "lse": q.shape[:-1]}
+    found = []
+    for name, x in named.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
+        bf16 = call.bfloat16 and name != "lse"
+        try:
+            one = arrays.adopt({name: x}, allowed=INPUT_DTYPES, bfloat16=bf16)
+        except TypeError as error:  # a dtype without a NumPy twin (torch): say what this argument takes
+            raise TypeError(f"{name} must have {wanted[name]}, got {x.dtype}") from error
+        if (one.kind, one.on_device) != (call.kind, call.on_device):
+            raise TypeError(f"{name} must be an array of the same kind as q, k, v ({call.kind}, "
+                            f"{'device' if call.on_device else 'host'}), got {one.kind}, "
+                            f"{'device' if one.on_device else 'host'}")
+        (value,) = one.arrays
+        if tuple(value.shape) != tuple(shapes_[name]):
+            raise ValueError(f"{name} must have shape {tuple(shapes_[name])} (from q), got {tuple(value.shape)}")
+        dtype = np.dtype(value.dtype)
+        ok = one.bfloat16 or dtype == np.dtype(np.float32) or (name != "lse" and not call.bfloat16
+                                                                and dtype == np.dtype(q.dtype))
+        if not ok:
+            raise TypeError(f"{name} must have {wanted[name]}, got {x.dtype}")
+        found.append(value)
+    return tuple(found)
 
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
@@ -128,22 +184,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     from fa_numba.kernels import backward
 
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
-    saved = arrays.adopt({"out": out, "lse": lse, "dout": dout}, allowed=INPUT_DTYPES, bfloat16=call.bfloat16)
-    if (saved.kind, saved.on_device) != (call.kind, call.on_device):
-        raise TypeError(f"out, lse and dout must be arrays of the same kind as q, k, v ({call.kind}, "
-                        f"{'device' if call.on_device else 'host'}), got {saved.kind}, "
-                        f"{'device' if saved.on_device else 'host'}")
     q, k, v = call.arrays
-    out, lse, dout = saved.arrays
     accepted = arrays.accepted(INPUT_DTYPES, bfloat16=True)
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted)
-    for name, x, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:-1])):
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {tuple(shape)} (from q), got {tuple(x.shape)}")
-    if np.dtype(dout.dtype) not in (np.dtype(q.dtype), np.dtype(np.float32)):
-        raise TypeError(f"dout must have q's dtype {q.dtype} or float32 (the forward's output), got {dout.dtype}")
-    if np.dtype(lse.dtype) != np.dtype(np.float32):
-        raise TypeError(f"lse must have dtype float32 (the forward's), got {lse.dtype}")
+    out, lse, dout = _saved_inputs(call, q, {"out": out, "lse": lse, "dout": dout})
     causal, mask, form = _resolve_mask(causal, mask, prob)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in BACKWARD_ORDERS:
@@ -163,8 +207,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     for kind in ("kv", "q"):  # threads and shared memory, before any allocation
         backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form).check()
 
-    backend.warn_if_slow_in_simulator(3 * prob.batch * prob.heads * prob.n_q * prob.n_k * prob.d)
-    with backend.explain_driver_errors(), call.context():
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
+    with backend.explain_driver_errors(), backend.serialised(), call.context():
         dq_, dk_, dv_, do_ = (_prepare(name, x, call.on_device)
                               for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)))
         o_ = _prepare("out", out, call.on_device)
