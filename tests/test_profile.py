@@ -2,6 +2,11 @@
 
 The SASS tests compile for sm_90a on the CPU in a subprocess with the real numba.cuda (the simulator is
 chosen in this one) and need nvdisasm (the `profile` extra, installed by CI): without it they skip.
+
+Two tiers. The default run compiles one representative configuration of every registered kernel
+(`REPRESENTATIVES`, about a minute of compiling on 2 idle cores); the whole table of shipped configurations
+(72 today, several minutes) is marked `slow`, which the default run deselects and `.ci/run` runs as its
+second pytest invocation (`python -m pytest -m slow`). Both print a line per configuration compiled.
 """
 
 import json
@@ -10,6 +15,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
 
@@ -165,16 +172,148 @@ def test_the_profiled_sass_is_what_a_launch_links(probe):
     assert probe["same_sass_as_numba_launch_path"] is True
 
 
+# One configuration per registered kernel for the default run, each the one most likely to break what the
+# SASS tests check (spills, float64, the 48 KB shared-memory budget): its kernel's largest register count or
+# shared memory in the last whole table (benchmarks/results/profile_sm90_2026-11-29.json). Together they cover
+# every head dim, dtype and causal setting (the profile's masked form: PARTIAL tiles masked in the kernel),
+# which test_the_representatives_cover_every_kernel_and_setting checks against profile.configurations().
+REPRESENTATIVES = [
+    (dict(variant="v1", head_dim=128, dtype="float16", causal=False),
+     "v1's most registers (175) and the full 48 KB of shared memory; the float16 loads of the tile engine"),
+    (dict(variant="v2", head_dim=128, dtype="float32", causal=True),
+     "v2's most registers (133) at 48 KB of shared memory; the causal mask of PARTIAL tiles on the tile engine"),
+    (dict(variant="v1-rowwise", head_dim=256, dtype="float16", causal=False),
+     "the largest per-thread local arrays (2112-byte stack) and shared memory (32 KB) of v1-rowwise; float16"),
+    (dict(variant="v2-rowwise", head_dim=256, dtype="float32", causal=True),
+     "the largest local arrays and shared memory of v2-rowwise, with its causal mask"),
+    (dict(variant="bwd-kv", head_dim=64, dtype="float32", causal=True),
+     "the backward's largest shared memory (43.3 KB, d = 64 tiles) and 167 registers, causal, dQ by atomics"),
+    (dict(variant="bwd-kv-det", head_dim=64, dtype="float32", causal=False),
+     "the deterministic K/V pass at its most registers (168) and largest shared memory"),
+    (dict(variant="bwd-q-dq", head_dim=64, dtype="float32", causal=True),
+     "the dQ-only pass of deterministic=True at its most registers (128) and largest shared memory, causal"),
+    (dict(variant="bwd-q", head_dim=256, dtype="float32", causal=True),
+     "255 registers, the hardware's cap, with no spill: where a spill shows first"),
+]
+
+# Compiles the given configurations in processes of their own, printing one progress line per configuration
+# on stderr as profile.main does for the whole table, and writes their profiles as JSON.
+SUBSET_SCRIPT = r"""
+import concurrent.futures, json, os, sys, time
+from fa_numba import profile
+
+configs, path = json.loads(sys.argv[1]), sys.argv[2]
+start = time.perf_counter()
+with concurrent.futures.ProcessPoolExecutor(max(1, min(len(configs), os.cpu_count() or 1))) as pool:
+    futures = [pool.submit(profile.profile_configuration, cfg) for cfg in configs]
+    profiles = []
+    for index, (cfg, future) in enumerate(zip(configs, futures), 1):
+        profiles.append(future.result().as_dict())
+        print(f"[{index}/{len(configs)}] {cfg['variant']} d={cfg['head_dim']} {cfg['dtype']} "
+              f"causal={cfg['causal']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+with open(path, "w") as fh:
+    json.dump({"profiles": profiles}, fh)
+"""
+
+
+def _representative_configurations():
+    """The configurations of profile.configurations() that REPRESENTATIVES name, in REPRESENTATIVES' order."""
+    configs = list(profile.configurations())
+    chosen = []
+    for wanted, _ in REPRESENTATIVES:
+        matches = [c for c in configs if all(c.get(k) == v for k, v in wanted.items())]
+        assert matches, f"no shipped configuration is {wanted}: update REPRESENTATIVES"
+        chosen.append(matches[0])
+    return chosen
+
+
+def _say(pytestconfig, line):
+    """Write a line to the terminal past pytest's output capture, so a long compile is not silent."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
+    with capture.global_and_fixture_disabled():
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            sys.stderr.write(line + "\n")
+
+
+def _compile(pytestconfig, argv, timeout):
+    """Run `python argv...` with the real numba.cuda, echo its progress lines (stderr) to the terminal as they
+    come, and return (exit code, stdout, stderr)."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, *argv], env=REAL_CUDA, stdout=out, stderr=subprocess.PIPE,
+                                text=True, cwd=HERE.parent)
+        timer = threading.Timer(timeout, proc.kill)  # a hung compile fails the test instead of the whole run
+        timer.start()
+        errors = []
+        try:
+            for line in proc.stderr:
+                errors.append(line)
+                if line.startswith("["):  # "[i/N] variant d=... (s)": one per configuration compiled
+                    # the first starts a line of its own: pytest's row of dots has no newline yet
+                    _say(pytestconfig, ("\n" if line.startswith("[1/") else "") + f"sm_90a profile {line.rstrip()}")
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        out.seek(0)
+        return code, out.read(), "".join(errors)
+
+
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
+def representatives(tmp_path_factory, pytestconfig):
+    path = tmp_path_factory.mktemp("profile") / "representatives.json"
+    configs = _representative_configurations()
+    code, _, errors = _compile(pytestconfig, ["-c", SUBSET_SCRIPT, json.dumps(configs), str(path)], timeout=900)
+    assert code == 0, errors[-4000:]
+    return configs, json.loads(path.read_text())["profiles"]
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, pytestconfig):
     path = tmp_path_factory.mktemp("profile") / "profile.json"
-    done = subprocess.run([sys.executable, "-m", "fa_numba.profile", "--json", str(path)], env=REAL_CUDA,
-                          capture_output=True, text=True, timeout=900, cwd=HERE.parent)
-    assert done.returncode == 0, done.stderr[-4000:]
-    sys.stderr.write(done.stdout)  # the table, shown with -s or on failure
+    code, table, errors = _compile(pytestconfig, ["-m", "fa_numba.profile", "--json", str(path)], timeout=3600)
+    assert code == 0, errors[-4000:]
+    sys.stderr.write(table)  # the table, shown with -s or on failure
     return json.loads(path.read_text())
 
 
+def _assert_sound(profiles):
+    """What every compiled configuration must show: registers read back, no spills, no float64 instruction,
+    shared memory within the static budget, a positive occupancy and hot loops found."""
+    assert profiles
+    for p in profiles:
+        c = p["config"]
+        label = f"{c['variant']} d={c['head_dim']} {c['dtype']} causal={c['causal']}"
+        assert p["registers"] is not None and 0 < p["registers"] <= 255, label
+        assert p["spill_stores"] == 0 and p["spill_loads"] == 0, label
+        assert p["float64"] == [], label
+        assert 0 < p["smem"] <= SHARED_BYTES_LIMIT, label
+        assert p["occupancy"]["warps_per_sm"] > 0 and p["hot_loops"], label
+
+
+def test_the_representatives_cover_every_kernel_and_setting():
+    """One representative per registered kernel, each a real configuration, together taking every value each
+    setting (head dim, dtype, causal, and any setting a configuration gains later) takes in the whole table."""
+    chosen = _representative_configurations()
+    assert [c["variant"] for c in chosen] == profile.kernel_names(), \
+        "REPRESENTATIVES needs one configuration (and its reason) per registered kernel, in registry order"
+    assert all(reason for _, reason in REPRESENTATIVES)
+    configs = list(profile.configurations())
+    for key in configs[0]:
+        if key in ("variant", "block_q", "block_k"):  # the kernels are covered above; tiles follow the head dim
+            continue
+        assert {c[key] for c in chosen} == {c[key] for c in configs}, f"no representative has every {key}"
+
+
+@NEEDS_NVDISASM
+def test_representative_configurations_compile_without_spills_or_float64(representatives):
+    configs, profiles = representatives
+    assert [{k: p["config"][k] for k in configs[0]} for p in profiles] == configs
+    _assert_sound(profiles)
+
+
+@pytest.mark.slow
 @NEEDS_NVDISASM
 def test_every_shipped_configuration_is_profiled(shipped):
     configs = list(profile.configurations())
@@ -183,16 +322,10 @@ def test_every_shipped_configuration_is_profiled(shipped):
     assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs
 
 
+@pytest.mark.slow
 @NEEDS_NVDISASM
 def test_no_spills_no_float64_and_shared_memory_within_budget(shipped):
-    for p in shipped["profiles"]:
-        c = p["config"]
-        label = f"{c['variant']} d={c['head_dim']} {c['dtype']} causal={c['causal']}"
-        assert p["registers"] is not None and 0 < p["registers"] <= 255, label
-        assert p["spill_stores"] == 0 and p["spill_loads"] == 0, label
-        assert p["float64"] == [], label
-        assert 0 < p["smem"] <= SHARED_BYTES_LIMIT, label
-        assert p["occupancy"]["warps_per_sm"] > 0 and p["hot_loops"], label
+    _assert_sound(shipped["profiles"])
 
 
 def test_cli_forwards_profile_and_names_bad_arguments(capsys):
