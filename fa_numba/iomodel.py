@@ -20,9 +20,12 @@ Causal masking (causal=True, or a mask whose kernel form is "causal") has them i
     every key tile)
 
 Without masking (or with skip=False: every tile visited) R = T_c N_q, K = T_r N_k, Q_vis = N_q, K_vis = N_k.
-Any other mask (`mask=`, a `fa_numba.masks` mask) sums its `tiling.block_mask` lists, O(T_r T_c):
+Any other mask (`mask=`, a `fa_numba.masks` mask) sums the lengths of its `tiling.block_mask` lists:
 R = sum_i r_i n_i and Q_vis = sum_{i: n_i > 0} r_i with n_i the length of query tile i's list (row_ptr),
-K = sum_j c_j m_j and K_vis = sum_{j: m_j > 0} c_j with m_j that of key tile j's list (col_ptr). Then
+K = sum_j c_j m_j and K_vis = sum_{j: m_j > 0} c_j with m_j that of key tile j's list (col_ptr). The
+lengths come from `tile_counts.count`, which reads them off the mask's row intervals in O(N_q log N_q)
+(window, prefix, documents; equal to the lists' lengths, tests/test_analytic_scale.py) and classifies tile
+by tile, O(T_r T_c), only a mask without intervals (from_function, from_dense). Then
 
     v2:  Q read Q_vis d;  K, V read K d;  O written N_q d;  LSE written N_q.
     v1:  O, l, m initialised (written N_q d, N_q, N_q);  K, V read K_vis d;  Q read R d;
@@ -62,25 +65,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fa_numba import shapes, tiling
+from fa_numba import shapes, tile_counts
 from fa_numba.tiled import BACKWARD_TENSORS, Ledger
 from fa_numba.tiling import Grid, check_backward_order, check_order
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def _tile_sizes(grid: Grid) -> tuple[np.ndarray, np.ndarray]:
+    """r_i (T_r,) and c_j (T_c,) int64: the rows of each query tile and the columns of each key tile."""
+    rows = np.full(grid.t_r, grid.block_q, dtype=np.int64)
+    rows[-1] = grid.n_q - (grid.t_r - 1) * grid.block_q  # the ragged last tile
+    cols = np.full(grid.t_c, grid.block_k, dtype=np.int64)
+    cols[-1] = grid.n_k - (grid.t_c - 1) * grid.block_k
+    return rows, cols
 
 
-def _keys_seen(grid: Grid, i: int) -> int:
-    """K_i: keys (a prefix) that query tile i reads under causal masking."""
-    last_tile = grid.last_visible_tile(i, True)
-    return min(grid.n_k, (last_tile + 1) * grid.block_k)
+def _keys_seen(grid: Grid) -> np.ndarray:
+    """K_i (T_r,): keys (a prefix) that query tile i reads under causal masking (0 when J_i = -1)."""
+    r1 = np.minimum((np.arange(grid.t_r, dtype=np.int64) + 1) * grid.block_q, grid.n_q)
+    last_tile = np.clip((r1 - 1 + grid.delta) // grid.block_k, -1, grid.t_c - 1)  # J_i (floor: -1 if negative)
+    return np.minimum(grid.n_k, (last_tile + 1) * grid.block_k)
 
 
-def _rows_visiting(grid: Grid, j: int) -> int:
-    """R_j: query rows (a suffix) whose tiles visit key tile j under causal masking."""
-    c0, _ = grid.cols(j)
-    first_tile = min(max(_ceil_div(c0 + 1 - grid.delta, grid.block_q) - 1, 0), grid.t_r - 1)
+def _rows_visiting(grid: Grid) -> np.ndarray:
+    """R_j (T_c,): query rows (a suffix) whose tiles visit key tile j under causal masking."""
+    c0 = np.arange(grid.t_c, dtype=np.int64) * grid.block_k
+    first_tile = np.clip(-(-(c0 + 1 - grid.delta) // grid.block_q) - 1, 0, grid.t_r - 1)  # I_j
     return grid.n_q - first_tile * grid.block_q
 
 
@@ -99,7 +108,9 @@ def visits(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False,
            skip: bool = True) -> Visits:
     """R, K, Q_vis and K_vis of the schedules of `tiling.schedule(..., causal, skip, mask)`: in closed form
     without masking (or skip=False) and for causal masking (causal=True or a mask of kernel form "causal"),
-    summed over `tiling.block_mask`'s lists for any other mask."""
+    summed over the lengths of the block-mask lists for any other mask (`tile_counts.count`: from the
+    mask's row intervals, O(N_q log N_q), or tile by tile for a mask without them). O(T_r + T_c) arrays,
+    no Python loop over tiles, so it answers for N = 10^6."""
     grid = Grid(n_q, n_k, block_q, block_k)
     causal, mask = shapes.check_mask(causal, mask)
     if mask is not None:
@@ -108,14 +119,12 @@ def visits(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False,
             causal, mask = True, None
     if not skip or (mask is None and not causal):
         return Visits(grid.t_c * n_q, grid.t_r * n_k, n_q, n_k)
-    rows = np.array([r1 - r0 for r0, r1 in map(grid.rows, range(grid.t_r))], dtype=np.int64)  # r_i
-    cols = np.array([c1 - c0 for c0, c1 in map(grid.cols, range(grid.t_c))], dtype=np.int64)  # c_j
+    rows, cols = _tile_sizes(grid)  # r_i, c_j
     if mask is None:  # causal: the closed forms of L5
-        keys = [_keys_seen(grid, i) for i in range(grid.t_r)]
-        return Visits(sum(_rows_visiting(grid, j) for j in range(grid.t_c)), sum(keys),
-                      int(sum(r for r, k in zip(rows, keys) if k)), n_k)
-    blocks = tiling.block_mask(n_q, n_k, block_q, block_k, mask)
-    per_row, per_col = np.diff(blocks.row_ptr), np.diff(blocks.col_ptr)  # n_i, m_j: the lists' lengths
+        keys = _keys_seen(grid)
+        return Visits(int(_rows_visiting(grid).sum()), int(keys.sum()), int(rows[keys > 0].sum()), n_k)
+    counts = tile_counts.count(n_q, n_k, block_q, block_k, mask=mask)
+    per_row, per_col = counts.per_row, counts.per_col  # n_i, m_j: the lists' lengths
     return Visits(int(rows @ per_row), int(cols @ per_col), int(rows[per_row > 0].sum()),
                   int(cols[per_col > 0].sum()))
 
