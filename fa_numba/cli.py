@@ -6,7 +6,8 @@ sweep:   compare over a list of sizes (and head dims, causal on/off, or one --ma
          stderr, CSV/JSON, and optional plots (matplotlib, the `plot` extra): HBM bytes vs N and the tile
          map of the mask swept (causal without one).
 profile: the static profile of every kernel from its sm_90 SASS, compiled on the CPU (fa_numba.profile).
-Exit codes: 0 all checks passed, 1 a variant failed its check, 2 bad arguments (with usage).
+Exit codes: 0 all checks passed, 1 a variant failed its check, 2 bad arguments (with usage, one line naming
+the option, no traceback; output paths are checked before anything runs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import argparse
 import csv
 import importlib.util
 import json
+import os
 import sys
+
+import numpy as np
 
 from fa_numba import backend, iomodel, masks, tiling
 from fa_numba import compare as cmp
@@ -23,6 +27,11 @@ from fa_numba.kernels import VARIANTS
 
 GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None)
 SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=None, block_k=None)  # tiles: compare.Shape
+INT32_MAX = 2**31 - 1
+DTYPES = ["float32", "float16", "bfloat16"]  # bfloat16: ml_dtypes arrays (compare.input_dtype)
+# The sweep table's S MiB column, explained under the table and in `sweep --help`
+SCORES_NOTE = ("S MiB: the B H N_q N_k float32 scores S = scale Q K^T that a dense (unfused) attention writes to "
+               "HBM, and P as much again; these kernels never store them")
 
 
 def _positive(text: str) -> int:
@@ -32,6 +41,9 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > INT32_MAX:  # sizes, tiles and positions are int32 in the kernels (as masks.py bounds its ints)
+        raise argparse.ArgumentTypeError(f"expected a positive integer <= {INT32_MAX} (the kernels index in int32), "
+                                         f"got {value}")
     return value
 
 
@@ -50,11 +62,24 @@ def _variants(text: str) -> list[str]:
     return names
 
 
+def _seed(text: str) -> int:
+    """A seed numpy's default_rng takes (an int >= 0), refused here rather than after the tables are drawn."""
+    try:
+        value = int(text)
+        np.random.default_rng(value)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer (a numpy default_rng seed), got {text!r}") \
+            from None
+    return value
+
+
 def _mask_spec(text: str) -> str:
     """A mask as masks.parse reads it, returned as its spec (one spelling: "window:inf,0" is "causal")."""
+    # masks.parse refuses bad syntax and integers the kernels' int32 positions cannot hold (ValueError); the
+    # others are caught too, so that no mask text ever ends in a traceback
     try:
         return masks.parse(text).spec()
-    except ValueError as err:
+    except (ValueError, TypeError, OverflowError) as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
@@ -63,27 +88,40 @@ MASK_HELP = (f"a block mask, one of {masks.SYNTAX}; its SKIP tiles are never loa
 
 
 def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
+    # every help states its default: %(default)s where the value reads well, in words where None means "derived"
     defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
-    p.add_argument("--batch", type=_positive, default=defaults["batch"])
-    p.add_argument("--heads", type=_positive, default=defaults["heads"])
-    p.add_argument("--heads-kv", type=_positive, default=None, help="K/V heads (GQA); default: --heads")
+    where = "on a GPU" if backend.name() == "gpu" else "in the simulator"
+    p.add_argument("--batch", type=_positive, default=defaults["batch"],
+                   help=f"batch size B (default {where}: %(default)s)")
+    p.add_argument("--heads", type=_positive, default=defaults["heads"],
+                   help=f"query heads H (default {where}: %(default)s)")
+    p.add_argument("--heads-kv", type=_positive, default=None,
+                   help="K/V heads (GQA), dividing --heads (default: --heads)")
     if not sweep:
-        p.add_argument("--n-q", type=_positive, default=defaults["n_q"])
-        p.add_argument("--n-k", type=_positive, default=None, help="default: --n-q")
-        p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"])
-        p.add_argument("--causal", action="store_true", help="bottom-right causal (the same as --mask causal)")
+        p.add_argument("--n-q", type=_positive, default=defaults["n_q"],
+                       help=f"queries N_q (default {where}: %(default)s)")
+        p.add_argument("--n-k", type=_positive, default=None, help="keys N_k (default: --n-q)")
+        p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"],
+                       help=f"head dim d (default {where}: %(default)s)")
+        p.add_argument("--causal", action="store_true",
+                       help="bottom-right causal, the same as --mask causal (default: off)")
     p.add_argument("--mask", type=_mask_spec, metavar="SPEC",
                    help=MASK_HELP + (" (so one N per documents mask)" if sweep else "") + "; not with --causal"
-                   + (" on/both" if sweep else ""))
-    p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    tiles_help = ("default: by head dim, as fa_numba.attention picks them (kernels.default_tiles); in the "
-                  "simulator 16 for a shape it can run")
-    p.add_argument("--block-q", type=_positive, default=defaults["block_q"], help=tiles_help)
-    p.add_argument("--block-k", type=_positive, default=defaults["block_k"], help=tiles_help)
-    p.add_argument("--orders", type=_variants, default=sorted(VARIANTS), help="kernel variants, e.g. v1,v2")
-    p.add_argument("--repeats", type=_positive, default=20, help="timed calls on a GPU (median reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-count", action="store_true", help="simulator: skip counting the kernels' HBM accesses")
+                   + (" on/both" if sweep else "") + " (default: none)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="input dtype; bfloat16 needs ml_dtypes (default: %(default)s)")
+    tiles_help = ("(default: by head dim, as fa_numba.attention picks them, kernels.default_tiles; in the "
+                  "simulator 16 for a shape it can run)")
+    p.add_argument("--block-q", type=_positive, default=defaults["block_q"], help="query tile B_r " + tiles_help)
+    p.add_argument("--block-k", type=_positive, default=defaults["block_k"], help="key tile B_c " + tiles_help)
+    p.add_argument("--orders", type=_variants, default=sorted(VARIANTS),
+                   help=f"kernel variants, e.g. v1,v2 (default: all, {','.join(sorted(VARIANTS))})")
+    p.add_argument("--repeats", type=_positive, default=20,
+                   help="timed calls on a GPU, median reported (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs, >= 0 (default: %(default)s)")
+    p.add_argument("--no-count", action="store_true",
+                   help="simulator: skip counting the kernels' HBM accesses (default: off, they are counted)")
+
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,20 +129,27 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="every kernel variant on the same inputs, side by side")
     _shape_arguments(c, sweep=False)
-    c.add_argument("--json", metavar="PATH", help="also write every number as JSON")
+    c.add_argument("--json", metavar="PATH", help="also write every number as JSON (default: none)")
     c.add_argument("--backward", action="store_true",
-                   help="the backward variants (kv, kv-deterministic, q) instead of the forward ones")
-    s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots")
+                   help="the backward variants (kv, kv-deterministic, q) instead of the forward ones (default: off)")
+    s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots",
+                       description="compare over a list of sizes: one table row per size and variant. HBM MiB: the "
+                                   "bytes the variant moves (iomodel). " + SCORES_NOTE + ".")
     _shape_arguments(s, sweep=True)
-    s.add_argument("--n", type=_positive_list, required=True, help="sequence lengths N_q = N_k, e.g. 256,512,1024")
-    s.add_argument("--head-dims", type=_positive_list, default=None, help="default: 16 in the simulator, 64 on a GPU")
-    s.add_argument("--causal", choices=["off", "on", "both"], default="off")
-    s.add_argument("--csv", metavar="PATH")
-    s.add_argument("--json", metavar="PATH")
-    s.add_argument("--plot", metavar="PATH", help="HBM bytes vs N (and time vs N on a GPU), PNG or PDF")
+    s.add_argument("--n", type=_positive_list, required=True,
+                   help="sequence lengths N_q = N_k, e.g. 256,512,1024 (required: no default)")
+    s.add_argument("--head-dims", type=_positive_list, default=None,
+                   help="head dims (default: 16 in the simulator, 64 on a GPU)")
+    s.add_argument("--causal", choices=["off", "on", "both"], default="off",
+                   help="unmasked, causal, or both (default: %(default)s)")
+    s.add_argument("--csv", metavar="PATH", help="also write the table's rows as CSV (default: none)")
+    s.add_argument("--json", metavar="PATH", help="also write every number as JSON (default: none)")
+    s.add_argument("--plot", metavar="PATH",
+                   help="HBM bytes vs N (and time vs N on a GPU), PNG or PDF (default: none)")
     s.add_argument("--tile-map", metavar="PATH",
                    help="the SKIP/FULL/PARTIAL tile grid of the first N with >= 8 query tiles (else the largest): "
-                        "of --mask, else causal (also with --causal off, whose every tile is FULL: the title says so)")
+                        "of --mask, else causal (also with --causal off, whose every tile is FULL: the title says "
+                        "so), PNG or PDF (default: none)")
     sub.add_parser("profile", add_help=False,  # listed here; main() hands its arguments to fa_numba.profile
                    help="static profile of every kernel from its sm_90 SASS (no GPU needed; see fa_numba.profile)")
     top.set_defaults(usage_of={"compare": c, "sweep": s})  # errors found after parsing show the subcommand's usage
@@ -260,6 +305,7 @@ def _print_sweep(flat: list[dict]) -> None:
                       str(r["tiles_skipped"]), f"{r['bytes_total'] / 2**20:.2f}", f"{r['scores_bytes'] / 2**20:.2f}",
                       "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"])
     print("\n".join(cmp.align(table)))
+    print(SCORES_NOTE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,11 +318,51 @@ def main(argv: list[str] | None = None) -> int:
     top = args.usage_of[args.command]  # its .error prints the subcommand's usage line and exits with 2
     if args.heads_kv and args.heads % args.heads_kv:
         top.error(f"argument --heads-kv: {args.heads_kv} must divide --heads ({args.heads})")
+    if args.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+        top.error("argument --dtype: bfloat16 needs ml_dtypes (NumPy has no bfloat16): pip install ml_dtypes")
+    figures = [] if args.command == "compare" else [name for name in ("plot", "tile_map") if getattr(args, name)]
+    if figures and importlib.util.find_spec("matplotlib") is None:
+        top.error(f"argument {_option(figures[0])}: --plot and --tile-map need matplotlib: "
+                  "pip install 'fa_numba[plot]'")
+    for name in ["json"] if args.command == "compare" else ["csv", "json", "plot", "tile_map"]:
+        # before the run: a long sweep must never run and then fail to write
+        _check_output(top, _option(name), getattr(args, name), figure=name in figures)
     if args.command == "compare":
         return _run_compare(args, top)
-    if (args.plot or args.tile_map) and importlib.util.find_spec("matplotlib") is None:
-        top.error("--plot and --tile-map need matplotlib: pip install 'fa_numba[plot]'")
     return _run_sweep(args, top)
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_output(top, option: str, path: str | None, figure: bool) -> None:
+    """A usage error naming option unless path can be written: not a directory, in a directory that exists,
+    writable (opened for appending, so that an existing file is not truncated; a file the check created is
+    removed again), and for a figure in a format matplotlib saves."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        top.error(f"argument {option}: {path} is a directory, expected a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        top.error(f"argument {option}: directory {parent} does not exist (for {path})")
+    if figure:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        ext = os.path.splitext(path)[1][1:].lower()
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if ext and ext not in formats:  # no extension: matplotlib saves its default format (PNG)
+            top.error(f"argument {option}: matplotlib cannot save format {ext!r} ({path}); it saves "
+                      f"{', '.join(sorted(formats))}")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        top.error(f"argument {option}: cannot write {path}: {err.strerror or err}")
+    if not existed:
+        os.remove(path)
 
 
 if __name__ == "__main__":

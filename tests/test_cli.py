@@ -1,13 +1,17 @@
 """`python -m fa_numba compare | sweep` on tiny shapes: table, JSON consistent with iomodel, usage errors."""
 
+import argparse
 import csv
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from fa_numba import cli, iomodel
+from fa_numba import cli, iomodel, reference
 from fa_numba.kernels import VARIANTS
 from fa_numba import compare as cmp
 
@@ -140,7 +144,11 @@ def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):
     assert len(json.loads(paths["json"].read_text())["results"]) == 4
     for png in (plot, tile_map):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    assert "[4/4] N=24 d=4 causal=True" in capsys.readouterr().err  # progress on stderr
+    captured = capsys.readouterr()
+    assert "[4/4] N=24 d=4 causal=True" in captured.err  # progress on stderr
+    # the table's S MiB column is explained under it: the N_q x N_k float32 scores a dense attention stores
+    (note,) = [line for line in captured.out.splitlines() if line.startswith("S MiB:")]
+    assert "N_q N_k" in note and "float32" in note and "dense" in note
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -197,3 +205,218 @@ def test_backward_argument_errors_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 20, item 10: user errors exit 2 with the subcommand's usage and a one-line message naming the option,
+# never a traceback, and output paths are checked before anything runs.
+
+SWEEP_TINY = ["--n", "16", "--head-dims", "4", "--block-q", "8", "--block-k", "8", "--orders", "v2", "--no-count"]
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run argv, which must be refused as a usage error: exit 2, the subcommand's usage, no traceback, and the
+    message on one line (argparse's `prog: error: ...`, the last line of stderr). Returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert "Traceback" not in captured.err + captured.out
+    assert captured.err.startswith("usage: fa_numba ")
+    last = captured.err.rstrip("\n").splitlines()[-1]
+    assert last.startswith(f"fa_numba {argv[0]}: error: argument ")
+    return last
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """compare.run / run_backward fail the test if called: the errors below must come before any run."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the command ran before refusing its arguments")
+
+    monkeypatch.setattr(cmp, "run", refuse)
+    monkeypatch.setattr(cmp, "run_backward", refuse)
+
+
+OUTPUTS = [("compare", [*TINY], "--json", "out.json"), ("sweep", SWEEP_TINY, "--json", "out.json"),
+           ("sweep", SWEEP_TINY, "--csv", "out.csv"), ("sweep", SWEEP_TINY, "--plot", "out.png"),
+           ("sweep", SWEEP_TINY, "--tile-map", "out.png")]
+
+
+@pytest.mark.parametrize("command, flags, option, name", OUTPUTS)
+def test_an_output_into_a_missing_directory_is_refused_before_the_run(command, flags, option, name, tmp_path,
+                                                                      capsys, no_run):
+    if option in ("--plot", "--tile-map"):
+        pytest.importorskip("matplotlib", reason="--plot and --tile-map need the optional 'plot' extra")
+    path = tmp_path / "missing" / name
+    line = _usage_error([command, *flags, option, str(path)], capsys)
+    assert f"argument {option}: " in line and "does not exist" in line and str(path.parent) in line
+    assert not path.parent.exists()
+
+
+@pytest.mark.parametrize("command, flags, option, name", OUTPUTS)
+def test_an_output_that_is_a_directory_is_refused_before_the_run(command, flags, option, name, tmp_path, capsys,
+                                                                  no_run):
+    if option in ("--plot", "--tile-map"):
+        pytest.importorskip("matplotlib", reason="--plot and --tile-map need the optional 'plot' extra")
+    line = _usage_error([command, *flags, option, str(tmp_path)], capsys)
+    assert f"argument {option}: {tmp_path} is a directory" in line
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root writes a file whatever its mode (the /proc case below covers root)")
+@pytest.mark.parametrize("command, flags, option, name", OUTPUTS)
+def test_a_read_only_output_file_is_refused_before_the_run(command, flags, option, name, tmp_path, capsys, no_run):
+    if option in ("--plot", "--tile-map"):
+        pytest.importorskip("matplotlib", reason="--plot and --tile-map need the optional 'plot' extra")
+    path = tmp_path / name
+    path.write_text("keep me")
+    path.chmod(0o444)
+    line = _usage_error([command, *flags, option, str(path)], capsys)
+    assert f"argument {option}: cannot write {path}" in line
+    assert path.read_text() == "keep me"  # the check never truncates
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/version"), reason="needs Linux /proc (a file nobody may write)")
+@pytest.mark.parametrize("command, flags, option", [(c, f, o) for c, f, o, _ in OUTPUTS])
+def test_an_unwritable_output_file_is_refused_before_the_run(command, flags, option, capsys, no_run):
+    if option in ("--plot", "--tile-map"):
+        pytest.importorskip("matplotlib", reason="--plot and --tile-map need the optional 'plot' extra")
+    line = _usage_error([command, *flags, option, "/proc/version"], capsys)
+    assert f"argument {option}: cannot write /proc/version" in line
+
+
+@pytest.mark.parametrize("option", ["--plot", "--tile-map"])
+def test_a_plot_format_matplotlib_cannot_save_is_refused_before_the_run(option, tmp_path, capsys, no_run):
+    pytest.importorskip("matplotlib", reason="--plot and --tile-map need the optional 'plot' extra")
+    line = _usage_error(["sweep", *SWEEP_TINY, option, str(tmp_path / "out.xyz")], capsys)
+    assert f"argument {option}: " in line and "'xyz'" in line and "png" in line
+    assert not (tmp_path / "out.xyz").exists()  # the check leaves no file behind
+
+
+def test_the_output_check_leaves_no_file_and_keeps_an_existing_one(tmp_path, capsys):
+    """The check opens the path without truncating: an existing file is only replaced by the real write, and
+    a refused command (here --seed) leaves no empty file behind."""
+    new = tmp_path / "new.json"
+    _usage_error(["compare", *TINY, "--json", str(new), "--seed", "-1"], capsys)
+    assert not new.exists()
+
+
+@pytest.mark.parametrize("command, flags", [("compare", TINY), ("sweep", SWEEP_TINY)])
+@pytest.mark.parametrize("seed", ["-1", "-99999999999999999999"])
+def test_a_seed_numpy_refuses_is_a_usage_error(command, flags, seed, capsys, no_run):
+    with pytest.raises(ValueError):  # the premise: numpy's default_rng refuses it
+        np.random.default_rng(int(seed))
+    line = _usage_error([command, *flags, "--seed", seed], capsys)
+    assert "argument --seed: expected a non-negative integer" in line and seed in line
+
+
+HUGE = "99999999999999999999"  # > 2**64: no int32 (nor int64) index holds it
+
+
+@pytest.mark.parametrize("command, flags", [("compare", TINY), ("sweep", SWEEP_TINY)])
+@pytest.mark.parametrize("spec", [f"window:{HUGE},0", f"window:0,{HUGE}", f"prefix:{HUGE}", f"documents:{HUGE}",
+                                  f"documents:8,{HUGE}", f"documents-causal:{HUGE},8", "window:2147483648,0",
+                                  "prefix:2147483648"])
+def test_mask_integers_beyond_int32_are_a_usage_error_naming_the_limit(command, flags, spec, capsys, no_run):
+    """The kernels index in int32: masks.parse refuses integers > 2**31 - 1 and the CLI turns that into a
+    usage error naming --mask and the limit (before, 99999999999999999999 crashed deep in NumPy)."""
+    line = _usage_error([command, *flags, "--mask", spec], capsys)
+    assert "argument --mask: " in line and ("2147483647" in line or "2**31" in line)
+
+
+@pytest.mark.parametrize("argv", [["compare", "--n-q", HUGE], ["compare", "--n-k", HUGE], ["compare", "--batch", HUGE],
+                                  ["compare", "--heads", "2147483648"], ["sweep", "--n", f"16,{HUGE}"]])
+def test_sizes_beyond_int32_are_a_usage_error_naming_the_limit(argv, capsys, no_run):
+    """Before, --n-q 99999999999999999999 ended in NumPy's 'Maximum allowed dimension exceeded' traceback."""
+    line = _usage_error(argv, capsys)
+    assert f"argument {argv[1]}: expected a positive integer <= 2147483647" in line
+
+
+@pytest.mark.parametrize("error", [ValueError("mask 'x': too large"), TypeError("mask 'x': not an int"),
+                                   OverflowError("Python int too large to convert to C long")])
+def test_every_error_masks_parse_raises_is_a_usage_error(error, monkeypatch, capsys, no_run):
+    def parse(text):
+        raise error
+
+    monkeypatch.setattr(cli.masks, "parse", parse)
+    line = _usage_error(["compare", *TINY, "--mask", "window:4,0"], capsys)
+    assert line.endswith(f"argument --mask: {error}")
+
+
+def test_compare_takes_bfloat16_and_judges_it_by_the_reference_rule(tmp_path, capsys):
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 NumPy arrays need ml_dtypes (the test extra)")
+    path = tmp_path / "bf16.json"
+    assert cli.main(["compare", *TINY, "--causal", "--dtype", "bfloat16", "--json", str(path)]) == 0
+    assert "dtype=bfloat16" in capsys.readouterr().out
+    result = json.loads(path.read_text())
+    assert result["shape"]["dtype"] == "bfloat16" and result["ran"]
+    # the inputs compare makes: bfloat16 (rounded from the same float64 draws as float32 and float16 are)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, n, 4)).astype(ml_dtypes.bfloat16) for n in (20, 28, 28))
+    made = cmp.inputs(cmp.Shape(**{**result["shape"], "tiles": None}).resolved())
+    for mine, theirs in zip((q, k, v), made):
+        assert theirs.dtype == np.dtype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(mine.view(np.uint16), theirs.view(np.uint16))
+    # the reference's rule on the exact float32 values of those inputs, as for float16 (the widening is exact)
+    base = reference.baseline(*(x.astype(np.float32) for x in (q, k, v)), causal=True, block_q=8, block_k=8)
+    for row in result["rows"]:
+        assert row["passed"]
+        assert (row["atol_out"], row["atol_lse"]) == base.tolerances(row["order"])
+        assert row["err_out"] <= row["atol_out"]
+        model = iomodel.traffic(row["order"], 20, 28, 4, 8, 8, True, heads=2)
+        assert row["bytes_model"] == iomodel.to_bytes(model, 2)  # 2 bytes per input element
+        if result["machine"]["backend"] == "simulator":
+            assert row["bytes_counted"] == row["bytes_model"]
+
+
+def test_sweep_takes_bfloat16(tmp_path):
+    pytest.importorskip("ml_dtypes", reason="bfloat16 NumPy arrays need ml_dtypes (the test extra)")
+    path = tmp_path / "bf16.csv"
+    assert cli.main(["sweep", *SWEEP_TINY, "--dtype", "bfloat16", "--causal", "on", "--csv", str(path)]) == 0
+    (row,) = list(csv.DictReader(path.open()))
+    assert row["passed"] == "True"
+    model = iomodel.traffic("v2", 16, 16, 4, 8, 8, True, heads=2)
+    assert int(row["bytes_total"]) == iomodel.total_bytes(model, 2)
+
+
+def test_bfloat16_without_ml_dtypes_is_a_usage_error(monkeypatch, capsys, no_run):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ml_dtypes" else real(name, *a))
+    line = _usage_error(["compare", *TINY, "--dtype", "bfloat16"], capsys)
+    assert "argument --dtype: bfloat16 needs ml_dtypes" in line
+
+
+@pytest.mark.parametrize("option", ["--plot", "--tile-map"])
+def test_a_plot_without_matplotlib_is_a_usage_error_naming_the_option(option, tmp_path, monkeypatch, capsys, no_run):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    line = _usage_error(["sweep", *SWEEP_TINY, option, str(tmp_path / "out.png")], capsys)
+    assert f"argument {option}: --plot and --tile-map need matplotlib" in line
+
+
+def _subparsers() -> dict:
+    top = cli.parser()
+    (action,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: action.choices[name] for name in ("compare", "sweep")}
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep"])
+def test_every_option_states_its_default(command):
+    sub = _subparsers()[command]
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 15
+    for action in options:
+        assert action.help and "default" in action.help, f"{action.option_strings[0]} does not state its default"
+    text = sub.format_help()
+    for rendered in ("default: 20)", "default: 0)", "default: float32)"):  # --repeats, --seed, --dtype
+        assert rendered in " ".join(text.split())
+
+
+def test_sweep_help_states_the_causal_default_and_explains_the_columns(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["sweep", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: off)" in text
+    assert "S MiB" in text and "N_q N_k" in text and "dense" in text
