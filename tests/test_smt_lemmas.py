@@ -7,13 +7,16 @@ an encoding that proves everything would fail here.
 
 What is proved, for all N_q, N_k >= 1 and every tile (any 0 <= r0 < r1 <= N_q, 0 <= c0 < c1 <= N_k):
 - L3.1: `tiling.causal_kind` is sound and complete for bottom-right causal masking;
-- L8.2: `SlidingWindow.classify_tile` (any left, right >= 0, or None) and `PrefixLM.classify_tile` (any
-  prefix >= 0) are sound and complete for their predicates;
+- L8.2: `SlidingWindow.classify_tile` (any left, right >= 0, or None), `PrefixLM.classify_tile` (any
+  prefix >= 0) and `Documents.classify_tile` (1 to 4 documents of any lengths, causal or not) are sound
+  and complete for their predicates;
 - L3.2 / L5: the kernels' and iomodel's loop bounds: the query tiles that visit key tile j are exactly
   i >= I_j (the v1 and backward-kv start, iomodel's I_j), the key tiles query tile i visits exactly
   j < J_i + 1 (the v2 and backward-q stop), for tile sizes 1 to 256 and any N.
-Still only sampled (Hypothesis): documents' classification (np.searchsorted over the starts), the row
-intervals (NumPy code), from_function / from_dense, the traffic sums beyond the visit sets above.
+Still only sampled (Hypothesis): documents with more than 4 documents, the row intervals (NumPy code over
+arrays), from_function / from_dense (evaluated by definition), the traffic sums beyond the visit sets above,
+and the kernels' index arithmetic in machine integers (not encoded here; masks refuse parameters past
+2^31 - 1 when made, a constructor check that is tested, not proved).
 """
 
 import pathlib
@@ -139,6 +142,64 @@ def test_prefix_lm_classify_tile_is_sound_and_complete_for_every_size():
     assert refuted_classifier(classify, visible, [prefix >= 0], variables) is None
     wrong = lambda **kw: classify(shift=1, **kw)  # noqa: E731 (a prefix one key longer)
     assert refuted_classifier(wrong, visible, [prefix >= 0], variables) is not None
+
+
+class _Starts:
+    """documents' starts s_0 = 0 < s_1 < ... < s_D as symbolic terms, indexable by a symbolic document."""
+
+    def __init__(self, terms, path):
+        self.terms, self.path = terms, path
+
+    def __getitem__(self, t):
+        t = t.term if isinstance(t, Sym) else t
+        value = self.terms[-1]
+        for index in reversed(range(len(self.terms) - 1)):
+            value = z3.If(t == index, self.terms[index], value)
+        return Sym(value, self.path)
+
+    def doc(self, x):
+        """The t with s_t <= x < s_(t+1) (what np.searchsorted(starts, x, side="right") - 1 gives)."""
+        x = x.term if isinstance(x, Sym) else x
+        value = len(self.terms) - 2
+        for index in reversed(range(len(self.terms) - 2)):
+            value = z3.If(x < self.terms[index + 1], index, value)
+        return Sym(value, self.path)
+
+
+@pytest.mark.lemma("L8")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_documents_classify_tile_is_sound_and_complete_for_any_lengths(count, causal):
+    """`Documents.classify_tile` run symbolically with `count` documents of any lengths >= 1 (their starts
+    and doc() modelled as z3 terms: the np.searchsorted it calls is the one primitive replaced)."""
+    lengths = z3.Ints(" ".join(f"length{t}" for t in range(count)))
+    terms = [z3.IntVal(0)]
+    for length in lengths:
+        terms.append(terms[-1] + length)
+    sizes = [length >= 1 for length in lengths] + [n_q == terms[-1], n_k == terms[-1]]
+
+    def doc_term(x):
+        value = count - 1
+        for index in reversed(range(count - 1)):
+            value = z3.If(x < terms[index + 1], index, value)
+        return value
+
+    def visible(a, b):  # masks' table: doc(i) = doc(j), and j <= i with causal
+        same = doc_term(a) == doc_term(b)
+        return z3.And(same, b <= a) if causal else same
+
+    def classify(path, r0, r1, c0, c1, n_q, n_k, early=False):
+        starts = _Starts(terms, path)
+        mask = _with_fields(masks.Documents, lengths=tuple(range(count)), causal=causal, starts=starts,
+                            doc=starts.doc)
+        if early:  # a plausible slip: the tile's last row taken as r1 (one past it)
+            r1 = r1 + 1
+        return mask.classify_tile(r0, r1, c0, c1, n_q, n_k)
+
+    assert refuted_classifier(classify, visible, sizes) is None
+    if count > 1:
+        wrong = lambda **kw: classify(early=True, **kw)  # noqa: E731
+        assert refuted_classifier(wrong, visible, sizes) is not None
 
 
 # -- L3.2 and L5: the loop bounds the kernels and iomodel compute -----------------------------------------
