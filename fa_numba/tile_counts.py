@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_numba import shapes, tiling
-from fa_numba.tiling import FULL, SKIP, Grid
+from fa_numba.tiling import FULL, PARTIAL, SKIP, Grid
 
 # Beyond this many tiles, a mask without row intervals (one predicate evaluation per tile, ~20 us each) would
 # keep the host busy for minutes: refuse, and say what would work.
@@ -76,17 +76,43 @@ def count(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False, 
     causal, mask = shapes.check_mask(causal, mask)
     if mask is not None:
         mask.check(n_q, n_k)
-    try:
-        hash(mask)
-    except TypeError:  # a duck-typed mask that cannot key the cache: compute without it
-        return _count(grid, causal, mask)
-    return _cached(grid, causal, mask)
+    spec = getattr(mask, "spec", None)
+    if mask is None or (callable(spec) and spec() is not None):
+        return _cached(grid, causal, mask)
+    # from_function / from_dense / duck-typed masks: never served from the cache, since a predicate may read
+    # state that changed since the last call (kernels.common.kernel_mask refuses them for the same reason)
+    return _count(grid, causal, mask)
 
 
 @functools.lru_cache(maxsize=16)
 def _cached(grid: Grid, causal: bool, mask) -> TileCounts:
-    # compare asks for the same counts once per variant and again through iomodel: compute them once
+    # compare asks for the same counts once per variant and again through iomodel: compute them once. Only
+    # masks that are their text (a spec: the built-ins) key it, so a cached answer is never stale.
     return _count(grid, causal, mask)
+
+
+def kinds(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False, mask=None) -> np.ndarray | None:
+    """`tiling.classify`'s (T_r, T_c) int8 kinds built from the row intervals with whole-array operations
+    (`tiling.block_mask` uses it: a kernel launch at N = 10^5 needs 4.9e6 tiles classified), or None for
+    a mask without row intervals (classify it tile by tile)."""
+    grid = Grid(n_q, n_k, block_q, block_k)
+    causal, mask = shapes.check_mask(causal, mask)
+    if mask is not None:
+        mask.check(n_q, n_k)
+    intervals = _row_intervals(grid, causal, mask)
+    if intervals is None:
+        return None
+    (group, start, end), (first_full, last_full) = _ranges(grid, *intervals)
+    # +1 over each visited range and +1 more over each FULL range, as steps summed along the row: 0 is SKIP,
+    # 1 PARTIAL, 2 FULL (every FULL tile is visited)
+    steps = np.zeros((grid.t_r, grid.t_c + 1), dtype=np.int8)
+    np.add.at(steps, (group, start), 1)
+    np.add.at(steps, (group, end + 1), -1)
+    has_full = np.flatnonzero(last_full >= first_full)
+    np.add.at(steps, (has_full, first_full[has_full]), 1)
+    np.add.at(steps, (has_full, last_full[has_full] + 1), -1)
+    level = np.cumsum(steps[:, :-1], axis=1, dtype=np.int8)
+    return np.array([SKIP, PARTIAL, FULL], dtype=np.int8)[level]
 
 
 def _count(grid: Grid, causal: bool, mask) -> TileCounts:
@@ -131,20 +157,28 @@ def _from_kinds(grid: Grid, causal: bool, mask) -> TileCounts:
 
 
 def _from_intervals(grid: Grid, lo: np.ndarray, hi: np.ndarray) -> TileCounts:
-    n_k, b_r, b_c, t_r, t_c = grid.n_k, grid.block_q, grid.block_k, grid.t_r, grid.t_c
+    (group, start, end), (first_full, last_full) = _ranges(grid, lo, hi)
+    t_r, t_c = grid.t_r, grid.t_c
+    full = np.maximum(last_full - first_full + 1, 0)
+    per_row = np.bincount(group, weights=end - start + 1, minlength=t_r)  # float64: exact below 2**53
+    per_col = np.cumsum(np.bincount(start, minlength=t_c + 1) - np.bincount(end + 1, minlength=t_c + 1))[:t_c]
+    return TileCounts(grid, _frozen(np.rint(per_row)), _frozen(per_col), _frozen(full))
+
+
+def _ranges(grid: Grid, lo: np.ndarray, hi: np.ndarray):
+    """The visited key tiles as disjoint ranges ((query tile, first, last) arrays) and, per query tile, its
+    FULL key tiles first_full .. last_full (empty when last_full < first_full)."""
+    n_k, b_r, b_c, t_c = grid.n_k, grid.block_q, grid.block_k, grid.t_c
     tile_of_row = np.arange(grid.n_q, dtype=np.int64) // b_r
     first_rows = np.arange(0, grid.n_q, b_r)
     # FULL: the keys every row of the tile sees are [L_i, H_i) (empty rows make it empty: lo = hi there)
     lowest, highest = np.maximum.reduceat(lo, first_rows), np.minimum.reduceat(hi, first_rows)
     first_full = -(-lowest // b_c)  # the first tile with c0 = j B_c >= L_i
     last_full = np.where(highest >= n_k, t_c - 1, highest // b_c - 1)  # the last with c1 <= H_i
-    full = np.maximum(last_full - first_full + 1, 0)
     # not SKIP: the union over the tile's rows that see a key of the key tiles [a_r, b_r] they touch
     sees = lo < hi
-    group, start, end = _merge_ranges(tile_of_row[sees], lo[sees] // b_c, (hi[sees] - 1) // b_c, t_c)
-    per_row = np.bincount(group, weights=end - start + 1, minlength=t_r)  # float64: exact below 2**53
-    per_col = np.cumsum(np.bincount(start, minlength=t_c + 1) - np.bincount(end + 1, minlength=t_c + 1))[:t_c]
-    return TileCounts(grid, _frozen(np.rint(per_row)), _frozen(per_col), _frozen(full))
+    visited = _merge_ranges(tile_of_row[sees], lo[sees] // b_c, (hi[sees] - 1) // b_c, t_c)
+    return visited, (first_full, last_full)
 
 
 def _merge_ranges(group: np.ndarray, a: np.ndarray, b: np.ndarray, t_c: int):
