@@ -19,6 +19,10 @@ closed form. These are the definitions of SKIP and FULL (L8.1) read off the inte
 every mask that has row intervals; tests/test_analytic_scale.py checks them equal to `tiling.classify` on
 many small cases. A mask without row intervals (from_function, from_dense) is classified tile by tile by
 `tiling.classify`, and refused beyond MAX_CLASSIFIED_TILES tiles (minutes of host work).
+
+`kinds` builds the whole (T_r, T_c) kinds array the same way (steps summed along each row), for
+`tiling.block_mask`, the kernels' input. `count` caches its answers for masks that are their text (the
+built-ins); a predicate may read state that changes, so it is counted afresh on every call.
 """
 
 from __future__ import annotations
