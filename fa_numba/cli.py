@@ -16,12 +16,11 @@ import argparse
 import csv
 import importlib.util
 import json
-import os
 import sys
 
 import numpy as np
 
-from fa_numba import backend, iomodel, masks, tiling
+from fa_numba import backend, iomodel, masks, paths, tiling
 from fa_numba import compare as cmp
 from fa_numba.kernels import VARIANTS
 
@@ -337,32 +336,10 @@ def _option(dest: str) -> str:
 
 
 def _check_output(top, option: str, path: str | None, figure: bool) -> None:
-    """A usage error naming option unless path can be written: not a directory, in a directory that exists,
-    writable (opened for appending, so that an existing file is not truncated; a file the check created is
-    removed again), and for a figure in a format matplotlib saves."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        top.error(f"argument {option}: {path} is a directory, expected a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        top.error(f"argument {option}: directory {parent} does not exist (for {path})")
-    if figure:
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        ext = os.path.splitext(path)[1][1:].lower()
-        formats = FigureCanvasBase.get_supported_filetypes()
-        if ext and ext not in formats:  # no extension: matplotlib saves its default format (PNG)
-            top.error(f"argument {option}: matplotlib cannot save format {ext!r} ({path}); it saves "
-                      f"{', '.join(sorted(formats))}")
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as err:
-        top.error(f"argument {option}: cannot write {path}: {err.strerror or err}")
-    if not existed:
-        os.remove(path)
+    """A usage error naming option unless path can be written (fa_numba.paths.unwritable)."""
+    problem = None if path is None else paths.unwritable(path, figure)
+    if problem:
+        top.error(f"argument {option}: {problem}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fa_numba import paths
+
 ARCH = "sm_90a"  # what numba-cuda compiles for on an H100/H200 (compute capability 9.0 + "a")
 
 # ----------------------------------------------------------------------------------------------------
@@ -502,19 +504,39 @@ def _csv(text: str, kind=str) -> list:
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fa_numba profile", description=__doc__.splitlines()[0])
     p.add_argument("--orders", type=_csv, default=None,
                    help="kernels, e.g. v1,v2,bwd-kv (default: every registered forward and backward kernel)")
-    p.add_argument("--head-dims", type=lambda t: _csv(t, int), default=list(SHIPPED_HEAD_DIMS))
-    p.add_argument("--dtypes", type=_csv, default=list(DTYPES), help="float32,float16")
-    p.add_argument("--causal", choices=["off", "on", "both"], default="both")
-    p.add_argument("--arch", default=ARCH, help="sm_90a (what a launch on an H100/H200 uses) or sm_90")
-    p.add_argument("--json", metavar="PATH", help="write every number (loops and opcodes included) as JSON")
-    p.add_argument("--batch", type=int, default=DEFAULT_LAUNCH["batch"], help="launch shape of the bound")
-    p.add_argument("--heads", type=int, default=DEFAULT_LAUNCH["heads"])
-    p.add_argument("--n", type=int, default=DEFAULT_LAUNCH["n"], help="N_q of the launch shape of the bound")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile in this many processes")
+    p.add_argument("--head-dims", type=lambda t: _csv(t, int), default=list(SHIPPED_HEAD_DIMS),
+                   help=f"comma list of head dims (default: the shipped ones, "
+                        f"{','.join(map(str, SHIPPED_HEAD_DIMS))})")
+    p.add_argument("--dtypes", type=_csv, default=list(DTYPES),
+                   help=f"comma list of {','.join(DTYPES)} (default: {','.join(DTYPES)})")
+    p.add_argument("--causal", choices=["off", "on", "both"], default="both",
+                   help="profile the unmasked kernels, the causal ones, or both (default: %(default)s)")
+    p.add_argument("--arch", default=ARCH,
+                   help="sm_90a (what a launch on an H100/H200 uses) or sm_90 (default: %(default)s)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write every number (loops and opcodes included) as JSON (default: none)")
+    p.add_argument("--batch", type=_positive, default=DEFAULT_LAUNCH["batch"],
+                   help="B of the launch shape of the bound (default: %(default)s)")
+    p.add_argument("--heads", type=_positive, default=DEFAULT_LAUNCH["heads"],
+                   help="H of the launch shape of the bound (default: %(default)s)")
+    p.add_argument("--n", type=_positive, default=DEFAULT_LAUNCH["n"],
+                   help="N_q of the launch shape of the bound (default: %(default)s)")
+    p.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1,
+                   help="compile in this many processes (default: the CPU count, %(default)s here)")
     return p
 
 
@@ -532,6 +554,9 @@ def main(argv=None) -> int:
         _cc(args.arch)
     except ValueError as err:
         parser().error(f"argument --arch: {err}")
+    problem = None if args.json is None else paths.unwritable(args.json)
+    if problem:  # checked before minutes of compiling, not after
+        parser().error(f"argument --json: {problem}")
     if nvdisasm_path() is None:
         print(MISSING_NVDISASM, file=sys.stderr)
         return 2

@@ -420,3 +420,32 @@ def test_sweep_help_states_the_causal_default_and_explains_the_columns(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: off)" in text
     assert "S MiB" in text and "N_q N_k" in text and "dense" in text
+
+
+def test_every_profile_option_states_its_default():
+    from fa_numba import profile
+
+    p = profile.parser()
+    options = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 10
+    for action in options:
+        assert action.help and "default" in action.help, f"{action.option_strings[0]} does not state its default"
+    assert "(default: both)" in " ".join(p.format_help().split())
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--json", "/no/such/directory/profile.json"], "--json"),
+    (["--json", "/"], "--json"),
+    (["--batch", "-1"], "--batch"),
+    (["--jobs", "0"], "--jobs"),
+])
+def test_profile_refuses_bad_options_before_compiling(argv, option, capsys, monkeypatch):
+    from fa_numba import profile
+
+    monkeypatch.setattr(profile, "profile_configuration", lambda *a: pytest.fail("compiled before refusing"))
+    with pytest.raises(SystemExit) as exit_info:
+        profile.main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and "Traceback" not in captured.err + captured.out
+    last = captured.err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("fa_numba profile: error: argument ") and option in last, last
