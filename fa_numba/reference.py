@@ -548,17 +548,19 @@ def _dense_backward(q, k, v, dout, causal, scale, dtype, contraction="matmul", f
     # - the stored LSE_i, rounded at its magnitude: one ulp of it is a relative error of every P_ij of the
     #   row, times |dP_ij - D_i| in dS and times |dO_i| in dV (a forward whose LSE is a few ulps off is
     #   still right by the forward's rule).
-    # Carried into dQ = scale dS K, dK = scale dS^T Q and dV = P^T dO.
+    # Carried into dQ = scale dS K, dK = scale dS^T Q and dV = P^T dO, over the visible pairs only as the
+    # gradients are (L7.8): a NaN or inf that a row or key cannot see (padding, say) must not make its
+    # floor NaN, which _finite_max would drop, leaving the row judged without its floor.
     with np.errstate(invalid="ignore", over="ignore"):
         mag_dp = np.matmul(np.abs(do4), np.swapaxes(np.abs(v4), -1, -2))  # sum_x |dO_ix| |V_jx|
         mag_d = (np.abs(do4) * np.abs(out4)).sum(axis=-1)  # sum_x |dO_ix| |O_ix|
         p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], dtype(0))  # P ulp(LSE)
-        e = (np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]), dtype(0))
-             + p_lse * np.abs(dp - d_row[..., None]))
+        e = np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]) + p_lse * np.abs(dp - d_row[..., None]),
+                     dtype(0))
         # magnitudes: |scale|, so that a negative scale gives the same (non-negative) floor as its opposite
-        floor_dq = abs(scale) * np.matmul(e, np.abs(k4))
-        floor_dk = (abs(scale) * np.matmul(np.swapaxes(e, -1, -2), np.abs(q4))).reshape(grouped).sum(axis=2)
-        floor_dv = np.matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4)).reshape(grouped).sum(axis=2)
+        floor_dq = abs(scale) * visible_matmul(e, np.abs(k4), visible)
+        floor_dk = (abs(scale) * visible_matmul(np.swapaxes(e, -1, -2), np.abs(q4), visible.T)).reshape(grouped).sum(axis=2)
+        floor_dv = visible_matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4), visible.T).reshape(grouped).sum(axis=2)
     return grads, (_finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv))
 
 

@@ -4,7 +4,15 @@
     dP_ij = dO_i . V_j,  dS_ij = P_ij (dP_ij - D_i),  dQ_i = scale sum_j dS_ij K_j,  dK_j = scale sum_i dS_ij Q_i
 
 with sigma(LSE) = 0 on a row that sees no key (LSE = -inf), whose P is all zeros (it is masked everywhere):
-its gradient is exactly zero. Domain: finite inputs (the forward's NaN rules are not extended here).
+its gradient is exactly zero. Non-finite inputs (NaN, +-inf) follow the forward's rule (proofs/L7.8, as
+L2.6 and L3.5 for the forward): a pair is masked by the mask, never by a value, and a masked pair is never
+multiplied. SKIP tiles are never loaded, FULL tiles hold no masked pair, rows and keys past N are loaded
+as zeros, and a PARTIAL tile stores P = -0.0 at its masked pairs (exp never returns -0.0) and takes the
+guarded products, which skip them: dQ_i depends only on Q_i, dO_i and the K, V rows row i sees, dK_j and
+dV_j only on the rows that see key j. A NaN reaches exactly those gradients, every other entry is bit for
+bit the one without it, and where the dense float64 gradients are NaN the kernels' are too. Cost of the
+guard, PARTIAL tiles only: one more shared load (P beside dS) per reduction step and row of the
+micro-tile and a predicated FMA; in dq-only mode those tiles also store P.
 
 Kernels (each a `CompiledBackward`, HBM traffic in elements per (batch, head); tiled.attention_backward and
 iomodel.traffic_backward give the same counts, and the simulator's counted accesses equal them):
@@ -45,7 +53,7 @@ from numba import cuda, float32, uint64 as u64
 from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, check_mask_form,
                                      mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
-from fa_numba.kernels.engine import UNROLL_BUDGET
+from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
 FLOAT_BYTES = 4
@@ -130,12 +138,46 @@ class BackwardConfig:
         return self
 
 
-def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS):
+def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False):
     """acc[a, e] += sum_{k < KLEN} A(k, a) B(k, e), A(k, a) = smem[a_base + a A_RS + k A_KS] and
     B(k, e) = smem[b_base + e B_CS + k B_KS]: one register micro-tile of a product of two shared tiles.
 
+    guarded (PARTIAL tiles only): gemm(smem, acc, a_base, b_base, g_base) forms the products of (k, a) only
+    where the guard G(k, a) = smem[g_base + a A_RS + k A_KS] (P of the same pair, laid out like A) is not
+    the -0.0 that `probabilities` marks a masked pair with; exp never returns -0.0, so a visible weight
+    (+0.0 by underflow, or NaN) is always multiplied. A masked pair's A is 0, but its B row (Q_i, dO_i or
+    K_j) may be NaN, and 0 x NaN = NaN would reach a row or key that cannot see it (L7.8). The sum is
+    taken in the same order as unguarded: on finite inputs the two differ at most in the sign of a zero.
+
     The reduction runs in chunks of STEP (an inner loop the compiler unrolls; see engine.make_engine)."""
-    STEP = next((t for t in (8, 4, 2) if KLEN % t == 0 and t * (MA * MB + MA + MB) <= UNROLL_BUDGET), 1)  # >= 1 step
+    loads = MA * MB + (2 * MA if guarded else MA) + MB
+    STEP = next((t for t in (8, 4, 2) if KLEN % t == 0 and t * loads <= UNROLL_BUDGET), 1)  # >= 1 step
+
+    if guarded:
+        @cuda.jit(device=True, inline=True)
+        def gemm_guarded(smem, acc, a_base, b_base, g_base):
+            af = cuda.local.array(MA, float32)
+            bf = cuda.local.array(MB, float32)
+            gf = cuda.local.array(MA, float32)
+            av = smem[u64(a_base):]
+            bv = smem[u64(b_base):]
+            gv = smem[u64(g_base):]
+            k0 = 0
+            while k0 < KLEN:  # invariant: acc holds its start plus the terms of the visible pairs of k < k0 (L7.8)
+                for ki in range(STEP):
+                    k = k0 + ki
+                    for a in range(MA):
+                        af[a] = av[u64(a * A_RS + k * A_KS)]
+                        gf[a] = gv[u64(a * A_RS + k * A_KS)]
+                    for e in range(MB):
+                        bf[e] = bv[u64(e * B_CS + k * B_KS)]
+                    for a in range(MA):
+                        if gf[a] != ZERO or math.copysign(ONE, gf[a]) > ZERO:  # not the -0.0 of a masked pair
+                            for e in range(MB):
+                                acc[a, e] += af[a] * bf[e]
+                k0 += STEP
+
+        return gemm_guarded
 
     @cuda.jit(device=True, inline=True)
     def gemm(smem, acc, a_base, b_base):
@@ -174,6 +216,9 @@ def _kernel_parts(config: BackwardConfig):
     parts["gemm_keys"] = make_gemm(t, TD, B, 1, PS, 1, QS)
     # dQ (t x TD, query rows): dS [r][c] against K [c][x], reduced over the keys
     parts["gemm_queries"] = make_gemm(t, TD, B, PS, 1, 1, QS)
+    # the same three in PARTIAL tiles, skipping the masked pairs (their guard: P, marked -0.0 there)
+    parts["gemm_keys_guarded"] = make_gemm(t, TD, B, 1, PS, 1, QS, guarded=True)
+    parts["gemm_queries_guarded"] = make_gemm(t, TD, B, PS, 1, 1, QS, guarded=True)
 
     @cuda.jit(device=True, inline=True)
     def load_tile(src, b, h, row0, rows, d, smem, dst, tid):
@@ -203,10 +248,12 @@ def _kernel_parts(config: BackwardConfig):
 
     @cuda.jit(device=True, inline=True)
     def probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
-                      scale, store_p):
+                      scale, marked, store_p):
         """s := P = exp(scale S - sigma(LSE)) and dp := dS = P (dP - D) on the thread's micro-tile, both 0 at
         masked pairs (causal, or in a PARTIAL tile of a block mask the row's interval and, dense, the mask)
-        and past the tile's rows and keys; dS (and P if store_p) go to shared memory [r][c]."""
+        and past the tile's rows and keys; dS (and P if store_p or marked) go to shared memory [r][c].
+        marked (a PARTIAL tile): P is stored as -0.0 at every pair that is not visible, the guard of the
+        guarded products (exp never returns -0.0: a visible weight that underflowed is +0.0)."""
         for a in range(t):
             r = ty * t + a
             shift = smem[u64(LSE + r)]
@@ -224,17 +271,19 @@ def _kernel_parts(config: BackwardConfig):
                 if visible:
                     p = math.exp(scale * s[a, c] - shift)  # <= 0 exponent: S <= LSE on a visible pair
                     ds = p * (dp[a, c] - dd)
+                elif marked:
+                    p = NEG_ZERO
                 s[a, c] = p
                 dp[a, c] = ds
                 smem[u64(DS + r * PS + col)] = ds
-                if store_p:
+                if store_p or marked:
                     smem[u64(P + r * PS + col)] = p
 
     gemm_rows = parts["gemm_rows"]
 
     @cuda.jit(device=True, inline=True)
     def recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense, scale,
-                  store_p):
+                  marked, store_p):
         """S and dP of the thread's micro-tile from the tiles in shared memory, then P and dS
         (`probabilities`): the tile's recomputation, the same in every backward kernel."""
         for a in range(t):
@@ -244,7 +293,7 @@ def _kernel_parts(config: BackwardConfig):
         gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
         gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
         probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
-                      scale, store_p)
+                      scale, marked, store_p)
 
     parts.update(load_tile=load_tile, load_stats=load_stats, recompute=recompute)
     return parts
@@ -257,6 +306,7 @@ def kv_source(config: BackwardConfig):
     B, t, side, TD, PS = p["B"], p["t"], p["side"], p["TD"], p["PS"]
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
     gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
+    gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
@@ -316,17 +366,27 @@ def kv_source(config: BackwardConfig):
                 load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read per visit
                 # Q_i, dO_i, LSE_i, D_i (and on the first visit K_j, V_j) are complete before any thread reads them
                 cuda.syncthreads()
+                # a PARTIAL tile (a masked pair inside it; causal: its last key is past its first row's
+                # horizon) takes the guarded products, a FULL tile the fast unguarded ones (L7.8)
+                marked = partial_lists or (CAUSAL and c0 + cols - 1 > r0 + delta)
                 recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
-                          DENSE and partial_lists, dense, scale, True)
+                          DENSE and partial_lists, dense, scale, marked, True)
                 # P and dS are complete in shared memory before the products read them
                 cuda.syncthreads()
-                gemm_keys(smem, dv_acc, P + ty * t, DO + tx * TD)  # dV_j += P^T dO_i
-                gemm_keys(smem, dk_acc, DS + ty * t, Q + tx * TD)  # dK_j += dS^T Q_i (scale at the end)
+                if marked:
+                    gemm_keys_guarded(smem, dv_acc, P + ty * t, DO + tx * TD, P + ty * t)  # dV_j += P^T dO_i
+                    gemm_keys_guarded(smem, dk_acc, DS + ty * t, Q + tx * TD, P + ty * t)  # dK_j += dS^T Q_i
+                else:
+                    gemm_keys(smem, dv_acc, P + ty * t, DO + tx * TD)  # dV_j += P^T dO_i
+                    gemm_keys(smem, dk_acc, DS + ty * t, Q + tx * TD)  # dK_j += dS^T Q_i (scale at the end)
                 if not DETERMINISTIC:
                     for a in range(t):
                         for e in range(TD):
                             dq_part[a, e] = ZERO
-                    gemm_queries(smem, dq_part, DS + ty * t * PS, K + tx * TD)  # dS K_j
+                    if marked:
+                        gemm_queries_guarded(smem, dq_part, DS + ty * t * PS, K + tx * TD, P + ty * t * PS)
+                    else:
+                        gemm_queries(smem, dq_part, DS + ty * t * PS, K + tx * TD)  # dS K_j
                     for a in range(t):
                         r = ty * t + a
                         if r < rows:
@@ -353,6 +413,7 @@ def q_source(config: BackwardConfig):
     B, t, side, TD, PS = p["B"], p["t"], p["side"], p["TD"], p["PS"]
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
     gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
+    gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
@@ -405,16 +466,25 @@ def q_source(config: BackwardConfig):
             load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read per visit
             # K_j, V_j (and Q_i, dO_i, LSE_i, D_i) are complete before any thread reads them
             cuda.syncthreads()
+            # a PARTIAL tile takes the guarded products (P is stored there even in dq-only mode: their
+            # guard), a FULL tile the unguarded ones (L7.8)
+            marked = partial_lists or (CAUSAL and c0 + cols - 1 > r0 + delta)
             recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
-                      DENSE and partial_lists, dense, scale, not DQ_ONLY)
+                      DENSE and partial_lists, dense, scale, marked, not DQ_ONLY)
             # dS (and P) are complete in shared memory before the products read them
             cuda.syncthreads()
-            gemm_queries(smem, dq_acc, DS + ty * t * PS, K + tx * TD)  # dQ_i += dS K_j (scale at the end)
+            if marked:
+                gemm_queries_guarded(smem, dq_acc, DS + ty * t * PS, K + tx * TD, P + ty * t * PS)
+            else:
+                gemm_queries(smem, dq_acc, DS + ty * t * PS, K + tx * TD)  # dQ_i += dS K_j (scale at the end)
             if not DQ_ONLY:
                 for a in range(t):
                     for e in range(TD):
                         part[a, e] = ZERO
-                gemm_keys(smem, part, DS + ty * t, Q + tx * TD)  # dS^T Q_i
+                if marked:
+                    gemm_keys_guarded(smem, part, DS + ty * t, Q + tx * TD, P + ty * t)
+                else:
+                    gemm_keys(smem, part, DS + ty * t, Q + tx * TD)  # dS^T Q_i
                 for a in range(t):
                     c = ty * t + a
                     if c < cols:
@@ -425,7 +495,10 @@ def q_source(config: BackwardConfig):
                 for a in range(t):
                     for e in range(TD):
                         part[a, e] = ZERO
-                gemm_keys(smem, part, P + ty * t, DO + tx * TD)  # P^T dO_i
+                if marked:
+                    gemm_keys_guarded(smem, part, P + ty * t, DO + tx * TD, P + ty * t)
+                else:
+                    gemm_keys(smem, part, P + ty * t, DO + tx * TD)  # P^T dO_i
                 for a in range(t):
                     c = ty * t + a
                     if c < cols:
