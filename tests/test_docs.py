@@ -1,9 +1,12 @@
-"""Docs are tests: the README's Python snippets and the package's doctests run here."""
+"""Docs are tests: the Python snippets of the README and of the manual's pages (docs/*.md), the sample
+tables they show, the install commands they give, and the package's doctests run here."""
 
+import configparser
 import doctest
 import json
 import pathlib
 import re
+import shlex
 
 import pytest
 
@@ -11,20 +14,118 @@ import fa_numba
 from fa_numba import api, iomodel, masks, online_softmax, reference, tiled, tiling
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+DOCS = [README, *PAGES]  # every file whose snippets run here
 
 
-def _readme_snippets():
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def _name(path):
+    return path.relative_to(ROOT).as_posix()
 
 
-@pytest.mark.parametrize("index", range(len(_readme_snippets())))
-def test_readme_python_snippet_runs(index):
-    code = _readme_snippets()[index]
+def _snippets(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+SNIPPETS = [(path, index) for path in DOCS for index in range(len(_snippets(path)))]
+
+
+def test_the_docs_have_snippets():
+    """The README and the pages that show code keep them (a page moved or renamed drops none silently)."""
+    assert len(PAGES) >= 8
+    names = {_name(path) for path, _ in SNIPPETS}
+    assert {"README.md", "docs/api.md", "docs/layers.md"} <= names
+    assert len(SNIPPETS) >= 6
+
+
+@pytest.mark.parametrize("path, index", SNIPPETS, ids=[f"{_name(p)}-{i}" for p, i in SNIPPETS])
+def test_doc_python_snippet_runs(path, index):
+    code = _snippets(path)[index]
     if re.search(r"^import torch$", code, re.M):
-        pytest.importorskip("torch", reason="this README snippet shows PyTorch use (the optional 'torch' extra)")
+        pytest.importorskip("torch", reason="this snippet shows PyTorch use (the optional 'torch' extra)")
     namespace = {}
-    exec(compile(code, f"README.md snippet {index}", "exec"), namespace)  # asserts inside the snippet
+    exec(compile(code, f"{_name(path)} snippet {index}", "exec"), namespace)  # asserts inside the snippet
     assert namespace, "snippet defined nothing"
+
+
+def test_readme_links_every_page_of_the_manual_and_every_link_resolves():
+    """README is the index: each docs/ page is linked from it, and every relative link in README and the
+    pages names a file that exists (a moved section leaves no dangling link)."""
+    readme = README.read_text()
+    for page in PAGES:
+        assert f"]({_name(page)})" in readme, f"README does not link {_name(page)}"
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text()):
+            assert (path.parent / target).exists(), f"{_name(path)} links {target}, which does not exist"
+
+
+def test_readme_first_screen_is_what_the_project_is_the_two_commands_and_an_example():
+    """A newcomer sees, before any manual text, the two commands and a short example that runs."""
+    lines = README.read_text().splitlines()
+    first = "\n".join(lines[:50])
+    assert "pip install -e . && python -m fa_numba compare" in first
+    assert "&& python -m pytest" in first
+    example = _snippets(README)[0]
+    assert "```python\n" + example in first and len(example.strip().splitlines()) <= 12
+
+
+def _readme_test_command():
+    """The README's test command: the bash line that runs pytest, as a list of `&&`-separated commands."""
+    (line,) = [line for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+               for line in block.splitlines() if "python -m pytest" in line]
+    return [shlex.split(part) for part in line.split("&&")]
+
+
+def _extras(words):
+    """The extras of `pip install ... -e .[a,b]` (None when the command installs no extras)."""
+    for word in words:
+        found = re.fullmatch(r"\.\[([\w,-]+)\]", word)
+        if found:
+            return set(found.group(1).split(","))
+    return None
+
+
+def test_readme_test_command_installs_what_ci_installs():
+    """The README's second command and .ci/run install the same extras after the same pinned torch, so the
+    README's venv runs the PyTorch examples, as CI does; CI then also runs the slow tier."""
+    readme = _readme_test_command()
+    ci = [shlex.split(line) for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith("#")]
+    pins = lambda commands: [w for c in commands if "install" in c for w in c if w.startswith("torch==")]
+    extras = lambda commands: [_extras(c) for c in commands if "install" in c and _extras(c) is not None]
+    assert pins(readme) == pins(ci) and len(pins(ci)) == 1
+    assert extras(readme) == extras(ci) and len(extras(ci)) == 1
+    for commands in (readme, ci):  # torch is installed before the editable install, so pip keeps the pin
+        installs = [c for c in commands if "install" in c]
+        assert any(w.startswith("torch==") for w in installs[-2]) and _extras(installs[-1]) is not None
+    assert readme[-1] == ["python", "-m", "pytest"]
+    assert ["python", "-m", "pytest"] in ci and ["python", "-m", "pytest", "-m", "slow"] in ci
+    assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()  # exit 5 (no tests) stops CI too
+
+
+def _setup_extras():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return {name: [re.split(r"[<>=\[ ]", line.strip())[0] for line in value.splitlines() if line.strip()]
+            for name, value in cfg["options.extras_require"].items()}
+
+
+def test_readme_test_command_installs_what_the_snippets_import():
+    """Each optional library a snippet of the README or the manual imports comes with an extra the README's
+    test command installs (the PyTorch block failed once in a venv made by the README's commands)."""
+    extras, installed = _setup_extras(), _extras(_readme_test_command()[-2])
+    provides = {package for name in installed for package in extras[name]}
+    for path, index in SNIPPETS:
+        for module in re.findall(r"^\s*(?:import|from) (\w+)", _snippets(path)[index], re.M):
+            if module in ("torch", "matplotlib", "ml_dtypes"):
+                assert module in provides, f"{_name(path)} snippet {index} imports {module}"
+
+
+def test_notebooks_extra_can_run_jupyter_nbconvert():
+    """`jupyter nbconvert --execute` (docs/testing.md) needs nbconvert and a kernel from the notebooks extra."""
+    notebooks = _setup_extras()["notebooks"]
+    assert {"nbconvert", "ipykernel", "nbclient", "nbformat", "matplotlib"} <= set(notebooks)
+    assert "jupyter nbconvert --to notebook --execute notebooks_optional/" in (ROOT / "docs" / "testing.md").read_text()
 
 
 @pytest.mark.parametrize("module", [fa_numba, reference, online_softmax, tiling, masks, tiled, iomodel, api], ids=lambda m: m.__name__)
@@ -34,27 +135,28 @@ def test_doctests(module):
 
 
 @pytest.mark.skipif(fa_numba.backend.name() != "simulator",
-                    reason="the README shows the simulator's table; a GPU adds timing columns")
+                    reason="docs/compare.md shows the simulator's table; a GPU adds timing columns")
 @pytest.mark.parametrize("argv", [[], ["--mask", "window:8,0"]], ids=["default", "mask"])
-def test_readme_table_matches_compare(argv, capsys):
-    """The sample tables in the README are what `compare` (and `compare --mask window:8,0`) print in the simulator."""
+def test_compare_page_tables_match_compare(argv, capsys):
+    """The sample tables in docs/compare.md are what `compare` (and `compare --mask window:8,0`) print in the
+    simulator."""
     from fa_numba import cli
 
     assert cli.main(["compare", *argv]) == 0
     printed = capsys.readouterr().out.splitlines()
     table = printed[next(i for i, line in enumerate(printed) if line.startswith("variant")):]
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "compare.md").read_text()
     assert len(table) >= 3
     for line in table:
-        assert line in readme, line
+        assert line in page, line
 
 
-def test_readme_profile_table_matches_the_shipped_profile():
-    """Every row of the README's profile table is the shipped JSON's numbers for that configuration."""
+def test_profile_page_table_matches_the_shipped_profile():
+    """Every row of docs/profile.md's table is the shipped JSON's numbers for that configuration."""
     profiles = json.loads((ROOT / "benchmarks" / "results" / "profile_sm90_2026-11-29.json").read_text())["profiles"]
     by_config = {(p["name"], p["config"]["head_dim"], p["config"]["causal"]): p for p in profiles
                  if p["config"]["dtype"] == "float32"}
-    section = (ROOT / "README.md").read_text().split("## profile:", 1)[1].split("\n## ", 1)[0]
+    section = (ROOT / "docs" / "profile.md").read_text()
     rows = re.findall(r"^\| (v1|v2|v1-rowwise|v2-rowwise|bwd-kv|bwd-q)(?: \(engine\))? \| (\d+) \| (on|off) \| (.*)$",
                       section, re.M)
     assert len(rows) >= 8
