@@ -80,6 +80,19 @@ def test_autograd_differentiates_the_mask_its_forward_used():
     assert _within(check), check
 
 
+def test_the_kernel_mask_cache_never_serves_a_predicate_s_old_lists():
+    from fa_numba.kernels.common import kernel_mask
+
+    ids = _document_ids(8, 8)
+    mask = masks.from_function(lambda i, j: ids[i] == ids[j])
+    for lengths in ((8, 8), (16,), (8, 8)):
+        ids[:] = _document_ids(*lengths)
+        got, expected = kernel_mask(mask, 16, 16, 4, 4), kernel_mask(masks.from_dense(
+            masks.documents(list(lengths)).dense(16, 16)), 16, 16, 4, 4)
+        for name in ("row_ptr", "col_idx", "col_kind", "col_ptr", "row_idx", "row_kind", "lohi", "dense"):
+            np.testing.assert_array_equal(getattr(got, name).copy_to_host(), getattr(expected, name).copy_to_host())
+
+
 def test_fixed_keeps_value_masks_and_evaluates_predicates():
     window = masks.sliding_window(2, 0)
     assert masks.fixed(window, 8, 8) is window

@@ -205,23 +205,27 @@ class KernelMask:
     dense: object
 
 
-@functools.lru_cache(maxsize=64)
-def kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> KernelMask:
+def kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> "KernelMask":
     """The KernelMask of a block mask (a fa_numba.masks mask whose kernel_form() is "intervals" or "dense")
     on the B_r x B_c grid, copied to the device once per (mask, sizes, tiles) and cached.
 
-    The cache keys by the mask's value, so it takes value masks only (masks.VALUE_MASKS: built-ins and
-    from_dense, fixed when made); a from_function mask must come as masks.fixed(mask, n_q, n_k), its
-    answers at this call, so that a predicate reading changed state is never served its old tile lists.
+    The cache keys by the mask's value, so it holds value masks only (masks.VALUE_MASKS: built-ins and
+    from_dense, fixed when made). Any other mask (from_function) is evaluated now, masks.fixed(mask, n_q,
+    n_k), and that evaluation is what is cached: a predicate reading changed state is never served its
+    old tile lists.
 
     lohi: the row intervals ("intervals"), or for a dense mask each row's first and last visible key + 1
     (a superset the kernels refine with the dense mask inside PARTIAL tiles; lo = hi on a row that sees none).
     """
-    from fa_numba import masks, tiling
+    from fa_numba import masks
 
-    if not isinstance(mask, masks.VALUE_MASKS):
-        raise TypeError(f"kernel_mask caches by value and takes value masks only, got {mask!r}: pass "
-                        f"masks.fixed(mask, n_q, n_k) (its answers at this call)")
+    return _kernel_mask(masks.fixed(mask, n_q, n_k), n_q, n_k, block_q, block_k)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> "KernelMask":
+    from fa_numba import tiling
+
     form = mask.kernel_form()
     if form not in LIST_FORMS:
         raise ValueError(f"mask {mask!r} has kernel form {form!r}: launch it with causal=True instead")
