@@ -347,7 +347,9 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
     SKIP tiles are left out (skip=False visits them with a full mask: the gradients are the same, bit for
     bit, only the ledger grows); only PARTIAL tiles are masked; a query tile that sees no key is never
     loaded and writes dQ_i = 0; a row that sees no key (by the mask) has P = dS = 0 on every pair, so a
-    zero dQ row and nothing in dK, dV. The ledger (BACKWARD_TENSORS) sums all batches and heads, elements
+    zero dQ row and nothing in dK, dV. Any IEEE inputs (proofs/L7.8): masked pairs are never multiplied
+    (`visible_matmul`), so a NaN or inf reaches only dQ of the rows that see it and dK, dV of the keys those
+    rows see. The ledger (BACKWARD_TENSORS) sums all batches and heads, elements
     per tensor, and equals `iomodel.traffic_backward(..., mask=mask)`. FLOPs per visited tile, r x c: 5
     matrix products of 2 r c d each (S, dP, dV, dK, dQ); the deterministic dQ pass adds 3 (S, dP, dQ), so 8
     instead of 5.
