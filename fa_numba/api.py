@@ -69,8 +69,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     dtype; arithmetic and outputs are float32.
     causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); mask is any fa_numba.masks
     mask (sliding_window, documents, prefix_lm, from_function, from_dense; causal=True is the short form of
-    mask=masks.causal(), and passing both is an error), whose SKIP tiles are never touched. A query that sees
-    no key gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d). block_q / block_k default by head dim
+    mask=masks.causal(), and passing both is an error), whose SKIP tiles are never touched; a from_function
+    mask is evaluated at this call (masks.fixed), so a predicate reading changing state is seen as it is now.
+    A query that sees no key gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d) and must be finite in
+    float32. Range: O is finite when N_k max|v| <= 3.4e38 (the float32 accumulator sum_j p_j v_j is divided
+    by l only at the end); host inputs beyond it are refused, device inputs are not scanned. Calls from
+    several threads are safe (in the simulator they run one at a time). block_q / block_k default by head dim
     (`kernels.default_tiles`). Returns O, or (O, LSE) with return_lse=True, in q's layout and q's array
     library: NumPy for NumPy (or other host array-likes), a torch tensor on q's device for a torch tensor
     (CPU or CUDA; read through .detach(), so without autograd history), a CuPy array for CuPy, a Numba
@@ -171,8 +175,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     atomic adds, or with deterministic=True computed by a second, Q-outer pass without atomics, bitwise
     repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
     default by head dim (kernels.backward.DEFAULTS). HBM traffic: iomodel.traffic_backward; the kernels:
-    fa_numba/kernels/backward.py. mask as for `attention` (the forward's). Finite inputs (a row that sees no
-    key gets zero gradient).
+    fa_numba/kernels/backward.py. mask as for `attention` (the forward's). A row that sees no key gets zero
+    gradient. NaN and infinities follow the forward's rule (proofs/L7.8): masked pairs are never multiplied,
+    so dq_i depends only on what row i sees and dk_j, dv_j only on the rows that see key j; a NaN reaches
+    exactly those gradients.
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
