@@ -20,30 +20,20 @@ import sys
 
 import numpy as np
 
-from fa_numba import backend, iomodel, masks, paths, tiling
+from fa_numba import arguments, backend, iomodel, masks, tiling
 from fa_numba import compare as cmp
 from fa_numba.kernels import VARIANTS
 
 GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None)
 SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=None, block_k=None)  # tiles: compare.Shape
-INT32_MAX = 2**31 - 1
+INT32_MAX = arguments.INT32_MAX
 DTYPES = ["float32", "float16", "bfloat16"]  # bfloat16: ml_dtypes arrays (compare.input_dtype)
 # The sweep table's S MiB column, explained under the table and in `sweep --help`
 SCORES_NOTE = ("S MiB: the B H N_q N_k float32 scores S = scale Q K^T that a dense (unfused) attention writes to "
                "HBM, and P as much again; these kernels never store them")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    if value > INT32_MAX:  # sizes, tiles and positions are int32 in the kernels (as masks.py bounds its ints)
-        raise argparse.ArgumentTypeError(f"expected a positive integer <= {INT32_MAX} (the kernels index in int32), "
-                                         f"got {value}")
-    return value
+_positive = arguments.positive
 
 
 def _positive_list(text: str) -> list[int]:
@@ -336,8 +326,8 @@ def _option(dest: str) -> str:
 
 
 def _check_output(top, option: str, path: str | None, figure: bool) -> None:
-    """A usage error naming option unless path can be written (fa_numba.paths.unwritable)."""
-    problem = None if path is None else paths.unwritable(path, figure)
+    """A usage error naming option unless path can be written (fa_numba.arguments.unwritable)."""
+    problem = None if path is None else arguments.unwritable(path, figure)
     if problem:
         top.error(f"argument {option}: {problem}")
 

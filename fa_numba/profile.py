@@ -51,7 +51,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from fa_numba import paths
+from fa_numba import arguments
 
 ARCH = "sm_90a"  # what numba-cuda compiles for on an H100/H200 (compute capability 9.0 + "a")
 
@@ -504,16 +504,6 @@ def _csv(text: str, kind=str) -> list:
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fa_numba profile", description=__doc__.splitlines()[0])
     p.add_argument("--orders", type=_csv, default=None,
@@ -529,13 +519,13 @@ def parser() -> argparse.ArgumentParser:
                    help="sm_90a (what a launch on an H100/H200 uses) or sm_90 (default: %(default)s)")
     p.add_argument("--json", metavar="PATH",
                    help="write every number (loops and opcodes included) as JSON (default: none)")
-    p.add_argument("--batch", type=_positive, default=DEFAULT_LAUNCH["batch"],
+    p.add_argument("--batch", type=arguments.positive, default=DEFAULT_LAUNCH["batch"],
                    help="B of the launch shape of the bound (default: %(default)s)")
-    p.add_argument("--heads", type=_positive, default=DEFAULT_LAUNCH["heads"],
+    p.add_argument("--heads", type=arguments.positive, default=DEFAULT_LAUNCH["heads"],
                    help="H of the launch shape of the bound (default: %(default)s)")
-    p.add_argument("--n", type=_positive, default=DEFAULT_LAUNCH["n"],
+    p.add_argument("--n", type=arguments.positive, default=DEFAULT_LAUNCH["n"],
                    help="N_q of the launch shape of the bound (default: %(default)s)")
-    p.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1,
+    p.add_argument("--jobs", type=arguments.positive, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
     return p
 
@@ -554,7 +544,7 @@ def main(argv=None) -> int:
         _cc(args.arch)
     except ValueError as err:
         parser().error(f"argument --arch: {err}")
-    problem = None if args.json is None else paths.unwritable(args.json)
+    problem = None if args.json is None else arguments.unwritable(args.json)
     if problem:  # checked before minutes of compiling, not after
         parser().error(f"argument --json: {problem}")
     if nvdisasm_path() is None:

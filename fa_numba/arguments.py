@@ -1,12 +1,28 @@
-"""Output paths checked before a long run, so a command never computes for minutes and then fails to write.
-
-Shared by the CLI's compare / sweep (cli.py) and profile (profile.py), which each turn the message into
-their parser's usage error.
+"""Command-line arguments checked before a long run, shared by compare / sweep (cli.py) and profile
+(profile.py): positive integers within int32, and output paths (so a command never computes for minutes
+and then fails to write). Each command turns the message into its parser's usage error.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+
+INT32_MAX = 2**31 - 1  # sizes, tiles and positions are int32 in the kernels (as masks.py bounds its ints)
+
+
+def positive(text: str) -> int:
+    """argparse type: an int in [1, INT32_MAX]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a positive integer <= {INT32_MAX} (the kernels index in int32), "
+                                         f"got {value}")
+    return value
 
 
 def unwritable(path: str, figure: bool = False) -> str | None:
