@@ -176,9 +176,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
     default by head dim (kernels.backward.DEFAULTS). HBM traffic: iomodel.traffic_backward; the kernels:
     fa_numba/kernels/backward.py. mask as for `attention` (the forward's). A row that sees no key gets zero
-    gradient. NaN and infinities follow the forward's rule (proofs/L7.8): masked pairs are never multiplied,
-    so dq_i depends only on what row i sees and dk_j, dv_j only on the rows that see key j; a NaN reaches
-    exactly those gradients.
+    gradient, whatever its inputs hold. NaN and infinities follow the forward's rule (proofs/L7.8): masked
+    pairs are never multiplied, so dq_i depends only on q_i, dout_i and the keys and values row i sees, and
+    dk_j, dv_j only on the rows that see key j. A NaN reaches exactly those gradients; every other entry is
+    bit for bit the one without it (on a GPU, up to the order of the atomic adds: dq for order "kv", dk and
+    dv for order "q"), and wherever the dense formula's gradient is NaN, so is this one.
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
