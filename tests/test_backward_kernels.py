@@ -79,6 +79,7 @@ SHIPPED = [Case(n_q=37, n_k=45, d=64, block_q=32, block_k=32, causal=True, seed=
            Case(n_q=11, n_k=13, d=256, block_q=8, block_k=8, causal=True, seed=33)]
 
 
+@pytest.mark.slow  # about 3 minutes in the simulator, so in the tier CI also runs
 @pytest.mark.lemma("L7")
 @pytest.mark.parametrize("case", SHIPPED, ids=lambda c: f"d{c.d}-b{c.block_q}")
 def test_the_shipped_backward_layouts_pass_the_3x_rule(case: Case):
@@ -189,7 +190,7 @@ def _sdpa_grads(torch, q, k, v, dout, causal):
 
 @pytest.mark.lemma("L7")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backward_order", ["kv", "q"])
+@pytest.mark.parametrize("backward_order", ["kv", pytest.param("q", marks=pytest.mark.slow)])  # q: slow tier
 def test_autograd_matches_torch_sdpa_in_float64(causal, backward_order):
     torch = pytest.importorskip("torch", reason=NO_TORCH)
     import fa_numba.autograd

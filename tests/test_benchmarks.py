@@ -16,7 +16,8 @@ SIMULATOR_ONLY = pytest.mark.skipif(fa_numba.backend.name() != "simulator",
 
 
 @SIMULATOR_ONLY
-@pytest.mark.parametrize("script, report", [("gpu_check.py", "gpu_check.json"), ("compare_gpu.py", "compare_gpu.json")])
+@pytest.mark.parametrize("script, report", [("gpu_check.py", "gpu_check.json"),
+                                            pytest.param("compare_gpu.py", "compare_gpu.json", marks=pytest.mark.slow)])
 def test_device_scripts_run_in_smoke_mode(tmp_path, script, report):
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],

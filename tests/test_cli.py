@@ -97,7 +97,7 @@ def test_analytic_columns_use_the_tiles_a_launch_would_use(tmp_path, capsys):
 
 
 def test_readme_numbers_for_a_shape_too_large_for_the_simulator():
-    """README: at B = 1, H = 2, N = 100,000, d = 64, v1 moves 456.5 GiB with 64 x 32 tiles, 912.8 with 16 x 16."""
+    """docs/compare.md: at B = 1, H = 2, N = 100,000, d = 64, v1 moves 456.5 GiB with 64 x 32 tiles, 912.8 with 16 x 16."""
     gib = [iomodel.total_bytes(iomodel.traffic("v1", 100_000, 100_000, 64, tq, tk, False, heads=2), 4) / 2**30
            for tq, tk in ((64, 32), (16, 16))]
     assert [f"{g:.1f}" for g in gib] == ["456.5", "912.8"]

@@ -150,6 +150,7 @@ SHIPPED = [
 ]
 
 
+@pytest.mark.slow  # 256-thread blocks in the simulator: about 5 minutes together, so in the tier CI also runs
 @pytest.mark.lemma("L4")
 @pytest.mark.parametrize("order", ["v1", "v2"])
 @pytest.mark.parametrize("case", SHIPPED, ids=_name)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint64 as u64
 
+from fa_numba import backend
 from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, check_mask_form,
                                      mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
@@ -617,7 +618,8 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv",
 
     def launch(kernel, heads_, rows, *args):
         grid, threads = kernel.launch_shape(batch, heads_, rows)
-        kernel.kernel[grid, threads, stream](*args)
+        with backend.serialised(math.prod(threads)):  # the simulator runs one launch at a time
+            kernel.kernel[grid, threads, stream](*args)
 
     form = mask.form if mask is not None else "none"
     masks = mask_arrays(mask)

@@ -131,7 +131,7 @@ class CompiledKernel:
             raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
                              else f"this kernel (mask_form {self.config.form!r}) takes no mask")
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
-        with backend.serialised():  # the simulator runs one launch at a time
+        with backend.serialised(math.prod(block)):  # the simulator runs one launch at a time
             self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace,
                         mask_arrays(mask))
 
