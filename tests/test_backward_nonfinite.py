@@ -190,7 +190,7 @@ def _spec(mask, case: Case, order: str, deterministic: bool, q, k, v, dout):
         return tiled.attention_backward(q, k, v, out, lse, dout, order=order, deterministic=deterministic, **tiles)[:3]
 
 
-def _judge(poison: Poison, grads, clean, name: str, atomic=frozenset()):
+def _assert_isolated(poison: Poison, grads, clean, name: str, atomic=frozenset()):
     """The rule on one run: untouched entries bit for bit the clean run's (`atomic`: gradients added by
     atomics, whose last bits a GPU does not fix, only free of NaN there), NaN wherever the float64 reference
     on the poisoned inputs is NaN; and the reference itself NaN only on touched entries, the rest its own
@@ -226,7 +226,7 @@ def _check_poison(poison: Poison, order: str, deterministic: bool):
     # dQ is added by atomics across key tiles in order "kv" (not deterministic), dK and dV across query tiles
     # and heads in order "q": on a GPU their order of addition, hence their last bits, varies between runs
     atomic = {"dq"} if order == "kv" and not deterministic else {"dk", "dv"} if order == "q" else set()
-    _judge(poison, grads, clean, name, atomic)
+    _assert_isolated(poison, grads, clean, name, atomic)
 
 
 @pytest.mark.lemma("L7")
@@ -272,7 +272,7 @@ def test_a_nan_reaches_only_the_gradients_that_depend_on_it_in_the_spec(poison: 
     for order, deterministic in ORDERS:
         clean = _spec(mask, case, order, deterministic, *poison.inputs(clean=True))
         grads = _spec(mask, case, order, deterministic, *poison.inputs())
-        _judge(poison, grads, clean, f"spec {order}{' deterministic' if deterministic else ''} {mask!r}")
+        _assert_isolated(poison, grads, clean, f"spec {order}{' deterministic' if deterministic else ''} {mask!r}")
 
 
 def test_the_pinned_cases_cover_every_kind_and_reach_a_partial_tile():
