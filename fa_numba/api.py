@@ -14,7 +14,7 @@ from numba import cuda
 
 from fa_numba import arrays, backend, masks, shapes
 from fa_numba.kernels import VARIANTS, default_tiles
-from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, kernel_mask
+from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence, kernel_mask
 
 
 def _prepare(name: str, x, on_device: bool):
@@ -102,6 +102,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
     VARIANTS[order].config(block_q, block_k, prob.d, causal, form)  # threads, shared memory: before any allocation
+    kernel = VARIANTS[order].make(block_q, block_k, prob.d, causal, form)
+    check_sequence(prob.n_q, prob.n_k)
+    kernel.check_grid(prob.batch, prob.heads, prob.n_q)  # CUDA's grid limits, before any copy
 
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     _check_value_range(v, prob.n_k, call.bfloat16, call.on_device)
@@ -111,8 +114,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k) if mask is not None else None
-        VARIANTS[order].make(block_q, block_k, prob.d, causal, form)(dq, dk, dv, out, lse, scale, stream=call.stream,
-                                                                     mask=blocks)
+        kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks)
         out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
     return (out, lse) if return_lse else out
 
@@ -214,6 +216,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
                          f"{block_q} and {block_k}")
     for kind in ("kv", "q"):  # threads and shared memory, before any allocation
         backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form).check()
+    backward.check_launches(prob.batch, prob.heads, prob.heads_kv, prob.n_q, prob.n_k, block=block_q,
+                            head_dim=prob.d, causal=causal, order=order, deterministic=bool(deterministic),
+                            mask_form=form)  # CUDA's grid limits, before any copy
 
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
     with backend.explain_driver_errors(), backend.serialised(), call.context():

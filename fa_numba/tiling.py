@@ -201,6 +201,9 @@ def _only(kinds: np.ndarray, kind) -> np.ndarray:
     return np.where(kinds == kind, kinds, np.int8(SKIP))
 
 
+INT32_MAX = 2**31 - 1  # the largest CSR offset or tile index the kernels read (int32 arrays)
+
+
 def _frozen(array, dtype=np.int32) -> np.ndarray:
     out = np.ascontiguousarray(array, dtype=dtype)
     out.setflags(write=False)
@@ -210,6 +213,9 @@ def _frozen(array, dtype=np.int32) -> np.ndarray:
 def _csr(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row-major CSR of the non-SKIP entries of a kinds array: (ptr, column indices, kinds)."""
     rows, cols = np.nonzero(kinds != SKIP)  # row-major: increasing column within each row
+    if rows.size > INT32_MAX:  # the kernels read the offsets as int32: a wrapped offset would read any tile
+        raise ValueError(f"the block mask lists {rows.size} tiles, over the {INT32_MAX} int32 offsets the kernels "
+                         f"read: use larger block_q, block_k")
     ptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=kinds.shape[0]))])
     return _frozen(ptr), _frozen(cols), _frozen(kinds[rows, cols], np.int8)
 

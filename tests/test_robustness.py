@@ -252,3 +252,46 @@ def test_a_launch_the_simulator_cannot_finish_is_refused():
         fa_numba.attention(q, q, q)
     with pytest.raises(ValueError, match=r"too large for the CUDA simulator"):
         fa_numba.attention_backward(q, q, q, q, q[..., 0], q)
+
+
+# -- 10. a launch past CUDA's grid or the int32 positions is refused, naming the sizes (L9) -------------------
+
+def _wide_batch(batch: int, n: int = 1, d: int = 4) -> np.ndarray:
+    """(batch, 1, n, d) float32 of zeros without the memory: every stride 0."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (batch, 1, n, d), (0, 0, 0, 0))
+
+
+def test_a_grid_past_cuda_s_limit_is_refused_before_any_launch():
+    q = _wide_batch(65536)
+    with pytest.raises(ValueError, match=r"batch \* heads = 65536 is more blocks than CUDA's grid y allows \(65535\)"):
+        fa_numba.attention(q, q, q, order="v2")
+    with pytest.raises(ValueError, match=r"batch \* heads = 65536 is more blocks than CUDA's grid y allows"):
+        fa_numba.attention_backward(q, q, q, q, q[..., 0], q)
+
+
+def test_v1_s_one_axis_grid_takes_more_than_65535_heads_and_refuses_past_2_31():
+    from fa_numba.kernels import VARIANTS
+
+    v1, v2 = (VARIANTS[name].make(16, 16, 4, False) for name in ("v1", "v2"))
+    v1.check_grid(65536, 1, 4096)  # grid x: up to 2^31 - 1 blocks, so no error
+    with pytest.raises(ValueError, match=r"batch \* heads = 2147483648 .* grid x allows \(2147483647\)"):
+        v1.check_grid(2**16, 2**15, 16)
+    with pytest.raises(ValueError, match=r"grid y allows \(65535\)"):
+        v2.check_grid(65536, 1, 16)
+
+
+def test_sequences_past_int32_positions_are_refused():
+    from fa_numba.kernels.common import check_sequence
+
+    check_sequence(2**31 - 1, 2**31 - 1)
+    with pytest.raises(ValueError, match=r"N_k = 2147483648 is over the 2147483647 positions"):
+        check_sequence(16, 2**31)
+
+
+def test_a_block_mask_with_more_tiles_than_int32_offsets_is_refused(monkeypatch):
+    from fa_numba import tiling
+
+    monkeypatch.setattr(tiling, "INT32_MAX", 9)  # the same check at a size this machine can build
+    assert tiling.block_mask(12, 12, 4, 4).row_ptr[-1] == 9  # no mask: all 3 x 3 tiles FULL, 9 fit
+    with pytest.raises(ValueError, match=r"the block mask lists 16 tiles, over the 9 int32 offsets"):
+        tiling.block_mask(16, 16, 4, 4)

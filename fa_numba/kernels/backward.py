@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from numba import cuda, float32, uint64 as u64
 
 from fa_numba import backend
-from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, check_mask_form,
-                                     mask_arrays, to_f32)
+from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, check_grid,
+                                     check_mask_form, check_sequence, mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET
 
@@ -585,6 +585,14 @@ class CompiledBackward(CompiledKernel):
         side = self.config.side
         return ((n_rows + self.config.block - 1) // self.config.block, batch * heads), (side, side)
 
+    def check_grid(self, batch, heads, n_rows):
+        """As the forward's: the grid (ceil(n_rows / rows per block), batch * heads) fits CUDA's limits."""
+        grid, _ = self.launch_shape(batch, heads, n_rows)
+        rows = "N_q" if self.config.kind in ("preprocess", "q") else "N_k"
+        per_block = PRE_THREADS if self.config.kind in ("preprocess", "zero") else "block"
+        heads_name = "heads" if self.config.kind in ("preprocess", "q") else "heads_kv"
+        check_grid(grid, (f"ceil({rows} / {per_block})", f"batch * {heads_name}"), f"backward {self.config.kind}")
+
     def argtypes(self, dtype):
         from numba import types
 
@@ -616,19 +624,34 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv",
     block = block or default_backward_tiles(d)[0]
     scale = float32(scale)
 
-    def launch(kernel, heads_, rows, *args):
+    form = mask.form if mask is not None else "none"
+    check_launches(batch, heads, heads_kv, n_q, n_k, block=block, head_dim=d, causal=causal, order=order,
+                   deterministic=deterministic, mask_form=form)
+    grads = (q, k, v, dout, lse, dvec, dq, dk, dv, scale, *mask_arrays(mask))
+    arguments = {"preprocess": (out, dout, dvec, dq), "zero": (dk, dv), "kv": grads, "q": grads}
+    for kernel, side in _launches(block, d, causal, order, deterministic, form):
+        heads_, rows = (heads, n_q) if side == "q" else (heads_kv, n_k)
         grid, threads = kernel.launch_shape(batch, heads_, rows)
         with backend.serialised(math.prod(threads)):  # the simulator runs one launch at a time
-            kernel.kernel[grid, threads, stream](*args)
+            kernel.kernel[grid, threads, stream](*arguments[kernel.config.kind])
 
-    form = mask.form if mask is not None else "none"
-    masks = mask_arrays(mask)
-    launch(make("preprocess", block, d, False, order == "kv" and not deterministic), heads, n_q, out, dout, dvec, dq)
+
+def _launches(block, d, causal, order, deterministic, form) -> list:
+    """The kernels one backward call launches, in order, each with the side its grid spans ("q": heads and
+    N_q rows, "kv": K/V heads and N_k rows)."""
+    plan = [(make("preprocess", block, d, False, order == "kv" and not deterministic), "q")]
     if order == "q":
-        launch(make("zero", block, d, False), heads_kv, n_k, dk, dv)
-        launch(make("q", block, d, causal, False, form), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale, *masks)
-        return
-    launch(make("kv", block, d, causal, deterministic, form), heads_kv, n_k, q, k, v, dout, lse, dvec, dq, dk, dv,
-           scale, *masks)
+        return plan + [(make("zero", block, d, False), "kv"), (make("q", block, d, causal, False, form), "q")]
+    plan.append((make("kv", block, d, causal, deterministic, form), "kv"))
     if deterministic:
-        launch(make("q", block, d, causal, True, form), heads, n_q, q, k, v, dout, lse, dvec, dq, dk, dv, scale, *masks)
+        plan.append((make("q", block, d, causal, True, form), "q"))
+    return plan
+
+
+def check_launches(batch, heads, heads_kv, n_q, n_k, *, block, head_dim, causal, order="kv", deterministic=False,
+                   mask_form="none") -> None:
+    """Every launch of one backward call fits CUDA's grid and the kernels' sizes, else a ValueError before
+    any of them runs (api calls it before copying anything to the device)."""
+    check_sequence(n_q, n_k)
+    for kernel, side in _launches(block, head_dim, causal, order, deterministic, mask_form):
+        kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))

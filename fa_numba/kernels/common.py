@@ -27,6 +27,14 @@ ZERO = float32(0.0)
 SHARED_BYTES_LIMIT = 48 * 1024  # static shared memory per block
 MAX_HEAD_DIM = 256
 MAX_BLOCK_THREADS = 1024
+#: CUDA's grid limits for every compute capability since 3.0 (CUDA C++ Programming Guide, "Features and
+#: Technical Specifications"): at most 2^31 - 1 blocks along x and 65535 along y and z. A launch past them
+#: fails in the driver with an unspecific error, so `check_grid` refuses it first, naming the sizes.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+#: The longest sequence (N_q, N_k) a kernel takes. The kernels' index arithmetic is 64-bit (proved of the
+#: typed IR: tests/test_index_width.py), but a block mask reaches them as int32 positions and int32 CSR
+#: offsets (KernelMask), and masks.INDEX_MAX bounds mask parameters alike, so N is bounded there too.
+MAX_SEQUENCE = 2**31 - 1
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 BF16_BITS = (np.dtype(np.uint16), np.dtype(np.int16))  # how bfloat16 inputs reach the kernels (to_f32)
 
@@ -109,12 +117,31 @@ class Config:
         return self
 
 
+def check_sequence(n_q: int, n_k: int) -> None:
+    """N_q and N_k are at most MAX_SEQUENCE (the int32 positions of a block mask)."""
+    for name, n in (("N_q", n_q), ("N_k", n_k)):
+        if n > MAX_SEQUENCE:
+            raise ValueError(f"{name} = {n} is over the {MAX_SEQUENCE} positions the kernels take (a block mask "
+                             f"holds positions and tile offsets in int32): split the sequence")
+
+
+def check_grid(grid: tuple, axes: tuple, kernel: str) -> None:
+    """Every axis of `grid` is within GRID_LIMITS; `axes` says what each axis counts, for the message."""
+    for axis, blocks, limit, what in zip("xyz", grid, GRID_LIMITS, axes):
+        if blocks > limit:
+            raise ValueError(f"{what} = {blocks} is more blocks than CUDA's grid {axis} allows ({limit}) for the "
+                             f"{kernel} launch: split the call into parts of at most {limit}")
+
+
 class CompiledKernel:
     """One compiled specialisation of a loop order.
 
-    Subclasses give `launch_shape(batch, heads, n_q)` (grid and block), `argtypes(dtype)` (the Numba types
-    of the kernel's arguments, which `fa_numba.profile` compiles for sm_90 without a GPU) and `launch(...)`.
+    Subclasses give `launch_shape(batch, heads, n_q)` (grid and block), `GRID_AXES` (what each grid axis
+    counts), `argtypes(dtype)` (the Numba types of the kernel's arguments, which `fa_numba.profile` compiles
+    for sm_90 without a GPU) and `launch(...)`.
     """
+
+    GRID_AXES: tuple = ()
 
     def __init__(self, config: Config, kernel_source):
         self.config = config
@@ -130,10 +157,17 @@ class CompiledKernel:
         if self.config.lists != (mask is not None):
             raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
                              else f"this kernel (mask_form {self.config.form!r}) takes no mask")
+        check_sequence(q.shape[2], k.shape[2])
+        self.check_grid(q.shape[0], q.shape[1], q.shape[2])
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
         with backend.serialised(math.prod(block)):  # the simulator runs one launch at a time
             self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace,
                         mask_arrays(mask))
+
+    def check_grid(self, batch: int, heads: int, n_rows: int) -> None:
+        """The launch for (batch, heads, n_rows) fits CUDA's grid (check_grid), else a ValueError."""
+        grid, _ = self.launch_shape(batch, heads, n_rows)
+        check_grid(grid, self.GRID_AXES, self.config.order)
 
     @staticmethod
     def array_types(dtype: str):
@@ -155,7 +189,9 @@ class CompiledKernel:
 
 class V1Kernel(CompiledKernel):
     """A v1 (K/V outer) kernel's arguments: q, k, v, o, lse, the l and m workspaces, scale, the mask arrays;
-    the l, m workspace is allocated unless given."""
+    the l, m workspace is allocated unless given. Grid (B H,): one block per (batch, head)."""
+
+    GRID_AXES = ("batch * heads",)
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
@@ -169,7 +205,10 @@ class V1Kernel(CompiledKernel):
 
 
 class V2Kernel(CompiledKernel):
-    """A v2 (Q outer) kernel's arguments: q, k, v, o, lse, scale, the mask arrays (no workspace)."""
+    """A v2 (Q outer) kernel's arguments: q, k, v, o, lse, scale, the mask arrays (no workspace). Grid
+    (T_r, B H): one block per (query tile, batch, head)."""
+
+    GRID_AXES = ("ceil(N_q / block_q)", "batch * heads")
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
