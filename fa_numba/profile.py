@@ -458,10 +458,11 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
 def _build(cfg: dict):
     from fa_numba.kernels import VARIANTS, backward
 
+    form = cfg.get("mask_form", "none")  # a block mask's "intervals" / "dense" path, when asked for
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
-        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag)
-    return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"])
+        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form)
+    return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"], form)
 
 
 def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:

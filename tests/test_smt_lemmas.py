@@ -13,10 +13,12 @@ What is proved, for all N_q, N_k >= 1 and every tile (any 0 <= r0 < r1 <= N_q, 0
 - L3.2 / L5: the kernels' and iomodel's loop bounds: the query tiles that visit key tile j are exactly
   i >= I_j (the v1 and backward-kv start, iomodel's I_j), the key tiles query tile i visits exactly
   j < J_i + 1 (the v2 and backward-q stop), for tile sizes 1 to 256 and any N.
+- L9.1: the launch check (`check_sequence` and each kernel's `check_grid` over its `launch_shape`) accepts
+  exactly the launches whose grid CUDA allows, in closed form N <= 2^31 - 1 and batch * heads <= 65535
+  (2^31 - 1 for v1's one-axis grid), for every shipped kernel and tile and any batch, heads, N >= 1.
 Still only sampled (Hypothesis): documents with more than 4 documents, the row intervals (NumPy code over
-arrays), from_function / from_dense (evaluated by definition), the traffic sums beyond the visit sets above,
-and the kernels' index arithmetic in machine integers (not encoded here; masks refuse parameters past
-2^31 - 1 when made, a constructor check that is tested, not proved).
+arrays), from_function / from_dense (evaluated by definition), the traffic sums beyond the visit sets above.
+The kernels' 64-bit arithmetic (L9.2) is read from their typed IR in test_index_width.py, not here.
 """
 
 import pathlib
@@ -280,3 +282,69 @@ def test_the_key_tiles_of_a_query_tile_end_at_the_code_s_stop(block_k):
         proved = all(counterexample(base + [case.condition], z3.BoolVal(visits) == (T_I < end)) is None
                      for case in cases for visits, end in [case.value])
         assert proved == (line != wrong), line
+
+
+# -- L9: the launch check's bound ---------------------------------------------------------------------------
+
+def _shipped_launches():
+    """(name, kernel) of every registered kernel at the tiles of every shipped head dim, the backward's
+    preprocess and zero kernels included: each has its own launch_shape and check_grid."""
+    from fa_numba import profile
+    from fa_numba.kernels import backward
+
+    found = {}
+    for cfg in profile.configurations(dtypes=("float32",), causals=(False,)):
+        found[f"{cfg['variant']} d={cfg['head_dim']}"] = profile._build(cfg)
+    for d in profile.SHIPPED_HEAD_DIMS:
+        block = backward.default_backward_tiles(d)[0]
+        for kind in ("preprocess", "zero"):
+            found[f"{kind} d={d}"] = backward.make(kind, block, d, False)
+    return found
+
+
+LAUNCHES = _shipped_launches()
+CUDA_GRID = (2**31 - 1, 65535, 65535)  # the CUDA C++ Programming Guide's grid limits, written here apart
+MAX_SEQUENCE = 2**31 - 1  # the positions a block mask holds in int32
+batch, heads, n = z3.Ints("batch heads n")
+SIZES = [batch >= 1, heads >= 1, n >= 1]
+
+
+def _launch_cases(kernel):
+    """The paths of check_sequence + kernel.check_grid run as code on symbolic (batch, heads, n): each
+    returns (accepted, the grid launch_shape gives on that path)."""
+    from fa_numba.kernels.common import check_sequence
+
+    def launch(path, batch, heads, n):
+        grid = kernel.launch_shape(batch, heads, n)[0]
+        try:
+            check_sequence(n, n)
+            kernel.check_grid(batch, heads, n)
+        except ValueError:
+            return False, grid
+        return True, grid
+
+    return explore(launch, dict(batch=batch, heads=heads, n=n), SIZES)
+
+
+@pytest.mark.lemma("L9")
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_the_launch_check_accepts_exactly_the_grids_cuda_allows(name):
+    """For every batch, heads >= 1 and N >= 1 (unbounded): the code's check accepts a launch iff every
+    axis of its grid is within CUDA's limits and N <= 2^31 - 1; and that is, in closed form, N <= 2^31 - 1
+    and batch * heads <= 65535 for the kernels with a (tiles, batch * heads) grid, batch * heads <= 2^31 - 1
+    for v1's (batch * heads,) grid: the query- or key-tile axis, ceil(N / B) <= 2^31 - 1, never refuses.
+    The same claim with the y limit off by one (65536) is refuted."""
+    kernel = LAUNCHES[name]
+    cases = _launch_cases(kernel)
+    assert counterexample(SIZES, z3.Or(*(c.condition for c in cases))) is None  # the paths cover every size
+    products = batch * heads
+    one_axis = len(cases[0].value[1]) == 1  # v1: the grid is (batch * heads,)
+    limit = CUDA_GRID[0] if one_axis else CUDA_GRID[1]
+    for case in cases:
+        accepted, grid = case.value
+        fits = z3.And(n <= MAX_SEQUENCE, *(axis <= bound for axis, bound in zip(grid, CUDA_GRID)))
+        assert counterexample(SIZES + [case.condition], z3.BoolVal(accepted) == fits) is None, name
+        closed = z3.And(n <= MAX_SEQUENCE, products <= limit)
+        assert counterexample(SIZES + [case.condition], z3.BoolVal(accepted) == closed) is None, name
+    wrong = z3.And(n <= MAX_SEQUENCE, products <= limit + 1)
+    assert any(counterexample(SIZES + [c.condition], z3.BoolVal(c.value[0]) == wrong) is not None for c in cases)
