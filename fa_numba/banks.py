@@ -1,0 +1,89 @@
+"""Shared-memory bank conflicts: how many wavefronts one warp-wide shared-memory access costs.
+
+The rule, for NVIDIA compute capability 7.0 to 9.0 (V100 .. H100/H200):
+
+- Shared memory is 32 banks of 4 bytes: the 4-byte word at byte address a lives in bank (a // 4) % 32.
+- A warp access of 32-bit (or narrower) elements is served in one phase of all 32 lanes; a 64-bit access in
+  two half-warp phases (lanes 0-15, 16-31); a 128-bit access in four quarter-warp phases (lanes 0-7, 8-15,
+  16-23, 24-31). A lane's 64-bit access touches 2 consecutive words (2 banks), a 128-bit access 4.
+- In each phase the cost, in wavefronts, is the largest number of DISTINCT words any one bank is asked for:
+  lanes asking for the same word share it (a broadcast, counted once). A lane not in the access asks for
+  nothing; a phase with no active lane costs 0. A warp access costs the sum over its phases.
+
+Sources: the NVIDIA CUDA C++ Programming Guide, "Shared Memory" under Compute Capability 5.x (which 7.x, 8.x
+and 9.0 refer back to): 32 banks, successive 32-bit words in successive banks, a conflict-free request
+unless two threads ask for different words of one bank, the same word broadcast; and the widely used
+reading of 64-bit and 128-bit requests as served per half-warp and per quarter-warp (a conflict-free warp-wide
+LDS.64 / LDS.128 moves 256 / 512 bytes at 128 bytes per wavefront: 2 and 4 wavefronts).
+
+This is a model of the hardware, not a measurement: calibrate it on a GPU (Nsight Compute's
+l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld / _op_st on probe kernels) before trusting a figure built on it.
+Pure Python: no numba, no GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+BANKS = 32  # shared-memory banks
+BANK_BYTES = 4  # bytes per bank word
+WARP = 32  # lanes per warp
+WIDTHS = (1, 2, 4, 8, 16)  # bytes one lane can load or store in one shared-memory instruction
+_LANES_PER_PHASE = {1: WARP, 2: WARP, 4: WARP, 8: WARP // 2, 16: WARP // 4}
+
+
+def phase_lanes(width_bytes: int) -> int:
+    """Lanes served together in one phase of an access of width_bytes per lane: 32, 16 (64-bit) or 8 (128-bit)."""
+    if width_bytes not in _LANES_PER_PHASE:
+        raise ValueError(f"width_bytes must be one of {WIDTHS}, got {width_bytes!r}")
+    return _LANES_PER_PHASE[width_bytes]
+
+
+def _active_lanes(byte_addresses_by_lane: Mapping[int, int] | Sequence[int | None],
+                  width_bytes: int) -> dict[int, int]:
+    """{lane: byte address} of the lanes in the access, checked: lanes 0..31, addresses >= 0 and aligned."""
+    if isinstance(byte_addresses_by_lane, Mapping):
+        items = byte_addresses_by_lane.items()
+    else:
+        items = enumerate(byte_addresses_by_lane)
+    active = {}
+    for lane, address in items:
+        if address is None:
+            continue
+        if not 0 <= lane < WARP:
+            raise ValueError(f"lane {lane} is outside the warp (0..{WARP - 1})")
+        if address < 0 or address % width_bytes:
+            raise ValueError(f"lane {lane}: byte address {address} is not a non-negative multiple of the "
+                             f"access width {width_bytes} (a misaligned access faults on the GPU)")
+        active[lane] = address
+    return active
+
+
+def wavefronts(byte_addresses_by_lane: Mapping[int, int] | Sequence[int | None], width_bytes: int) -> int:
+    """Wavefronts of one warp access: byte_addresses_by_lane maps a lane to the byte address it accesses
+    (a dict of the active lanes, or a sequence indexed by lane with None for an inactive one); width_bytes
+    is what each lane loads or stores (1, 2, 4, 8 or 16). See the module docstring for the rule."""
+    per_phase = phase_lanes(width_bytes)
+    active = _active_lanes(byte_addresses_by_lane, width_bytes)
+    words_per_lane = max(1, width_bytes // BANK_BYTES)
+    total = 0
+    for first in range(0, WARP, per_phase):
+        words_by_bank: dict[int, set[int]] = {}
+        for lane in range(first, first + per_phase):
+            if lane not in active:
+                continue
+            first_word = active[lane] // BANK_BYTES
+            for word in range(first_word, first_word + words_per_lane):
+                words_by_bank.setdefault(word % BANKS, set()).add(word)
+        total += max((len(words) for words in words_by_bank.values()), default=0)
+    return total
+
+
+def ideal_wavefronts(active_lanes: int, width_bytes: int) -> int:
+    """The fewest wavefronts an access of width_bytes by active_lanes lanes can cost (none conflicting, the
+    lanes packed into as few phases as possible): ceil(active_lanes / phase_lanes). A measured count over
+    this is the access's conflict degree."""
+    if not 0 <= active_lanes <= WARP:
+        raise ValueError(f"active_lanes must be in 0..{WARP}, got {active_lanes}")
+    per_phase = phase_lanes(width_bytes)
+    return -(-active_lanes // per_phase)

@@ -1,0 +1,121 @@
+"""`fa_numba.banks`: the wavefront rule on probes whose answers are worked out by hand from the definition
+(32 banks of 4 bytes; one phase for 32-bit, half-warps for 64-bit, quarter-warps for 128-bit; per phase the
+most distinct words one bank is asked for)."""
+
+import pytest
+
+from fa_numba import banks
+
+WORD = banks.BANK_BYTES
+LANES = range(banks.WARP)
+
+
+def words(word_of_lane):
+    """Byte addresses of a 32-bit access where lane t reads word word_of_lane(t)."""
+    return [WORD * word_of_lane(t) for t in LANES]
+
+
+def test_constants_are_the_sm70_to_sm90_shared_memory():
+    assert (banks.BANKS, banks.BANK_BYTES, banks.WARP) == (32, 4, 32)
+    assert [banks.phase_lanes(w) for w in (1, 2, 4, 8, 16)] == [32, 32, 32, 16, 8]
+
+
+def test_consecutive_words_are_conflict_free():
+    assert banks.wavefronts(words(lambda t: t), 4) == 1
+
+
+def test_stride_two_words_is_a_two_way_conflict():
+    # banks 2t mod 32: lanes t and t + 16 ask bank 2t for words 2t and 2t + 32
+    assert banks.wavefronts(words(lambda t: 2 * t), 4) == 2
+
+
+def test_stride_eight_words_is_an_eight_way_conflict():
+    # banks 0, 8, 16, 24, each asked for 8 distinct words
+    assert banks.wavefronts(words(lambda t: 8 * t), 4) == 8
+
+
+def test_stride_thirty_two_words_is_a_thirty_two_way_conflict():
+    assert banks.wavefronts(words(lambda t: 32 * t), 4) == 32
+
+
+def test_stride_thirty_three_words_is_conflict_free():
+    # the padded column of a (., 33) array: bank (33 t) mod 32 = t
+    assert banks.wavefronts(words(lambda t: 33 * t), 4) == 1
+
+
+def test_every_lane_reading_one_word_is_a_broadcast():
+    assert banks.wavefronts(words(lambda t: 7), 4) == 1
+
+
+def test_pairs_of_lanes_sharing_words_are_a_broadcast():
+    assert banks.wavefronts(words(lambda t: t // 2), 4) == 1
+
+
+def test_half_the_lanes_meeting_another_word_in_their_bank_cost_two():
+    # lanes 0-15 read words 0-15; lanes 16-31 read words 32-47, banks 0-15 again
+    assert banks.wavefronts(words(lambda t: t if t < 16 else 16 + t), 4) == 2
+
+
+def test_one_lane_off_the_broadcast_word_costs_two():
+    assert banks.wavefronts(words(lambda t: 32 if t == 31 else 0), 4) == 2
+
+
+def test_sixteen_bit_neighbours_share_a_word():
+    assert banks.wavefronts([2 * t for t in LANES], 2) == 1
+
+
+def test_sixty_four_bit_consecutive_is_two_half_warp_phases():
+    assert banks.wavefronts([8 * t for t in LANES], 8) == 2
+
+
+def test_sixty_four_bit_stride_two_is_two_way_in_each_half_warp():
+    # per half-warp lane t touches words 4t and 4t + 1: lanes t and t + 8 meet in both banks
+    assert banks.wavefronts([16 * t for t in LANES], 8) == 4
+
+
+def test_sixty_four_bit_broadcast_costs_one_per_half_warp():
+    assert banks.wavefronts([64] * banks.WARP, 8) == 2
+
+
+def test_one_twenty_eight_bit_consecutive_is_four_quarter_warp_phases():
+    assert banks.wavefronts([16 * t for t in LANES], 16) == 4
+
+
+def test_one_twenty_eight_bit_stride_two_is_two_way_in_each_quarter_warp():
+    # per quarter-warp lane t touches words 8t .. 8t + 3: lanes t and t + 4 meet in four banks
+    assert banks.wavefronts([32 * t for t in LANES], 16) == 8
+
+
+def test_inactive_lanes_ask_for_nothing():
+    assert banks.wavefronts({0: 0, 1: 128, 2: 256, 3: 384}, 4) == 4  # four words of bank 0
+    assert banks.wavefronts({0: 0, 5: 128}, 4) == 2
+    assert banks.wavefronts([None if t % 2 else 128 * t for t in LANES], 4) == 16  # 16 words of bank 0
+
+
+def test_phases_without_an_active_lane_cost_nothing():
+    assert banks.wavefronts({}, 4) == 0
+    assert banks.wavefronts([None] * banks.WARP, 16) == 0
+    assert banks.wavefronts({t: 16 * t for t in range(8)}, 16) == 1  # only the first quarter-warp
+    assert banks.wavefronts({3: 0, 20: 8}, 8) == 2  # one lane in each half-warp
+
+
+def test_misaligned_addresses_and_unknown_widths_and_lanes_are_errors():
+    with pytest.raises(ValueError, match="multiple of the access width"):
+        banks.wavefronts({0: 4}, 8)
+    with pytest.raises(ValueError, match="width_bytes must be one of"):
+        banks.wavefronts({0: 0}, 32)
+    with pytest.raises(ValueError, match="outside the warp"):
+        banks.wavefronts({32: 0}, 4)
+    assert banks.wavefronts({0: 12}, 4) == 1
+
+
+def test_ideal_is_one_wavefront_per_phase_the_lanes_fill():
+    assert banks.ideal_wavefronts(32, 4) == 1
+    assert banks.ideal_wavefronts(1, 4) == 1
+    assert banks.ideal_wavefronts(0, 4) == 0
+    assert banks.ideal_wavefronts(32, 8) == 2
+    assert banks.ideal_wavefronts(17, 8) == 2
+    assert banks.ideal_wavefronts(32, 16) == 4
+    assert banks.ideal_wavefronts(9, 16) == 2
+    with pytest.raises(ValueError, match="active_lanes"):
+        banks.ideal_wavefronts(33, 4)
