@@ -11,9 +11,9 @@ No GPU is needed. For each registered variant and configuration this module
    instruction (a test compares the SASS with the cubin of Numba's own `get_cubin`);
 2. reads registers, spill bytes, stack frame and static shared memory from that log;
 3. disassembles the cubin with `nvdisasm` (the `profile` extra: `pip install "fa_numba[profile]"`, NVIDIA's
-   CUDA 13 wheel `nvidia-cuda-nvdisasm`), finds the innermost loops of the control flow (a branch back to
-   an earlier address closes a loop spanning [target, branch]; a loop that contains no other is innermost)
-   and counts each one's instruction mix per iteration;
+   CUDA 13 wheel `nvidia-cuda-nvdisasm`), finds the innermost loops of the control flow (`fa_numba.sass`: a
+   branch back to an earlier address closes a loop spanning [target, branch]; a loop that contains no other
+   is innermost) and counts each one's instruction mix per iteration;
 4. computes the theoretical occupancy from the sm_90 limits in `SM90` and names the limiting resource;
 5. derives a static FP32 throughput bound (`bound`): **a bound read from the code, never a measurement**.
 
@@ -48,197 +48,17 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from fa_numba import arguments
+from fa_numba.machine import H200, SM90, Device, Limits  # noqa: F401 - profile.Device etc.
+from fa_numba.sass import (CATEGORIES, LSU_CATEGORIES, Instruction, Loop,  # noqa: F401 - profile.Loop etc.
+                           float64_instructions, hot_loops, innermost_loops, parse_sass)
 
 ARCH = "sm_90a"  # what numba-cuda compiles for on an H100/H200 (compute capability 9.0 + "a")
 
-# ----------------------------------------------------------------------------------------------------
-# The machine: sm_90 limits (CUDA occupancy calculator, compute capability 9.0) and the H200's size.
-
-
-@dataclass(frozen=True)
-class Limits:
-    registers_per_sm: int = 65536
-    max_warps_per_sm: int = 64
-    max_blocks_per_sm: int = 32
-    shared_per_sm: int = 228 * 1024  # bytes, the largest carveout
-    shared_reserved_per_block: int = 1024  # bytes the runtime reserves in every block's shared memory
-    shared_alloc_unit: int = 128  # bytes
-    register_alloc_unit: int = 256  # registers, allocated per warp
-    max_registers_per_thread: int = 255
-    warp_size: int = 32
-    schedulers_per_sm: int = 4
-    fp32_lanes_per_sm: int = 128
-
-
-SM90 = Limits()
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str = "H200 SXM"
-    sms: int = 132
-    clock_ghz: float = 1.98  # boost clock
-
-    @property
-    def peak_fp32_tflops(self) -> float:
-        """FFMA counts 2 flops per lane: SMs x 128 lanes x 2 x clock."""
-        return self.sms * SM90.fp32_lanes_per_sm * 2 * self.clock_ghz / 1e3
-
-
-H200 = Device()
+# The machine (sm_90 limits, the H200's size and rates) is fa_numba.machine's, imported here by name.
 DEFAULT_LAUNCH = dict(batch=4, heads=16, n=4096)  # the shape the issue's targets are stated at
-
-# ----------------------------------------------------------------------------------------------------
-# SASS: instructions, categories, innermost loops. Pure text processing (tested without nvdisasm).
-
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);")
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
-
-CATEGORIES = ("FFMA", "FMUL", "FADD", "HFMA2/HMMA", "LDS/STS", "LDL/STL", "LDG/STG", "MUFU", "integer", "branch",
-              "other")
-_BY_OPCODE = {
-    "FFMA": "FFMA", "FFMA32I": "FFMA", "FMUL": "FMUL", "FMUL32I": "FMUL", "FADD": "FADD", "FADD32I": "FADD",
-    "HFMA2": "HFMA2/HMMA", "HMMA": "HFMA2/HMMA", "HADD2": "HFMA2/HMMA", "HMUL2": "HFMA2/HMMA",
-    "LDS": "LDS/STS", "STS": "LDS/STS", "LDSM": "LDS/STS", "ATOMS": "LDS/STS",
-    "LDL": "LDL/STL", "STL": "LDL/STL",
-    "LDG": "LDG/STG", "STG": "LDG/STG", "LDGSTS": "LDG/STG", "RED": "LDG/STG", "ATOMG": "LDG/STG", "LD": "LDG/STG",
-    "ST": "LDG/STG", "ATOM": "LDG/STG",
-    "MUFU": "MUFU",
-    "BRA": "branch", "BRX": "branch", "JMP": "branch", "JMX": "branch", "CALL": "branch", "RET": "branch",
-    "EXIT": "branch", "BSSY": "branch", "BSYNC": "branch", "BREAK": "branch", "WARPSYNC": "branch",
-}
-# Integer and data-movement ALU work, uniform-datapath forms included (U prefix): address arithmetic, loop
-# counters, index wraparound, moves and selects.
-_INTEGER = {"IMAD", "IADD3", "IADD", "IADD32I", "LOP3", "LOP", "LOP32I", "SHF", "SHL", "SHR", "ISETP", "LEA",
-            "IMNMX", "VIMNMX", "VIADD", "VIADDMNMX", "IABS", "POPC", "FLO", "BREV", "PRMT", "SEL", "ISCADD", "IMUL",
-            "MOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "UMOV", "IDP", "BMSK", "SGXT", "PLOP3", "P2R", "R2P"}
-LSU_CATEGORIES = ("LDS/STS", "LDL/STL")
-
-
-@dataclass(frozen=True)
-class Instruction:
-    address: int
-    opcode: str  # with its modifiers, e.g. "LDS.128"
-    operands: str
-    predicated: bool
-
-    @property
-    def base(self) -> str:
-        return self.opcode.split(".")[0]
-
-    @property
-    def category(self) -> str:
-        base = self.base
-        if base in _BY_OPCODE:
-            return _BY_OPCODE[base]
-        if base in _INTEGER or (base.startswith("U") and base[1:] in _INTEGER) or base in ("ULDC", "LDC"):
-            return "integer" if base not in ("ULDC", "LDC") else "other"
-        return "other"
-
-
-@dataclass(frozen=True)
-class Loop:
-    start: int  # address of the first instruction (the back edge's target)
-    end: int  # address of the branch that closes the loop
-    depth: int  # loops enclosing it, itself included: 1 for a loop at the kernel's top level
-    instructions: tuple[Instruction, ...]
-
-    @property
-    def mix(self) -> dict[str, int]:
-        counts = Counter(i.category for i in self.instructions)
-        return {c: counts.get(c, 0) for c in CATEGORIES}
-
-    @property
-    def opcodes(self) -> dict[str, int]:
-        return dict(Counter(i.opcode for i in self.instructions).most_common())
-
-    @property
-    def ffma(self) -> int:
-        return self.mix["FFMA"]
-
-    @property
-    def issued(self) -> int:
-        return len(self.instructions)
-
-    @property
-    def issued_per_ffma(self) -> float:
-        return self.issued / self.ffma if self.ffma else math.inf
-
-    def as_dict(self) -> dict:
-        return {"start": f"0x{self.start:04x}", "end": f"0x{self.end:04x}", "depth": self.depth, "issued": self.issued,
-                "ffma": self.ffma, "issued_per_ffma": round(self.issued_per_ffma, 3) if self.ffma else None,
-                "mix": self.mix, "opcodes": self.opcodes}
-
-
-def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int], list[tuple[int, str]]]:
-    """Instructions, label addresses and (branch address, target label) pairs of an `nvdisasm -c` listing."""
-    instructions, labels, branches = [], {}, []
-    pending = []
-    for line in text.splitlines():
-        found = _LABEL.match(line)
-        if found:
-            pending.append(found.group(1))
-            continue
-        found = _INSTRUCTION.search(line)
-        if not found:
-            continue
-        address = int(found.group(1), 16)
-        inst = Instruction(address, found.group(3), found.group(4).strip(), bool(found.group(2)))
-        instructions.append(inst)
-        for label in pending:
-            labels[label] = address
-        pending = []
-        target = _TARGET.search(inst.operands)
-        if target and inst.base in ("BRA", "JMP"):
-            branches.append((address, target.group(1)))
-    return instructions, labels, branches
-
-
-def innermost_loops(text: str) -> list[Loop]:
-    """The innermost loops of a kernel's SASS, in address order.
-
-    A branch to a label at an address <= its own closes a loop over [target, branch] (ptxas lays a loop
-    out contiguously); the one-instruction `BRA` to itself that ends every kernel is not a loop. A loop is
-    innermost when no other loop lies strictly inside its range. Its mix counts each instruction once:
-    the instructions issued by one iteration that takes every path.
-    """
-    instructions, labels, branches = parse_sass(text)
-    spans = set()
-    for address, label in branches:
-        start = labels.get(label)
-        if start is not None and start < address:
-            spans.add((start, address))
-    inner = [(s, e) for s, e in spans
-             if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in spans)]
-    return [Loop(s, e, sum(1 for s2, e2 in spans if s2 <= s and e <= e2),
-                 tuple(i for i in instructions if s <= i.address <= e)) for s, e in sorted(inner)]
-
-
-def hot_loops(loops: list[Loop]) -> list[Loop]:
-    """The matrix-product loops: innermost loops whose FFMAs multiply operands loaded from on-chip memory
-    (the loop has LDS or LDL) and which evaluate no transcendental (no MUFU).
-
-    The SASS does not say how often a loop runs; what marks the Q K^T and P V loops of an attention kernel is
-    what they do. This keeps them however the compiler unrolled or nested them, and leaves out the exp
-    loops (FFMAs around MUFU.EX2), the divisions of the epilogue and the tile loads. If no loop qualifies,
-    every innermost loop with an FFMA is taken.
-    """
-    with_ffma = [loop for loop in loops if loop.ffma]
-    matrix = [loop for loop in with_ffma
-              if (loop.mix["LDS/STS"] or loop.mix["LDL/STL"]) and not loop.mix["MUFU"]]
-    return matrix or with_ffma
-
-
-def float64_instructions(text: str) -> list[str]:
-    """Opcodes of double-precision arithmetic or conversions in a listing (a stray float64 literal)."""
-    instructions, _, _ = parse_sass(text)
-    return sorted({i.opcode for i in instructions
-                   if i.base in ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DMMA") or ".F64" in i.opcode})
 
 
 # ----------------------------------------------------------------------------------------------------

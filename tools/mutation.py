@@ -124,9 +124,14 @@ MODULES = {
     "iomodel": Target("fa_numba/iomodel.py", _files(
         "iomodel", "contracts_iomodel", "contracts_tiled", "backward_tiled", "seeds", "inputs")),
     "profile": Target("fa_numba/profile.py", PROFILE_PURE_TESTS + _files("contracts_profile"), scope=(
-        "parse_sass", "innermost_loops", "hot_loops", "float64_instructions", "parse_ptxas", "_round_up",
-        "occupancy", "bound", "Instruction.base", "Instruction.category", "Loop.mix", "Loop.opcodes", "Loop.ffma",
-        "Loop.issued", "Loop.issued_per_ffma")),
+        "parse_ptxas", "_round_up", "occupancy", "bound")),
+    "sass": Target("fa_numba/sass.py", PROFILE_PURE_TESTS + _files("contracts_profile", "sass"),
+                   ("tests/test_sass.py::test_real_kernels_round_trips_and_tile_loop",), scope=(
+        "parse_sass", "_loop_spans", "innermost_loops", "hot_loops", "float64_instructions", "loop_tree",
+        "enclosing_loop", "global_load_waits", "load_destination", "touched_registers", "_operands", "_width",
+        "_registers", "_is_register", "_inside", "Instruction.base", "Instruction.category", "Loop.mix",
+        "Loop.opcodes", "Loop.ffma", "Loop.issued", "Loop.issued_per_ffma")),
+    "cycle_model": Target("fa_numba/cycle_model.py", _files("cycle_model")),
 }
 
 
