@@ -1,0 +1,173 @@
+"""From one compiled kernel to the whole-kernel estimate: what one tile-loop iteration issues, and the launch.
+
+`profile` calls `estimate_configuration` with the kernel's SASS, its occupancy and the wavefronts one
+iteration costs a block in shared memory (`kernels.smem_costs`, measured in the simulator); this module
+turns them into `cycle_model.IterationCost` and `cycle_model.Launch`:
+
+- The tile loop is the smallest SASS loop holding all the matrix-product loops (`sass.enclosing_loop` of
+  `sass.hot_loops`): the loop over key tiles in v2, v2-rowwise and backward q, over query tiles in v1,
+  v1-rowwise and backward kv. One iteration issues its own instructions once (every path of its body: an
+  upper bound where branches skip code, e.g. ragged-edge guards) plus each inner loop's body times its trip
+  count.
+- Trip counts come from the compile-time layout, anchored on what the loop must do: a matrix-product loop
+  does one product of B_r x B_c x D multiply-adds per iteration of the tile loop, spread over the block's
+  threads (D: d padded as the engine pads it), so trips = B_r B_c D / threads / FFMA per trip; a load loop
+  (global loads, no FFMA) moves one tile of the loop's operand, B x d elements, so trips = B d / threads /
+  global accesses per trip. A loop that fits neither rule, or whose trips are not a whole number, is counted
+  once and listed in `unattributed`, so the figure says where it is unsure.
+- Global-load round trips: `sass.global_load_waits` of the body, each inner loop's times its trips.
+- The launch: the grid of `launch_shape`, whole blocks per SM from the occupancy, the tile-loop iterations
+  a block runs (visited tiles / blocks), and HBM bytes: `iomodel`'s counts, or only each tensor once when the
+  re-read operands of the heads in flight fit in L2 (`hbm_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fa_numba import iomodel, sass, tile_counts
+from fa_numba.cycle_model import Estimate, IterationCost, Launch, estimate
+from fa_numba.machine import H200, SM90, Device
+from fa_numba.timing import attention_flops
+
+# Matrix products one tile-loop iteration computes, each B_r x B_c x d multiply-adds: S = Q K^T and P V
+# forward; the backward recomputes S and forms dP = dO V^T, then dV, dK (kv side) and dQ as its flags say.
+PRODUCTS = {"v1": 2, "v2": 2, "v1-rowwise": 2, "v2-rowwise": 2,
+            "bwd-kv": 5, "bwd-kv-det": 4, "bwd-q-dq": 3, "bwd-q": 5}
+# FFMAs outside the products (the softmax's scale and rescaling) may add a little; more than this means a loop
+# was counted twice or missed (a remainder loop beside an unrolled one), so the counts are not trusted.
+PRODUCT_SLACK = 0.5
+KV_OUTER = ("v1", "v1-rowwise", "bwd-kv", "bwd-kv-det")  # the tile loop runs over query tiles
+GLOBAL_ACCESSES = ("LDG", "STG", "RED", "REDG", "ATOMG", "LD", "ST")
+
+
+def padded_head_dim(cfg: dict, threads_x: int | None) -> int:
+    """D: d rounded up to a multiple of the engine's CX threads along the key axis (engine.Layout.d_pad); the
+    rowwise and backward kernels loop over d itself."""
+    if threads_x is None:
+        return cfg["head_dim"]
+    return -(-cfg["head_dim"] // threads_x) * threads_x
+
+
+def _loop_axis_tile(cfg: dict) -> int:
+    """The tile the tile loop steps over: B_r for the K/V-outer kernels, B_c for the Q-outer ones."""
+    return cfg["block_q"] if cfg["variant"] in KV_OUTER else cfg["block_k"]
+
+
+def _executions(loop, parent_executions: float, direct: bool, cfg: dict, threads: int, d_pad: int) -> float | None:
+    """How often an inner loop's body runs per tile-loop iteration, by the module docstring's rule, or None if
+    no rule gives a whole multiple of its parent's count. direct: the loop is a child of the tile loop itself."""
+    mix = loop.mix
+    if mix["FFMA"] and (mix["LDS/STS"] or mix["LDL/STL"]) and not loop.children:  # a matrix-product loop
+        runs = cfg["block_q"] * cfg["block_k"] * d_pad / threads / mix["FFMA"]
+    elif direct and not mix["FFMA"]:  # a load (or atomic) loop: one tile of the loop's operand
+        accesses = sum(1 for i in loop.instructions if i.base in GLOBAL_ACCESSES)
+        if not accesses:
+            return None
+        runs = _loop_axis_tile(cfg) * cfg["head_dim"] / threads / accesses
+    else:
+        return None
+    per_parent = runs / parent_executions
+    return runs if per_parent >= 1 and abs(per_parent - round(per_parent)) < 1e-9 else None
+
+
+def iteration_counts(text: str, cfg: dict, threads: int, threads_x: int | None = None) -> dict:
+    """Per thread, what one tile-loop iteration issues: instructions (and by category), FFMA, MUFU, global-load
+    round trips, the products its FFMAs amount to, and the inner loops no rule counts (run once per run of
+    their parent: the figures are then lower bounds on the work, and `unattributed` lists them)."""
+    tree = sass.loop_tree(text)
+    hot = sass.hot_loops(sass.innermost_loops(text))
+    tile = sass.enclosing_loop(tree, hot)
+    if tile is None:
+        raise ValueError(f"{cfg['variant']}: no SASS loop holds all its matrix-product loops")
+    d_pad = padded_head_dim(cfg, threads_x)
+    counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
+              "unattributed": []}
+
+    def add(node, runs: float) -> None:
+        for inst in node.own:
+            counts["instructions"] += runs
+            counts["by_category"][inst.category] += runs
+        counts["load_round_trips"] += runs * sass.global_load_waits(node.own)
+        for child in node.children:
+            inner = tree[child]
+            inner_runs = _executions(inner, runs, node is tile, cfg, threads, d_pad)
+            if inner_runs is None:
+                counts["unattributed"].append(f"0x{inner.start:04x}-0x{inner.end:04x}")
+                inner_runs = runs
+            add(inner, inner_runs)
+
+    add(tile, 1)
+    counts["ffma"] = counts["by_category"]["FFMA"]
+    counts["mufu"] = counts["by_category"]["MUFU"]
+    counts["products"] = counts["ffma"] / (cfg["block_q"] * cfg["block_k"] * d_pad / threads)
+    return counts
+
+
+def iterations_per_block(cfg: dict, blocks_per_head: int, n_q: int, n_k: int) -> float:
+    """Tile-loop iterations a block runs, the mean over the blocks of one head: visited tiles / blocks."""
+    tiles = tile_counts.count(n_q, n_k, cfg["block_q"], cfg["block_k"], cfg["causal"]).computed
+    return tiles / blocks_per_head
+
+
+def hbm_bytes(cfg: dict, launch: dict, concurrent_blocks: int, blocks_per_head: int, device: Device = H200) -> dict:
+    """HBM bytes of one call: iomodel's element counts in bytes (`counted`), and the bytes if each tensor moves
+    once (`once`); the call pays `once` when the operands its blocks re-read, for the heads in flight
+    (concurrent blocks / blocks per head, plus one straddling), fit in L2, else `counted`."""
+    n, batch, heads, d = launch["n"], launch["batch"], launch["heads"], cfg["head_dim"]
+    itemsize = 2 if cfg["dtype"] in ("float16", "bfloat16") else 4
+    variant, block_q, block_k, causal = cfg["variant"], cfg["block_q"], cfg["block_k"], cfg["causal"]
+    if variant.startswith("bwd"):  # the whole backward call of the kernel's order (det: its kv pass's atomics
+        order = "kv" if variant in KV_OUTER else "q"  # included): an upper bound on one kernel's bytes
+        ledger = iomodel.traffic_backward(order, n, n, d, block_q, block_k, causal, batch, heads)
+        reread = n * d * (2 * itemsize + 4) + 8 * n if order == "kv" else 2 * n * d * itemsize  # Q dO dQ LSE D | K V
+    else:
+        ledger = iomodel.traffic(variant[:2], n, n, d, block_q, block_k, causal, batch, heads)
+        reread = n * d * (itemsize + 4) + 8 * n if variant in KV_OUTER else 2 * n * d * itemsize  # Q O l m | K V
+    counted = iomodel.total_bytes(ledger, itemsize)
+    once = _once_bytes(ledger, itemsize, batch * heads, n, d)
+    in_flight = math.ceil(concurrent_blocks / blocks_per_head) + 1
+    fits = in_flight * reread <= device.l2_bytes
+    return {"counted": counted, "once": once, "fits_l2": fits, "paid": once if fits else counted}
+
+
+def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int) -> int:
+    """Every tensor the ledger touches, read and written at most once: N d per head for the (N, d) tensors,
+    N for the statistics."""
+    sizes = iomodel.to_bytes(ledger, itemsize)
+    total = 0
+    for side in ("read", "write"):
+        for tensor, nbytes in sizes[side].items():
+            if nbytes:
+                per_element = nbytes / max(1, (ledger.reads if side == "read" else ledger.writes)[tensor])
+                elements = heads * n * (1 if tensor in ("l", "m", "LSE", "D") else d)
+                total += elements * per_element
+    return int(total)
+
+
+def estimate_configuration(cfg: dict, text: str, occupancy: dict, grid: tuple, block: tuple, wavefronts: float,
+                           launch: dict, device: Device = H200) -> tuple[Estimate | None, dict]:
+    """The whole-kernel estimate of one configuration and the counts behind it (module docstring); None, and
+    the reason in "withheld", when the tile loop's FFMAs do not amount to the kernel's products."""
+    threads = math.prod(block)
+    counts = iteration_counts(text, cfg, threads, block[0] if cfg["variant"] in ("v1", "v2") else None)
+    expected = PRODUCTS[cfg["variant"]]
+    if abs(counts["products"] - expected) > PRODUCT_SLACK:  # the loops are not the products: no estimate
+        return None, {**counts, "withheld": f"the SASS loops amount to {counts['products']:.2f} products of "
+                                            f"B_r B_c D, not the kernel's {expected}"}
+    warps = -(-threads // SM90.warp_size)
+    blocks = math.prod(grid)
+    blocks_per_head = blocks // (launch["batch"] * launch["heads"]) or 1
+    iterations = iterations_per_block(cfg, blocks_per_head, launch["n"], launch["n"])
+    # Useful flops as flash-attn's benchmarks count them (timing.attention_flops: 4 B H N_q N_k d forward,
+    # halved for causal), times the products over the forward's two, spread evenly over the iterations.
+    useful = (attention_flops(launch["batch"], launch["heads"], launch["n"], launch["n"], cfg["head_dim"],
+                              cfg["causal"]) * PRODUCTS[cfg["variant"]] / 2)
+    cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
+                         wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],
+                         flops=useful / (iterations * blocks))
+    resident = min(occupancy["blocks_per_sm"], math.ceil(blocks / device.sms))
+    traffic = hbm_bytes(cfg, launch, resident * device.sms, blocks_per_head, device)
+    run = Launch(blocks=blocks, warps_per_block=warps, blocks_per_sm=occupancy["blocks_per_sm"],
+                 iterations_per_block=iterations, hbm_bytes=traffic["paid"])
+    return estimate(cost, run, device), {**counts, "hbm": traffic, "wavefronts": wavefronts}

@@ -1,0 +1,69 @@
+"""The whole-kernel model (fa_numba.cycle_model) on probes whose answers are worked out by hand from its
+stated rule and the H200 constants (132 SMs, 1.98 GHz, 4 schedulers, 16 MUFU lanes, 128 bytes of shared
+memory per cycle, 4.8 TB/s, an assumed 300-cycle L2 latency): each limiter wins once, whole blocks and
+whole waves, a grid smaller than the SMs, and HBM."""
+
+import dataclasses
+
+import pytest
+
+from fa_numba import machine
+from fa_numba.cycle_model import IterationCost, Launch, estimate, iteration_cycles, resident_blocks
+
+CLOCK = 1.98e9
+BASE = IterationCost(warp_instructions=800, mufu=0, wavefronts=0, load_round_trips=0, flops=1e6)
+FULL = Launch(blocks=264, warps_per_block=8, blocks_per_sm=2, iterations_per_block=10, hbm_bytes=0)
+
+
+def test_the_constants_are_the_h200_s():
+    h200 = machine.H200
+    assert (h200.sms, h200.clock_ghz, h200.mufu_lanes_per_sm, h200.shared_bytes_per_cycle) == (132, 1.98, 16, 128)
+    assert h200.peak_fp32_tflops == pytest.approx(66.9, abs=0.05)  # the whitepaper's FP32 peak
+
+
+def test_an_issue_bound_iteration_is_its_warp_instructions_over_four_schedulers():
+    # 2 resident blocks x 800 warp instructions / 4 schedulers = 400 cycles; one block alone: 800 / 4 = 200
+    cycles = iteration_cycles(BASE, FULL)
+    assert cycles == {"issue": 400, "shared": 0, "mufu": 0, "latency": 200}
+    found = estimate(BASE, FULL)
+    assert found.limiter == "issue" and found.waves == 1 and found.resident == 2 and found.busy_sms == 132
+    assert found.seconds == pytest.approx(400 * 10 / CLOCK)
+    assert found.tflops == pytest.approx(1e6 * 10 * 264 / (400 * 10 / CLOCK) / 1e12)
+
+
+@pytest.mark.parametrize("change, limiter, cycles", [
+    (dict(wavefronts=500), "shared", 2 * 500),  # one 128-byte wavefront per cycle
+    (dict(mufu=300), "mufu", 2 * 300 * 32 / 16),  # 32 lanes through 16 MUFU lanes: 2 cycles each
+    (dict(load_round_trips=16), "latency", 16 * 300 + 200),  # the block's own chain: trips x L2 + own issue
+])
+def test_each_on_chip_limiter_wins_when_it_is_the_largest(change, limiter, cycles):
+    found = estimate(dataclasses.replace(BASE, **change), FULL)
+    assert found.limiter == limiter
+    assert found.cycles[limiter] == pytest.approx(cycles)
+    assert found.seconds == pytest.approx(cycles * 10 / CLOCK)
+
+
+def test_one_block_more_than_a_wave_costs_a_whole_second_wave():
+    one = Launch(blocks=132, warps_per_block=8, blocks_per_sm=1, iterations_per_block=10, hbm_bytes=0)
+    more = dataclasses.replace(one, blocks=133)
+    assert estimate(BASE, one).waves == 1 and estimate(BASE, more).waves == 2
+    assert estimate(BASE, more).seconds == pytest.approx(2 * estimate(BASE, one).seconds)
+
+
+def test_a_grid_smaller_than_the_sms_leaves_them_idle_with_one_block_each():
+    small = Launch(blocks=64, warps_per_block=8, blocks_per_sm=2, iterations_per_block=10, hbm_bytes=0)
+    assert resident_blocks(small) == 1  # never half a block per SM: 64 SMs busy, 68 idle
+    found = estimate(BASE, small)
+    assert found.busy_sms == 64 and found.cycles["issue"] == 200  # 1 block x 800 / 4
+    assert found.cycles["latency"] == 200 and found.seconds == pytest.approx(200 * 10 / CLOCK)
+
+
+def test_hbm_bytes_bound_the_call_when_they_take_longer():
+    slow = dataclasses.replace(FULL, hbm_bytes=4.8e9)  # 1 ms at 4.8 TB/s; on chip: 4000 cycles, 2 us
+    found = estimate(BASE, slow)
+    assert found.limiter == "hbm" and found.seconds == pytest.approx(1e-3)
+
+
+def test_an_empty_grid_is_refused():
+    with pytest.raises(ValueError, match="blocks >= 1"):
+        resident_blocks(dataclasses.replace(FULL, blocks=0))

@@ -1,0 +1,72 @@
+"""fa_numba.whole_kernel on hand-written listings whose per-iteration counts are worked out by hand: a tile
+loop holding a matrix-product loop and a load loop, each run as many times as its anchor requires; a loop no
+rule covers, counted once and listed; and the products check that withholds an estimate."""
+
+import pytest
+
+from fa_numba import whole_kernel
+
+CFG = dict(variant="v2", block_q=4, block_k=4, head_dim=8, dtype="float32", causal=False)
+THREADS = 4  # so one product is B_r B_c d / threads = 4 * 4 * 8 / 4 = 32 multiply-adds per thread
+
+
+def _listing(*lines) -> str:
+    """nvdisasm's format: instructions 16 bytes apart from 0x0000, and labels (".L_x_n")."""
+    out, address = [], 0
+    for text in lines:
+        if text.startswith(".L_x_"):
+            out.append(f"{text}:")
+        else:
+            out.append(f"        /*{address:04x}*/                   {text} ;")
+            address += 0x10
+    return "\n".join(out)
+
+
+def _kernel(product_loop: list[str], load_loop: list[str]) -> str:
+    """A tile loop: 2 own instructions (a global load and its use), then the load loop, then the product loop
+    twice (S and P V), then its back edge: 3 own instructions in all."""
+    return _listing(
+        ".L_x_0",
+        "LDG.E R2, desc[UR4][R4.64]",
+        "STS [R6], R2",
+        ".L_x_1", *load_loop, "@P1 BRA `(.L_x_1)",
+        ".L_x_2", *product_loop, "@P0 BRA `(.L_x_2)",
+        ".L_x_3", *product_loop, "@P0 BRA `(.L_x_3)",
+        "@P2 BRA `(.L_x_0)",
+        "EXIT",
+        ".L_x_9", "BRA `(.L_x_9)")
+
+
+# 8 FFMA per trip: 32 / 8 = 4 trips of (2 LDS + 8 FFMA + the branch) = 11 instructions
+PRODUCT = ["LDS.128 R8, [R10]", "LDS.128 R12, [R10+0x10]"] + [f"FFMA R{20 + i}, R8, R12, R{20 + i}" for i in range(8)]
+# 2 global loads per trip: B_c d / threads = 4 * 8 / 4 = 8 elements per thread, so 4 trips; each trip waits
+# once (LDG, LDG, then the STS of the first: one round trip), 5 instructions with the branch
+LOAD = ["LDG.E R30, desc[UR4][R32.64]", "LDG.E R31, desc[UR4][R34.64]", "STS [R36], R30", "STS [R36+0x4], R31"]
+
+
+def test_each_inner_loop_runs_as_often_as_its_anchor_requires():
+    counts = whole_kernel.iteration_counts(_kernel(PRODUCT, LOAD), CFG, THREADS)
+    assert counts["unattributed"] == []
+    assert counts["instructions"] == 3 + 4 * 5 + 2 * 4 * 11  # own, the load loop, two product loops
+    assert counts["ffma"] == 2 * 4 * 8 and counts["products"] == 2
+    assert counts["load_round_trips"] == 1 + 4 * 1
+    assert counts["by_category"]["LDS/STS"] == 1 + 4 * 2 + 2 * 4 * 2
+
+
+def test_a_loop_no_rule_covers_is_counted_once_and_listed():
+    odd = ["IADD3 R40, R40, 0x1, RZ", "ISETP.NE.AND P1, PT, R40, R41, PT"]  # no load, no FFMA: no anchor
+    counts = whole_kernel.iteration_counts(_kernel(PRODUCT, odd), CFG, THREADS)
+    assert counts["unattributed"] == ["0x0020-0x0040"]
+    assert counts["instructions"] == 3 + 1 * 3 + 2 * 4 * 11
+
+
+def test_a_product_loop_whose_trips_are_not_whole_is_not_trusted():
+    ragged = PRODUCT[:2] + PRODUCT[2:2 + 5]  # 5 FFMA per trip: 32 / 5 trips is not a whole number
+    counts = whole_kernel.iteration_counts(_kernel(ragged, LOAD), CFG, THREADS)
+    assert counts["unattributed"] == ["0x0070-0x00e0", "0x00f0-0x0160"]  # 2 LDS + 5 FFMA + BRA each
+
+
+def test_no_tile_loop_is_an_error():
+    flat = _listing(".L_x_2", *PRODUCT, "@P0 BRA `(.L_x_2)", "EXIT")
+    with pytest.raises(ValueError, match="no SASS loop holds all its matrix-product loops"):
+        whole_kernel.iteration_counts(flat, CFG, THREADS)
