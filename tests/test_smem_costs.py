@@ -1,0 +1,202 @@
+"""`fa_numba.kernels.smem_costs`: the shared-memory wavefronts one tile-loop iteration costs one block.
+
+Default tier: one small engine configuration whose per-iteration wavefronts are worked out by hand from its
+layout (the bank rule: 32 banks of 4 bytes; 64-bit accesses per half warp, 128-bit per quarter warp), the
+premise that 3 tiles - 2 == 2 tiles - 1, and the per-region pairing of a diverging warp on a probe. Slow tier:
+every shipped configuration. Simulator only: the tracer hooks the CUDA simulator."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda, float32
+
+from fa_numba import backend
+from fa_numba.kernels import smem_costs, smem_trace
+
+pytestmark = pytest.mark.skipif(backend.name() != "simulator", reason="the tracer hooks the CUDA simulator")
+
+WARP = 32
+# v2 with 16 x 32 tiles at d = 16: micro-tiles 4 x 4 (engine.micro_for), so RY = 4 row groups of CX = 8
+# threads: T = 32 threads, exactly one warp, lane = ty CX + tx. D = 16, TD = D / CX = 2.
+SMALL = dict(variant="v2", block_q=16, block_k=32, head_dim=16, dtype="float32", causal=False)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """SMALL traced with 1, 2 and 3 key tiles (a few seconds together): its layout, rows[widths][tiles] and
+    the per-iteration result per width, as per_iteration makes it."""
+    traces = {}
+    rows, divergence = smem_costs.reports(SMALL, (1, 2, 3), traces=traces)
+    assert divergence is None
+    results = {mode: smem_costs.result(SMALL, rows[mode], mode) for mode in smem_trace.WIDTH_MODES}
+    return dict(layout=smem_costs._build(SMALL).config.layout, rows=rows, trace=traces[1], **results)
+
+
+def row(result, region, kind):
+    (found,) = [r for r in result["rows"] if r["region"] == region and r["kind"] == kind]
+    return found["width"], found["accesses"], found["wavefronts"], found["ideal"]
+
+
+def test_the_small_layout_is_one_warp(small):
+    layout = small["layout"]
+    assert (layout.tm, layout.tn, layout.ry, layout.cx, layout.threads, layout.d_pad, layout.td) == (
+        4, 4, 4, 8, WARP, 16, 2)
+    assert not layout.aliased and layout.offsets["k"] % WARP == 0 and layout.offsets["p"] % WARP == 0
+
+
+@pytest.mark.parametrize("widths", smem_trace.WIDTH_MODES)
+def test_k_transpose_and_v_stores_are_conflict_free_one_element_per_lane(small, widths):
+    # engine.tile_loader, transposed: T = 32 is a multiple of the inner extent W = B_c = 32, so lane t keeps
+    # inner index t and walks the outer (feature) index: step s stores smem[K + t + 32 s], 32 consecutive
+    # words, 32 banks: 1 wavefront. D B_c / T = 16 steps per tile; a lane's own addresses are 32 apart, so
+    # nothing merges. V_j (d fastest, B_c D / T = 16 steps of consecutive words) likewise.
+    layout, result = small["layout"], small[widths]
+    steps = layout.d_pad * layout.block_k // layout.threads
+    assert steps == 16
+    assert row(result, "K^T", "store") == (4, steps, steps, steps)
+    assert row(result, "V", "store") == (4, steps, steps, steps)
+
+
+def test_k_transpose_fragment_loads_merge_to_conflict_free_128_bit(small):
+    # scores: lane (ty, tx) reads K^T[x B_c + tx TN + c], c < TN = 4: four adjacent, 16-byte aligned words
+    # (K is a multiple of 4 floats): one LDS.128 per feature x, D = 16 of them. Quarter warp p = row group
+    # ty = p, tx = 0..7: words tx 4 + c + 32 x, 32 distinct banks: 1 wavefront per phase, 4 per access.
+    merged, scalar = small["merged"], small["scalar"]
+    assert row(merged, "K^T", "load") == (16, 16, 64, 64)
+    # scalar: one LDS per (x, c), the 4 row groups read the same word (a broadcast): 1 wavefront each
+    assert row(scalar, "K^T", "load") == (4, 64, 64, 64)
+
+
+def test_p_transpose_store_is_an_8_way_conflict(small):
+    # store_p: lane (ty, tx) writes P^T[(tx TN + c) B_r + ty TM + a]: for each c four adjacent words (a),
+    # one STS.128. The tx stride TN B_r = 64 words is 0 mod 32 banks, so in quarter warp p (ty = p, tx =
+    # 0..7) all 8 lanes ask the same 4 banks for different words: 8 wavefronts per phase, 32 per access,
+    # against 4 ideal; TN = 4 accesses. Scalar: 16 STS, each 4 banks (ty) x 8 words (tx): 8-way.
+    layout, merged, scalar = small["layout"], small["merged"], small["scalar"]
+    assert layout.tn * layout.block_q % WARP == 0
+    assert row(merged, "P^T", "store") == (16, 4, 128, 16)
+    assert row(scalar, "P^T", "store") == (4, 16, 128, 16)
+    assert merged["regions"]["P^T"]["degree"] > 1
+
+
+def test_totals_add_up_and_the_cost_is_per_iteration(small):
+    for widths in smem_trace.WIDTH_MODES:
+        result, rows = small[widths], small["rows"][widths]
+        third = smem_costs.difference(rows[3], rows[2])
+        assert third == smem_costs.difference(rows[2], rows[1])  # not a prologue artefact
+        total = result["total"]
+        assert total["wavefronts"] == sum(r["wavefronts"] for r in result["rows"]) == sum(
+            r["wavefronts"] for r in result["regions"].values()) > 0
+        assert total["ideal"] <= total["wavefronts"]
+        assert set(result["regions"]) == {"Q^T", "K^T", "V", "P^T", "red"}
+
+
+def test_per_site_pairing_equals_the_tracer_where_no_warp_diverges(small):
+    trace = small["trace"]  # 1 tile
+    rows, divergence = smem_costs._priced(trace, "merged")
+    assert divergence is None and rows == small["rows"]["merged"][1]
+    per_site = smem_costs.report_per_site(trace, "merged")
+    assert {k: (c.accesses, c.wavefronts, c.ideal) for k, c in per_site.items()} == rows
+
+
+@cuda.jit
+def branch_into_its_own_array(out):
+    """Lanes t % 8 == 0 store into `few` (a branch the others skip), then every lane stores into `all_`."""
+    few = cuda.shared.array(WARP, float32)
+    all_ = cuda.shared.array(WARP, float32)
+    t = cuda.threadIdx.x
+    if t % 8 == 0:
+        few[t // 8] = float32(1)
+    all_[t] = float32(2)
+
+
+def test_a_branch_into_its_own_region_is_paired_per_site():
+    with smem_trace.trace_shared() as trace:
+        branch_into_its_own_array[1, WARP](np.zeros(1, np.float32))
+    with pytest.raises(smem_trace.DivergenceError):
+        trace.report("scalar")
+    rows, divergence = smem_costs._priced(trace, "scalar")
+    assert divergence and "lanes disagree" in divergence
+    assert {site.split("@")[0]: counts for (site, _, _), counts in rows.items()} == {
+        "few": (1, 1, 1), "all_": (1, 1, 1)}  # 4 lanes, words 0..3; 32 lanes, words 0..31
+
+
+def test_the_command_line_prints_one_result_per_configuration(capsys):
+    # a backward q kernel of 8 x 8 tiles at d = 8: micro-tile 4 (backward.micro_for), 2 x 2 = 4 threads
+    tiny = [dict(variant="bwd-q-dq", block_q=8, block_k=8, head_dim=8, dtype="float32", causal=True),
+            dict(variant="v2-rowwise", block_q=8, block_k=8, head_dim=8, dtype="float16", causal=False)]
+    assert smem_costs.main([json.dumps(tiny), "--widths", "both"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == [json.dumps(cfg, sort_keys=True) for cfg in tiny]
+    bwd, rowwise = out.values()
+    assert bwd["merged"]["loop"] == "key tiles" and "non-causal kernel" in bwd["merged"]["note"]
+    # dQ_i += dS K_j reads dS and K every iteration; dq-only mode stores no P
+    assert {"dS", "K", "V", "Q", "dO"} <= set(bwd["scalar"]["regions"]) and "P" not in bwd["scalar"]["regions"]
+    # one thread per query row: every lane reads the same K_j element, a broadcast (no conflict)
+    assert rowwise["scalar"]["regions"]["k_tile"]["degree"] == 1.0 and rowwise["merged"]["total"]["wavefronts"] > 0
+
+
+def test_unknown_widths_and_variants_are_errors():
+    with pytest.raises(ValueError, match="widths must be one of"):
+        smem_costs.per_iteration(SMALL, "vector")
+    with pytest.raises(ValueError, match="unknown variant"):
+        smem_costs._sizes({**SMALL, "variant": "v3"}, 1)
+    assert smem_costs._sizes(SMALL, 2) == (16, 64)  # v2: the key tiles grow
+    assert smem_costs._sizes({**SMALL, "variant": "bwd-kv"}, 2) == (32, 32)  # backward kv: the query tiles
+
+
+def test_a_negative_difference_is_not_a_per_iteration_cost():
+    key = ("K^T@smem", "load", 4)
+    assert smem_costs.difference({key: (3, 3, 3)}, {key: (1, 1, 1)}) == {key: (2, 2, 2)}
+    with pytest.raises(ValueError, match="not a per-iteration cost"):
+        smem_costs.difference({key: (1, 1, 1)}, {key: (2, 2, 2)})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Slow tier: every shipped configuration (float32, non-causal: a causal or float16 one runs the same FULL-tile
+# code), in parallel subprocesses through the command line.
+
+SHIPPED_SECONDS = 600  # per process, generous: each configuration took 6-20 s (process start included; 2 cores)
+
+
+@pytest.mark.slow
+def test_every_shipped_configuration():
+    from fa_numba import profile
+
+    cfgs = list(profile.configurations(dtypes=("float32",), causals=(False,)))
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    jobs = max(1, min(len(cfgs), os.cpu_count() or 1))
+    results = {}
+    for first in range(0, len(cfgs), jobs):
+        procs = [subprocess.Popen([sys.executable, "-m", "fa_numba.kernels.smem_costs", json.dumps([cfg]),
+                                   "--widths", "both"], stdout=subprocess.PIPE, text=True, env=env)
+                 for cfg in cfgs[first:first + jobs]]
+        for proc in procs:
+            out, _ = proc.communicate(timeout=SHIPPED_SECONDS)
+            assert proc.returncode == 0
+            results.update(json.loads(out))
+    lines = []
+    for cfg in cfgs:
+        got = results[json.dumps(cfg, sort_keys=True)]
+        merged, scalar = got["merged"]["total"], got["scalar"]["total"]
+        lines.append(f"{cfg['variant']:11s} d={cfg['head_dim']:3d} merged {merged['wavefronts']:6d} scalar "
+                     f"{scalar['wavefronts']:6d} ({got['merged']['seconds']} s)")
+        for mode in smem_trace.WIDTH_MODES:
+            result = got[mode]
+            total = result["total"]
+            assert total["wavefronts"] > 0 and total["accesses"] > 0 and 0 < total["ideal"] <= total["wavefronts"]
+            assert total["wavefronts"] == sum(r["wavefronts"] for r in result["rows"])
+            assert all(min(r["accesses"], r["wavefronts"], r["ideal"]) >= 0 for r in result["rows"])
+        assert merged["accesses"] <= scalar["accesses"]  # merging only joins accesses
+        if cfg["variant"] in smem_costs.ENGINE_VARIANTS:  # the per-iteration operand stores, by hand
+            layout = smem_costs._build(cfg).config.layout
+            loaded, rows = ("K^T", layout.block_k) if cfg["variant"] == "v2" else ("Q^T", layout.block_q)
+            steps = layout.d_pad * rows // layout.threads  # one store of 32 consecutive words per warp and step
+            warps = layout.threads // WARP
+            stores = [r for r in got["scalar"]["rows"] if r["region"] == loaded and r["kind"] == "store"]
+            assert [(r["accesses"], r["wavefronts"]) for r in stores] == [(steps * warps, steps * warps)]
+    print("\n".join(lines))
