@@ -7,13 +7,16 @@ against the float64 reference, then time every variant that passed: CUDA events,
 --repeats) and, when torch is importable, torch.nn.functional.scaled_dot_product_attention on the same
 inputs (backend reported, same timing), with the ratio of each kernel to it. Sizes are run smallest first;
 when --budget-s runs out the remaining ones are listed as not run. A variant whose single call takes over
---slow-s seconds is timed with --slow-repeats calls instead (said in the table).
+--slow-s seconds is timed with --slow-repeats calls instead (said in the table). Beside each measurement at
+the whole-kernel model's launch shape, the model's estimate and limiter from the newest committed
+benchmarks/results/estimate_sm90_*.json, so the first GPU run calibrates the model.
 Writes compare_gpu.md, compare_gpu.json and compare_gpu.png to --out (default $OUT, else benchmarks/results).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -89,6 +92,23 @@ def targets_summary(flat: list[dict], n: int, d: int, dtype: str) -> list[str]:
     return lines
 
 
+def model_estimates(batch: int, heads: int) -> dict:
+    """{(variant, d, causal, dtype, N): estimate TFLOP/s and limiter} from the newest committed profile with the
+    whole-kernel estimate (benchmarks/results/estimate_sm90_*.json), at its launch shape only: the model,
+    printed beside the measurement so the first GPU run calibrates it."""
+    found = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "estimate_sm90_*.json")))
+    if not found:
+        return {}
+    with open(found[-1]) as fh:
+        profiles = json.load(fh)["profiles"]
+    out = {}
+    for p in profiles:
+        c, est = p["config"], p.get("estimate", {})
+        if "tflops" in est and (c["launch"]["batch"], c["launch"]["heads"]) == (batch, heads):
+            out[(c["variant"], c["head_dim"], c["causal"], c["dtype"], c["launch"]["n"])] = est
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results"))
@@ -111,6 +131,7 @@ def main() -> int:
     target = (max(sizes) if args.smoke else 4096, 8 if args.smoke else 64, "float32")
     configs.sort(key=lambda c: (c[0], c[1], c[3]) != target)
     start, results, flat, not_run = time.perf_counter(), [], [], []
+    model = model_estimates(batch, heads)
     for index, (n, d, causal, dtype) in enumerate(configs, 1):
         if time.perf_counter() - start > args.budget_s:
             not_run.append(dict(n=n, d=d, causal=causal, dtype=dtype))
@@ -133,19 +154,22 @@ def main() -> int:
                              tiles_skipped=r["tiles_skipped"], sdpa_backend=result["sdpa"].get("backend"),
                              sdpa_ms=ref, ratio_to_sdpa=(ms / ref) if ms and ref else None,
                              scores_bytes=fa_numba.iomodel.materialized_scores_elements(n, n, batch, heads) * 4,
-                             dense_bytes=fa_numba.iomodel.dense_traffic_elements(n, n, d, batch, heads) * 4))
+                             dense_bytes=fa_numba.iomodel.dense_traffic_elements(n, n, d, batch, heads) * 4,
+                             model=model.get((r["variant"], d, causal, dtype, n))))
     machine = cmp.machine()
     with open(os.path.join(args.out, "compare_gpu.json"), "w") as fh:
         json.dump({"machine": machine, "results": results, "rows": flat, "not_run": not_run}, fh, indent=1)
     lines = [f"# compare_gpu: {machine['device']}, {machine['date']}", "",
              f"B={batch}, H={heads}; numba {machine['numba']}, numba-cuda {machine['numba_cuda']}", "",
-             "| N | d | causal | dtype | variant | check | err O | median ms | repeats | TFLOP/s | GB/s | SDPA (backend) ms | kernel/SDPA |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | d | causal | dtype | variant | check | err O | median ms | repeats | TFLOP/s | model TFLOP/s (limiter) | GB/s | SDPA (backend) ms | kernel/SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in flat:
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
         lines.append(f"| {r['n']} | {r['head_dim']} | {r['causal']} | {r['dtype']} | {r['variant']} | "
                      f"{'-' if r['passed'] is None else ('pass' if r['passed'] else 'FAIL')} | {fmt(r['err_out'], '.2e')} | "
-                     f"{fmt(r['median_ms'], '.3f')} | {r['repeats']} | {fmt(r['tflops'], '.2f')} | {fmt(r['gbps'], '.0f')} | "
+                     f"{fmt(r['median_ms'], '.3f')} | {r['repeats']} | {fmt(r['tflops'], '.2f')} | "
+                     f"{'-' if not r['model'] else format(r['model']['tflops'], '.1f') + ' (' + r['model']['limiter'] + ')'} | "
+                     f"{fmt(r['gbps'], '.0f')} | "
                      f"{fmt(r['sdpa_ms'], '.3f')} ({r['sdpa_backend']}) | {fmt(r['ratio_to_sdpa'], '.1f')} |")
     lines += [""] + targets_summary(flat, *target)
     if not_run:

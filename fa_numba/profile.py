@@ -50,7 +50,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from fa_numba import arguments
+from fa_numba import arguments, whole_kernel
+from fa_numba.profile_estimate import WIDTH_AGREEMENT, attach_estimates, finish_wavefronts, start_wavefronts
 from fa_numba.machine import H200, SM90, Device, Limits  # noqa: F401 - profile.Device etc.
 from fa_numba.sass import (CATEGORIES, LSU_CATEGORIES, Instruction, Loop,  # noqa: F401 - profile.Loop etc.
                            float64_instructions, hot_loops, innermost_loops, parse_sass)
@@ -212,6 +213,9 @@ class Profile:
     float64: list[str]
     bound: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    sass: str = field(default="", repr=False)  # the listing itself (not written to JSON)
+    counts: dict = field(default_factory=dict)  # whole_kernel.kernel_counts of one tile-loop iteration
+    estimate: dict = field(default_factory=dict)  # the whole-kernel estimate (main fills it), or why there is none
 
     @property
     def spills(self) -> bool:
@@ -222,7 +226,7 @@ class Profile:
         return hot_loops(self.loops)
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "loops"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("loops", "sass")}
         out["loops"] = [{k: v for k, v in loop.as_dict().items() if k != "opcodes"} for loop in self.loops]
         out["hot_loops"] = [loop.as_dict() for loop in self.hot_loops]  # with every opcode and its count
         return out
@@ -238,7 +242,7 @@ def profile_kernel(pyfunc, argtypes, threads: int, *, name: str = "kernel", arch
     loops = innermost_loops(sass)
     warps = launch_warps if launch_warps is not None else occ["warps_per_sm"] * H200.sms
     return Profile(name, threads, res["registers"], res["spill_stores"], res["spill_loads"], res["stack"],
-                   res["smem"], occ, loops, float64_instructions(sass), bound(loops, occ, warps))
+                   res["smem"], occ, loops, float64_instructions(sass), bound(loops, occ, warps), sass=sass)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -295,13 +299,19 @@ def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LA
                           launch_warps=warps)
     prof.config = {**cfg, "arch": arch, "launch": dict(launch, grid=list(grid), block=list(block)),
                    "seconds": round(time.perf_counter() - start, 2)}
+    try:
+        prof.counts = whole_kernel.kernel_counts(cfg, prof.sass, block)
+    except ValueError as err:  # no tile loop around the products: no estimate, and the reason why
+        prof.counts = {"error": str(err)}
     return prof
 
 
 def table(profiles: list[Profile]) -> str:
-    """One aligned line per configuration: resources, occupancy, hot-loop mix, bound."""
+    """One aligned line per configuration: resources, occupancy, hot-loop mix, the hot-loop bound, and the
+    whole-kernel estimate and its limiter ("n/a": withheld, the profile's JSON says why; "-": not asked)."""
     header = ["variant", "d", "dtype", "causal", "tiles", "thr", "regs", "spill", "stack", "smem", "warps/SM",
-              "limiter", "hot loops", "issued/FFMA", "FFMA %", "LDS", "LDL", "bound TFLOP/s", "% peak"]
+              "limiter", "hot loops", "issued/FFMA", "FFMA %", "LDS", "LDL", "hot-loop TFLOP/s", "estimate TFLOP/s",
+              "model"]
     rows = [header]
     for p in profiles:
         c = p.config
@@ -315,7 +325,9 @@ def table(profiles: list[Profile]) -> str:
                      p.occupancy["limiter"], str(len(hot)), f"{issued / ffma:.1f}" if ffma else "-",
                      f"{100 * ffma / issued:.0f}" if issued else "-", str(sum(m["LDS/STS"] for m in mixes)),
                      str(sum(m["LDL/STL"] for m in mixes)), f"{p.bound['tflops']:.1f}",
-                     f"{100 * p.bound['fraction_of_peak']:.1f}"])
+                     (f"{p.estimate['tflops']:.1f}" + ("" if p.estimate["shared_accesses"]["agree"] else "?"))
+                     if "tflops" in p.estimate else "-",
+                     p.estimate.get("limiter", "n/a" if p.estimate else "-")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in
                                enumerate(zip(r, widths))) for r in rows)
@@ -348,6 +360,8 @@ def parser() -> argparse.ArgumentParser:
                    help="N_q of the launch shape of the bound (default: %(default)s)")
     p.add_argument("--jobs", type=arguments.positive, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
+    p.add_argument("--no-estimate", action="store_true",
+                   help="skip the whole-kernel estimate (it traces one block of each kernel in the simulator)")
     return p
 
 
@@ -379,6 +393,7 @@ def main(argv=None) -> int:
     launch = dict(batch=args.batch, heads=args.heads, n=args.n)
     configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
     start = time.perf_counter()
+    tracing = None if args.no_estimate else start_wavefronts(configs)  # in the simulator, while we compile
     jobs = max(1, min(args.jobs, len(configs)))
     with concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         submit = pool.submit if pool else lambda fn, *a: _Done(fn(*a))
@@ -388,17 +403,23 @@ def main(argv=None) -> int:
             profiles.append(future.result())
             print(f"[{index}/{len(configs)}] {cfg['variant']} d={cfg['head_dim']} {cfg['dtype']} "
                   f"causal={cfg['causal']} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    if tracing is not None:
+        attach_estimates(profiles, finish_wavefronts(tracing), launch)
     print(f"static profile, {args.arch} SASS compiled on the CPU through the launch path (LTO); "
-          f"bound at B={launch['batch']} H={launch['heads']} N={launch['n']} on an {H200.name} "
+          f"estimates at B={launch['batch']} H={launch['heads']} N={launch['n']} on an {H200.name} "
           f"({H200.sms} SMs, {H200.clock_ghz} GHz, FP32 peak {H200.peak_fp32_tflops:.1f} TFLOP/s)")
     print(table(profiles))
-    print("bound = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in the hot loops x scheduler fill: "
-          "a bound from the code, not a measurement")
+    print("estimate = the whole-kernel model (fa_numba.cycle_model: one tile-loop iteration's issue, shared-memory "
+          "wavefronts, MUFU and load latency on one SM, whole blocks and waves, HBM); model = its limiter. "
+          "hot-loop = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in the matrix-product loops only x "
+          "scheduler fill, which overstates. ?: the traced shared-memory accesses differ from the SASS's by over "
+          f"{WIDTH_AGREEMENT:.0%} (their widths were guessed otherwise), so the shared term is uncertain. Both are "
+          "read from the code, neither is a measurement.")
     print(f"({len(profiles)} configurations in {time.perf_counter() - start:.0f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"note": "static profile from SASS compiled on a CPU through the launch path; "
-                               "the bound is read from the code, not measured",
+            json.dump({"note": "static profile from SASS compiled on a CPU through the launch path; the "
+                               "hot-loop bound and the whole-kernel estimate are read from the code, not measured",
                        "date": time.strftime("%Y-%m-%d"), "arch": args.arch, "device_model": dataclasses.asdict(H200),
                        "limits": dataclasses.asdict(SM90), "numba_cuda": _numba_cuda_version(),
                        "profiles": [p.as_dict() for p in profiles]}, fh, indent=1)

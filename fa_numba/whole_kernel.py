@@ -71,6 +71,15 @@ def _executions(loop, parent_executions: float, direct: bool, cfg: dict, threads
     return runs if per_parent >= 1 and abs(per_parent - round(per_parent)) < 1e-9 else None
 
 
+def _access_bytes(opcode: str) -> int:
+    """Bytes per lane of an LDS / STS form: .128 16, .64 8, .U8 / .S8 1, .U16 / .S16 2, else 4."""
+    parts = opcode.split(".")[1:]
+    for part, size in (("128", 16), ("64", 8), ("U16", 2), ("S16", 2), ("U8", 1), ("S8", 1)):
+        if part in parts:
+            return size
+    return 4
+
+
 def iteration_counts(text: str, cfg: dict, threads: int, threads_x: int | None = None) -> dict:
     """Per thread, what one tile-loop iteration issues: instructions (and by category), FFMA, MUFU, global-load
     round trips, the products its FFMAs amount to, and the inner loops no rule counts (run once per run of
@@ -84,10 +93,15 @@ def iteration_counts(text: str, cfg: dict, threads: int, threads_x: int | None =
     counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
               "unattributed": []}
 
+    shared = counts["shared_accesses"] = {}  # (LDS or STS, bytes per lane): per-thread count, to check the tracer
+
     def add(node, runs: float) -> None:
         for inst in node.own:
             counts["instructions"] += runs
             counts["by_category"][inst.category] += runs
+            if inst.base in ("LDS", "STS"):
+                key = f"{inst.base}.{_access_bytes(inst.opcode)}"
+                shared[key] = shared.get(key, 0) + runs
         counts["load_round_trips"] += runs * sass.global_load_waits(node.own)
         for child in node.children:
             inner = tree[child]
@@ -145,16 +159,21 @@ def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int) -> int:
     return int(total)
 
 
-def estimate_configuration(cfg: dict, text: str, occupancy: dict, grid: tuple, block: tuple, wavefronts: float,
+def kernel_counts(cfg: dict, text: str, block: tuple) -> dict:
+    """`iteration_counts` of a compiled kernel with its block shape (the engine's D pads to its CX threads)."""
+    return iteration_counts(text, cfg, math.prod(block), block[0] if cfg["variant"] in ("v1", "v2") else None)
+
+
+def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple, block: tuple, wavefronts: float,
                            launch: dict, device: Device = H200) -> tuple[Estimate | None, dict]:
-    """The whole-kernel estimate of one configuration and the counts behind it (module docstring); None, and
-    the reason in "withheld", when the tile loop's FFMAs do not amount to the kernel's products."""
-    threads = math.prod(block)
-    counts = iteration_counts(text, cfg, threads, block[0] if cfg["variant"] in ("v1", "v2") else None)
+    """The whole-kernel estimate of one configuration from its `kernel_counts` and the shared-memory wavefronts
+    of one iteration (module docstring), and what it rests on; None, with the reason in "withheld", when the
+    tile loop's FFMAs do not amount to the kernel's products."""
     expected = PRODUCTS[cfg["variant"]]
     if abs(counts["products"] - expected) > PRODUCT_SLACK:  # the loops are not the products: no estimate
-        return None, {**counts, "withheld": f"the SASS loops amount to {counts['products']:.2f} products of "
-                                            f"B_r B_c D, not the kernel's {expected}"}
+        return None, {"withheld": f"the SASS loops amount to {counts['products']:.2f} products of B_r B_c D, "
+                                  f"not the kernel's {expected}"}
+    threads = math.prod(block)
     warps = -(-threads // SM90.warp_size)
     blocks = math.prod(grid)
     blocks_per_head = blocks // (launch["batch"] * launch["heads"]) or 1
@@ -162,7 +181,7 @@ def estimate_configuration(cfg: dict, text: str, occupancy: dict, grid: tuple, b
     # Useful flops as flash-attn's benchmarks count them (timing.attention_flops: 4 B H N_q N_k d forward,
     # halved for causal), times the products over the forward's two, spread evenly over the iterations.
     useful = (attention_flops(launch["batch"], launch["heads"], launch["n"], launch["n"], cfg["head_dim"],
-                              cfg["causal"]) * PRODUCTS[cfg["variant"]] / 2)
+                              cfg["causal"]) * expected / 2)
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],
                          flops=useful / (iterations * blocks))
@@ -170,4 +189,5 @@ def estimate_configuration(cfg: dict, text: str, occupancy: dict, grid: tuple, b
     traffic = hbm_bytes(cfg, launch, resident * device.sms, blocks_per_head, device)
     run = Launch(blocks=blocks, warps_per_block=warps, blocks_per_sm=occupancy["blocks_per_sm"],
                  iterations_per_block=iterations, hbm_bytes=traffic["paid"])
-    return estimate(cost, run, device), {**counts, "hbm": traffic, "wavefronts": wavefronts}
+    return estimate(cost, run, device), {"hbm": traffic, "wavefronts": wavefronts, "iterations": iterations,
+                                         "warp_instructions": cost.warp_instructions}

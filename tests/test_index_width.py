@@ -1,9 +1,9 @@
 """The kernels compute every integer in 64 bits (L9), read from Numba's typed IR (tests/index_width.py).
 
 The typing runs in a subprocess with the real numba.cuda (the simulator types nothing: it runs Python), on
-the CPU. The probes (two small kernels with known answers) run by default, a few seconds; every shipped
-kernel, at every shipped head dim's tiles and every masking form, takes minutes and is marked `slow`, which
-`.ci/run` runs as its second tier.
+the CPU. Both tests are marked `slow` (`.ci/run` runs them as its second tier): the probes (two small
+kernels with known answers) take a few seconds, every shipped kernel at every shipped head dim's tiles and
+every masking form takes minutes.
 """
 
 import json
@@ -28,6 +28,7 @@ def _typed(argument: str, timeout: int = 900) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow  # a real numba.cuda process, ~4 s: the default tier has no seconds to spare (README)
 @pytest.mark.lemma("L9")
 def test_the_checker_sees_a_narrowing_conversion_and_numba_widens_int32_arithmetic():
     """blockIdx.x * blockDim.x + threadIdx.x (int32 registers) is typed int64 twice over (Numba's integer

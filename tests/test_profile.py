@@ -272,7 +272,8 @@ def representatives(tmp_path_factory, pytestconfig):
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory, pytestconfig):
     path = tmp_path_factory.mktemp("profile") / "profile.json"
-    code, table, errors = _compile(pytestconfig, ["-m", "fa_numba.profile", "--json", str(path)], timeout=3600)
+    code, table, errors = _compile(pytestconfig, ["-m", "fa_numba.profile", "--no-estimate", "--json", str(path)],
+                                   timeout=3600)  # the SASS of every configuration; the estimate is tested below
     assert code == 0, errors[-4000:]
     sys.stderr.write(table)  # the table, shown with -s or on failure
     return json.loads(path.read_text())
@@ -326,6 +327,30 @@ def test_every_shipped_configuration_is_profiled(shipped):
 @NEEDS_NVDISASM
 def test_no_spills_no_float64_and_shared_memory_within_budget(shipped):
     _assert_sound(shipped["profiles"])
+
+
+@pytest.mark.slow
+@NEEDS_NVDISASM
+def test_the_whole_kernel_estimate_is_below_the_hot_loop_bound_and_names_its_limiter(tmp_path, pytestconfig):
+    """`profile` with the estimate, for v2 and bwd-kv at d = 64 (their SASS, and one block of each traced in
+    the simulator): every figure positive, under the hot-loop bound (it adds the work that bound leaves out),
+    a limiter of the model's, and the counts it rests on: two products for v2, five for bwd-kv."""
+    from fa_numba.cycle_model import LIMITERS
+
+    path = tmp_path / "estimate.json"
+    argv = ["-m", "fa_numba.profile", "--orders", "v2,bwd-kv", "--head-dims", "64", "--dtypes", "float32",
+            "--causal", "off", "--json", str(path)]
+    code, table, errors = _compile(pytestconfig, argv, timeout=1800)
+    assert code == 0, errors[-4000:]
+    assert "estimate TFLOP/s" in table
+    for p in json.loads(path.read_text())["profiles"]:
+        est = p["estimate"]
+        assert 0 < est["tflops"] < p["bound"]["tflops"], p["name"]
+        assert est["limiter"] in LIMITERS and est["wavefronts"] > 0, p["name"]
+        assert round(p["counts"]["products"]) == {"v2": 2, "bwd-kv": 5}[p["name"]]
+        assert p["counts"]["unattributed"] == [] and p["counts"]["load_round_trips"] >= 1
+    v2 = next(p for p in json.loads(path.read_text())["profiles"] if p["name"] == "v2")
+    assert v2["estimate"]["shared_accesses"]["agree"]  # the tracer's widths are the SASS's LDS/STS (1840 each)
 
 
 def test_cli_forwards_profile_and_names_bad_arguments(capsys):

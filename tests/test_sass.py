@@ -323,6 +323,7 @@ def _loads(loop) -> int:
     return sum(1 for i in loop.own if i.base in sass.GLOBAL_LOADS)
 
 
+@pytest.mark.slow  # two sm_90a compiles, ~6 s: the default tier has no seconds to spare (README)
 @NEEDS_NVDISASM
 def test_real_kernels_round_trips_and_tile_loop(real_listings):
     text = real_listings["one_round_trip"]

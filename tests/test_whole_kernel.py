@@ -51,6 +51,7 @@ def test_each_inner_loop_runs_as_often_as_its_anchor_requires():
     assert counts["ffma"] == 2 * 4 * 8 and counts["products"] == 2
     assert counts["load_round_trips"] == 1 + 4 * 1
     assert counts["by_category"]["LDS/STS"] == 1 + 4 * 2 + 2 * 4 * 2
+    assert counts["shared_accesses"] == {"STS.4": 1 + 4 * 2, "LDS.16": 2 * 4 * 2}  # by opcode and lane width
 
 
 def test_a_loop_no_rule_covers_is_counted_once_and_listed():

@@ -1,0 +1,90 @@
+"""The whole-kernel estimate's plumbing for `fa_numba.profile`: the shared-memory wavefronts of one tile-loop
+iteration, traced in a simulator process (`kernels.smem_costs`) and cached per version of the code that
+decides them, and the estimate attached to each compiled profile (`whole_kernel.estimate_configuration`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from fa_numba import whole_kernel
+from fa_numba.machine import H200, SM90
+
+
+def _traced_config(cfg: dict) -> dict:
+    """The configuration whose wavefronts stand for cfg's: FULL tiles run the non-causal kernel's code."""
+    return {k: cfg[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype")} | {"causal": False}
+
+
+def wavefront_cache() -> pathlib.Path:
+    """Where traced wavefronts are kept between runs: one file per version of the code that decides them (the
+    kernels, the tracer and the bank rule, hashed), so an edit to any of them traces again."""
+    package = pathlib.Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted([*package.joinpath("kernels").glob("*.py"), package / "banks.py"]):
+        digest.update(path.name.encode() + path.read_bytes())
+    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+    return root / "fa_numba" / f"wavefronts-{digest.hexdigest()[:16]}.json"
+
+
+def start_wavefronts(configs: list[dict]):
+    """Start kernels.smem_costs in a simulator process on the distinct traced configurations the cache lacks
+    (tracing one block takes 20 s to 3 minutes of CPU); returns (cached results, the process or None)."""
+    unique = {json.dumps(_traced_config(c), sort_keys=True): _traced_config(c) for c in configs}
+    cache = wavefront_cache()
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    missing = [cfg for key, cfg in unique.items() if key not in known]
+    if not missing:
+        return known, None
+    print(f"shared-memory wavefronts: tracing {len(missing)} kernels in the CUDA simulator (cached in {cache}) ...",
+          file=sys.stderr, flush=True)
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    return known, subprocess.Popen([sys.executable, "-m", "fa_numba.kernels.smem_costs", json.dumps(missing)],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_wavefronts(started) -> dict:
+    known, proc = started
+    if proc is None:
+        return known
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"tracing shared memory in the simulator failed: {err[-2000:]}")
+    known = {**known, **json.loads(out)}
+    cache = wavefront_cache()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known))
+    except OSError as err:  # an unwritable cache costs the next run time, never this one its result
+        print(f"warning: wavefront cache not written ({err})", file=sys.stderr)
+    return known
+
+
+# The tracer's warp accesses per iteration (its "merged" widths: adjacent elements as LDS.64 / LDS.128) must
+# be the SASS's LDS + STS per iteration times the warps, or the tracer priced other accesses than the
+# compiler made (it merged what ptxas left scalar, or the reverse): the table then marks the estimate "?".
+WIDTH_AGREEMENT = 0.05
+
+
+def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
+    """Fill each profile's `estimate` from its counts and the traced wavefronts of one iteration."""
+    for prof in profiles:
+        cfg = {k: prof.config[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype", "causal")}
+        traced = wavefronts.get(json.dumps(_traced_config(cfg), sort_keys=True))
+        if "error" in prof.counts or traced is None:
+            prof.estimate = {"withheld": prof.counts.get("error", "no wavefronts traced")}
+            continue
+        grid, block = prof.config["launch"]["grid"], prof.config["launch"]["block"]
+        found, details = whole_kernel.estimate_configuration(cfg, prof.counts, prof.occupancy, tuple(grid),
+                                                             tuple(block), traced["total"]["wavefronts"], launch)
+        warps = -(-prof.threads // SM90.warp_size)
+        in_sass = sum(prof.counts["shared_accesses"].values()) * warps
+        agree = abs(in_sass - traced["total"]["accesses"]) <= WIDTH_AGREEMENT * in_sass
+        check = {"shared_accesses": {"sass": in_sass, "traced": traced["total"]["accesses"], "agree": agree}}
+        prof.estimate = {**details, **check} if found is None else {
+            **found.as_dict(), **details, **check, "fraction_of_peak": found.tflops / H200.peak_fp32_tflops}
