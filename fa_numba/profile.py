@@ -361,7 +361,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=arguments.positive, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
     p.add_argument("--no-estimate", action="store_true",
-                   help="skip the whole-kernel estimate (it traces one block of each kernel in the simulator)")
+                   help="skip the whole-kernel estimate, which traces one block of each kernel in the simulator "
+                        "(default: off, the estimate is computed; traced wavefronts are cached)")
     return p
 
 
