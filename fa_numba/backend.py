@@ -72,6 +72,33 @@ def explain_driver_errors():
         raise
 
 
+def shared_allocator(original, make):
+    """A FakeCUDAShared.array method: the array of its caller's call site (file, line), made by
+    make(site, shape, dtype) on the first call from that site, under a lock; `original` serves what it does
+    not handle (an alignment, dynamic shared memory). patch_simulator installs it with np.empty, the shared-
+    memory tracer (kernels.smem_trace) with its traced arrays."""
+    from numba.core import types
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # errors and dynamic shared memory: unchanged
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(site)
+            if found is None:
+                found = self._allocations[site] = make(site, shape, dtype)
+        return found
+
+    array._fa_numba_locked = True  # a later patch_simulator leaves it in place
+    return array
+
+
 def patch_simulator() -> None:
     """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race), and its
     atomic add read its element once.
@@ -87,30 +114,12 @@ def patch_simulator() -> None:
     import threading
 
     import numpy as np
-    from numba.core import types
     from numba.cuda.simulator import kernelapi
-    from numba.np import numpy_support
 
     if getattr(kernelapi.FakeCUDAShared.array, "_fa_numba_locked", False):
         return
-    original = kernelapi.FakeCUDAShared.array
-    lock = threading.Lock()
-
-    def array(self, shape, dtype, alignment=None):
-        if alignment is not None or shape == 0:  # errors and dynamic shared memory: unchanged
-            return original(self, shape, dtype, alignment)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            found = self._allocations.get(site)
-            if found is None:
-                found = self._allocations[site] = np.empty(shape, dtype)
-        return found
-
-    array._fa_numba_locked = True
-    kernelapi.FakeCUDAShared.array = array
+    kernelapi.FakeCUDAShared.array = shared_allocator(kernelapi.FakeCUDAShared.array,
+                                                      lambda site, shape, dtype: np.empty(shape, dtype))
 
     def atomic_add(self, array, index, val, _lock=threading.Lock()):
         """One read and one write, like the hardware's read-modify-write (the simulator's own reads the

@@ -1,7 +1,7 @@
 """The static profile of every kernel variant, read from the SASS a launch on an H100/H200 would run.
 
     python -m fa_numba profile [--orders v1,v2] [--head-dims 64,128,256] [--dtypes float32,float16]
-                               [--causal off|on|both] [--arch sm_90a] [--json PATH] [--jobs N]
+                               [--causal off|on|both] [--arch sm_90a] [--json PATH] [--jobs N] [--no-estimate]
 
 No GPU is needed. For each registered variant and configuration this module
 
@@ -15,9 +15,12 @@ No GPU is needed. For each registered variant and configuration this module
    branch back to an earlier address closes a loop spanning [target, branch]; a loop that contains no other
    is innermost) and counts each one's instruction mix per iteration;
 4. computes the theoretical occupancy from the sm_90 limits in `SM90` and names the limiting resource;
-5. derives a static FP32 throughput bound (`bound`): **a bound read from the code, never a measurement**.
+5. derives a static FP32 throughput bound of the hot loops (`bound`, printed as "hot-loop"), and
+6. unless --no-estimate, the whole-kernel estimate and its limiter (`fa_numba.profile_estimate`: one
+   tile-loop iteration's counts from `fa_numba.whole_kernel`, its shared-memory wavefronts traced in the
+   simulator, priced by `fa_numba.cycle_model`). Both are **read from the code, never a measurement**.
 
-The bound. An H200 SM issues at most one warp instruction per cycle on each of its 4 schedulers, and
+The hot-loop bound. An H200 SM issues at most one warp instruction per cycle on each of its 4 schedulers, and
 its 128 FP32 lanes retire 4 warp-wide FFMAs (2 flops per lane each) per cycle: peak = SMs x 128 x 2 x
 clock. In the hot loops (`hot_loops`: the innermost loops whose FFMAs multiply operands loaded from shared or
 local memory, with no MUFU, each counted once per iteration), a fraction
@@ -300,7 +303,7 @@ def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LA
     prof.config = {**cfg, "arch": arch, "launch": dict(launch, grid=list(grid), block=list(block)),
                    "seconds": round(time.perf_counter() - start, 2)}
     try:
-        prof.counts = whole_kernel.kernel_counts(cfg, prof.sass, block)
+        prof.counts = whole_kernel.kernel_counts(cfg, prof.sass, built)
     except ValueError as err:  # no tile loop around the products: no estimate, and the reason why
         prof.counts = {"error": str(err)}
     return prof

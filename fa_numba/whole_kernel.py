@@ -38,15 +38,6 @@ PRODUCTS = {"v1": 2, "v2": 2, "v1-rowwise": 2, "v2-rowwise": 2,
 # was counted twice or missed (a remainder loop beside an unrolled one), so the counts are not trusted.
 PRODUCT_SLACK = 0.5
 KV_OUTER = ("v1", "v1-rowwise", "bwd-kv", "bwd-kv-det")  # the tile loop runs over query tiles
-GLOBAL_ACCESSES = ("LDG", "STG", "RED", "REDG", "ATOMG", "LD", "ST")
-
-
-def padded_head_dim(cfg: dict, threads_x: int | None) -> int:
-    """D: d rounded up to a multiple of the engine's CX threads along the key axis (engine.Layout.d_pad); the
-    rowwise and backward kernels loop over d itself."""
-    if threads_x is None:
-        return cfg["head_dim"]
-    return -(-cfg["head_dim"] // threads_x) * threads_x
 
 
 def _loop_axis_tile(cfg: dict) -> int:
@@ -61,7 +52,7 @@ def _executions(loop, parent_executions: float, direct: bool, cfg: dict, threads
     if mix["FFMA"] and (mix["LDS/STS"] or mix["LDL/STL"]) and not loop.children:  # a matrix-product loop
         runs = cfg["block_q"] * cfg["block_k"] * d_pad / threads / mix["FFMA"]
     elif direct and not mix["FFMA"]:  # a load (or atomic) loop: one tile of the loop's operand
-        accesses = sum(1 for i in loop.instructions if i.base in GLOBAL_ACCESSES)
+        accesses = sum(1 for i in loop.instructions if i.category == "LDG/STG")  # loads, stores, atomics
         if not accesses:
             return None
         runs = _loop_axis_tile(cfg) * cfg["head_dim"] / threads / accesses
@@ -80,16 +71,17 @@ def _access_bytes(opcode: str) -> int:
     return 4
 
 
-def iteration_counts(text: str, cfg: dict, threads: int, threads_x: int | None = None) -> dict:
+def iteration_counts(text: str, cfg: dict, threads: int, d_pad: int | None = None) -> dict:
     """Per thread, what one tile-loop iteration issues: instructions (and by category), FFMA, MUFU, global-load
     round trips, the products its FFMAs amount to, and the inner loops no rule counts (run once per run of
-    their parent: the figures are then lower bounds on the work, and `unattributed` lists them)."""
+    their parent: the figures are then lower bounds on the work, and `unattributed` lists them). d_pad: the
+    head dim the products run over (the engine's `Layout.d_pad`; d itself, the default, elsewhere)."""
     tree = sass.loop_tree(text)
     hot = sass.hot_loops(sass.innermost_loops(text))
     tile = sass.enclosing_loop(tree, hot)
     if tile is None:
         raise ValueError(f"{cfg['variant']}: no SASS loop holds all its matrix-product loops")
-    d_pad = padded_head_dim(cfg, threads_x)
+    d_pad = d_pad or cfg["head_dim"]
     counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
               "unattributed": []}
 
@@ -159,9 +151,12 @@ def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int) -> int:
     return int(total)
 
 
-def kernel_counts(cfg: dict, text: str, block: tuple) -> dict:
-    """`iteration_counts` of a compiled kernel with its block shape (the engine's D pads to its CX threads)."""
-    return iteration_counts(text, cfg, math.prod(block), block[0] if cfg["variant"] in ("v1", "v2") else None)
+def kernel_counts(cfg: dict, text: str, built) -> dict:
+    """`iteration_counts` of a built kernel (its block shape, and the engine's padded D from its layout)."""
+    config = built.config
+    _, block = built.launch_shape(1, 1, cfg["block_q"])
+    d_pad = config.layout.d_pad if getattr(config, "engine", False) else None
+    return iteration_counts(text, cfg, math.prod(block), d_pad)
 
 
 def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple, block: tuple, wavefronts: float,

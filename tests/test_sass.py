@@ -13,25 +13,10 @@ import sys
 import pytest
 
 from fa_numba import profile, sass
+from sass_listing import listing as _listing
 
 NEEDS_NVDISASM = pytest.mark.skipif(profile.nvdisasm_path() is None,
                                     reason="nvdisasm is missing: install the profile extra (pip install '.[profile]')")
-
-
-def _line(address: int, text: str) -> str:
-    return f"        /*{address:04x}*/                   {text} ;"
-
-
-def _listing(*lines) -> str:
-    """A listing in nvdisasm's format from instruction texts 16 bytes apart from 0x0000, and labels (".L_x_n")."""
-    out, address = [], 0
-    for text in lines:
-        if text.startswith(".L_x_"):
-            out.append(f"{text}:")
-        else:
-            out.append(_line(address, text))
-            address += 0x10
-    return "\n".join(out)
 
 
 def _body(*lines) -> list:

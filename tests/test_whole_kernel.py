@@ -5,21 +5,10 @@ rule covers, counted once and listed; and the products check that withholds an e
 import pytest
 
 from fa_numba import whole_kernel
+from sass_listing import listing as _listing
 
 CFG = dict(variant="v2", block_q=4, block_k=4, head_dim=8, dtype="float32", causal=False)
 THREADS = 4  # so one product is B_r B_c d / threads = 4 * 4 * 8 / 4 = 32 multiply-adds per thread
-
-
-def _listing(*lines) -> str:
-    """nvdisasm's format: instructions 16 bytes apart from 0x0000, and labels (".L_x_n")."""
-    out, address = [], 0
-    for text in lines:
-        if text.startswith(".L_x_"):
-            out.append(f"{text}:")
-        else:
-            out.append(f"        /*{address:04x}*/                   {text} ;")
-            address += 0x10
-    return "\n".join(out)
 
 
 def _kernel(product_loop: list[str], load_loop: list[str]) -> str:

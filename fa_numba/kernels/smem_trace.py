@@ -34,7 +34,6 @@ import contextlib
 import linecache
 import os
 import re
-import sys
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -244,36 +243,20 @@ def _warp_accesses(seqs: dict[int, list], merge: bool, where: str):
 def trace_shared():
     """Trace the shared-memory accesses of the one kernel launch made inside the block; yields a SharedTrace.
 
-    Installs backend.patch_simulator, then replaces its shared-array allocator with one making the same
-    locked lookup keyed by the kernel's call site but handing out TracedArrays (it cannot call the previous
-    one: that keys by its caller's line, which would be this wrapper's), and marks each syncthreads; both are
-    restored on exit. Holds the simulator's launch lock throughout, so no other thread's launch is traced."""
+    Installs backend.patch_simulator, then replaces its shared-array allocator with backend.shared_allocator's
+    same locked lookup keyed by the kernel's call site, handing out TracedArrays (wrapping the previous one
+    would key by the wrapper's line instead), and marks each syncthreads; both are restored on exit. Holds
+    the simulator's launch lock throughout, so no other thread's launch is traced."""
     if backend.name() != "simulator":
         raise RuntimeError("tracing shared memory needs the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     backend.patch_simulator()
-    from numba.core import types
     from numba.cuda.simulator import kernel, kernelapi
-    from numba.np import numpy_support
 
     trace = SharedTrace()
     previous_array = kernelapi.FakeCUDAShared.array
     previous_syncthreads = kernel.BlockThread.syncthreads
-    lock = threading.Lock()
 
-    def array(space, shape, dtype, alignment=None):
-        if alignment is not None or shape == 0:  # errors and dynamic shared memory: unchanged, untraced
-            return previous_array(space, shape, dtype, alignment)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
-        with lock:
-            found = space._allocations.get(site)
-            if found is None:
-                found = space._allocations[site] = trace.allocate(site, shape, dtype)
-        return found
-
-    array._fa_numba_locked = True  # thread-safe like backend.patch_simulator's: a later call leaves it in place
+    array = backend.shared_allocator(previous_array, trace.allocate)  # keyed by the kernel's call site
 
     def syncthreads(thread):
         trace.record(BARRIER)
