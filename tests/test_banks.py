@@ -119,3 +119,39 @@ def test_ideal_is_one_wavefront_per_phase_the_lanes_fill():
     assert banks.ideal_wavefronts(9, 16) == 2
     with pytest.raises(ValueError, match="active_lanes"):
         banks.ideal_wavefronts(33, 4)
+
+
+# Paired 128-bit loads (banks' docstring): the two probes are the Nsight Compute counts measured on an H100
+# (forums.developer.nvidia.com/t/373160), the pairing condition an NVIDIA answer for CC 7.x (t/77228).
+def test_one_twenty_eight_bit_load_whose_half_warps_each_read_one_address_costs_two():
+    addresses = [0 if t < 16 else 32 for t in LANES]  # measured: 2 wavefronts (not 4)
+    assert banks.is_paired(addresses, 16)
+    assert banks.wavefronts(addresses, 16) == 2
+    assert banks.wavefronts([48] * banks.WARP, 16) == 2  # a warp-wide broadcast: "from 4 to 2"
+
+
+def test_one_twenty_eight_bit_load_shared_by_lanes_t_and_t_plus_16_is_not_paired():
+    addresses = [32 * (t % 16) for t in LANES]  # measured: 8 wavefronts (2-way in every quarter-warp)
+    assert not banks.is_paired(addresses, 16)
+    assert banks.wavefronts(addresses, 16) == 8
+
+
+def test_pairs_by_lane_xor_two_count_and_distinct_addresses_in_a_half_still_conflict():
+    by_two = [16 * ((t // 4) * 2 + (t % 2)) for t in LANES]  # lane t and t ^ 2 share an address
+    assert banks.is_paired(by_two, 16) and banks.wavefronts(by_two, 16) == 2 * 1
+    by_four = [16 * (t % 4) for t in LANES]  # t%4*16: neither pairing holds (t/77228: 4 requests)
+    assert not banks.is_paired(by_four, 16) and banks.wavefronts(by_four, 16) == 4
+    conflicting = [0 if t % 16 < 8 else 512 for t in LANES]  # pairs hold; two words of banks 0-3 per half
+    assert banks.is_paired(conflicting, 16) and banks.wavefronts(conflicting, 16) == 4
+
+
+def test_pairing_is_for_128_bit_loads_only_and_a_lone_lane_breaks_it():
+    halves = [0 if t < 16 else 32 for t in LANES]
+    assert banks.wavefronts(halves, 16, "store") == 4
+    assert not banks.is_paired(halves, 16, "store")
+    assert banks.wavefronts([0 if t < 16 else 64 for t in LANES], 8) == 2  # 64-bit: half-warp phases as before
+    assert not banks.is_paired({0: 0, 1: 0, 2: 0}, 16)  # lane 2's partners 3 (xor 1) and 0 (xor 2): 3 is absent
+    assert banks.is_paired({0: 0, 1: 0}, 16)
+    assert banks.ideal_wavefronts(32, 16, paired=True) == 2
+    with pytest.raises(ValueError, match="kind must be one of"):
+        banks.is_paired(halves, 16, "read")

@@ -204,10 +204,11 @@ class SharedTrace:
                 seqs = {lane: ivs[interval] for lane, ivs in lanes.items() if interval < len(ivs) and ivs[interval]}
                 where = f"block {block} warp {warp}, after barrier {interval}"
                 for site, kind, width, addresses in _warp_accesses(seqs, widths == "merged", where):
-                    per_phase = banks.phase_lanes(width)
+                    paired = banks.is_paired(addresses, width, kind)
+                    per_phase = banks.phase_lanes(width, paired)
                     phases = Counter(lane // per_phase for lane in addresses).values()
-                    counts = Counts(1, banks.wavefronts(addresses, width),
-                                    sum(banks.ideal_wavefronts(n, width) for n in phases))
+                    counts = Counts(1, banks.wavefronts(addresses, width, kind),
+                                    sum(banks.ideal_wavefronts(n, width, paired) for n in phases))
                     report.rows.setdefault((site, kind, width), Counts()).add(counts)
                     report.blocks.setdefault(block, Counts()).add(counts)
         return report
