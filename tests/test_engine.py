@@ -31,6 +31,11 @@ def test_layout_threads_and_micro_tiles():
     assert (odd.threads, odd.d_pad, odd.td) == (15, 6, 2)
     assert micro_for(64, 32, 64) == (4, 2) and micro_for(64, 16, 128) == (4, 1)  # the shipped table
     assert micro_for(10, 6, 5) == (2, 2) and micro_for(3, 8, 4) == (1, 4)  # other tiles: largest of 4, 2, 1
+    two_chunks = Layout("v2", 8, 8, 16, 4, 4)  # CX = 2 threads of TD = 8 columns: chunks of VW = 4
+    assert (two_chunks.cx, two_chunks.td, two_chunks.vw) == (2, 8, 4)
+    assert [two_chunks.column(0, e) for e in range(8)] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert [two_chunks.column(1, e) for e in range(8)] == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert [odd.column(tx, 1) for tx in range(3)] == [1, 3, 5] and odd.vw == 2
     with pytest.raises(ValueError, match="threads per block, over 1024"):
         Layout("v2", 128, 128, 16, 1, 1).check()
     with pytest.raises(ValueError, match="must be a multiple of tm"):
@@ -91,6 +96,8 @@ EDGES = [
     Case(n_q=11, n_k=7, d=3, block_q=10, block_k=6, causal=True, seed=12),  # N_q > N_k: 4 empty rows
     Case(n_q=9, n_k=14, d=7, block_q=12, block_k=6, causal=False, heads_kv=1, group=2, seed=13),
     Case(n_q=7, n_k=7, d=1, block_q=6, block_k=10, causal=True, logit=30.0, seed=14),
+    # TD = 8 = two chunks of VW = 4 columns per thread, interleaved with the other thread's (Layout.column)
+    Case(n_q=10, n_k=9, d=16, block_q=8, block_k=8, causal=True, seed=17),
 ]
 
 

@@ -3,7 +3,7 @@
 Thread layout. A block has T = RY x CX threads, RY = B_r / TM and CX = B_c / TN; thread t = ty CX + tx
 (tx fastest, so the threads of one row group are neighbouring lanes). Thread (ty, tx) owns
     the TM x TN micro-tile of S:  rows ty TM + a (a < TM), key columns tx TN + b (b < TN);
-    the TM x TD micro-tile of O:  the same rows, head-dim columns tx TD + e (e < TD), TD = D / CX,
+    the TM x TD micro-tile of O:  the same rows, head-dim columns Layout.column(tx, e) (e < TD), TD = D / CX,
 in registers (`cuda.local.array` indexed only by compile-time constants in fully unrolled loops, which
 the compiler keeps in registers: `python -m fa_numba profile` shows no local memory in the hot loop).
 D is the head dim d rounded up to a multiple of CX; columns d..D-1 are zeros in shared memory.
@@ -11,8 +11,10 @@ D is the head dim d rounded up to a multiple of CX; columns d..D-1 are zeros in 
 Shared memory: one flat float32 array, regions at compile-time offsets (`Layout`):
     Q^T  D x B_r   Q_i transposed: the TM rows of a thread are adjacent (one vector load per step of d)
     K^T  D x B_c   K_j transposed: likewise its TN columns
-    V    B_c x D   V_j as in HBM: the TD columns of a thread are adjacent
-    P^T  B_c x B_r the weights of the tile, transposed for the P V product
+    V    B_c x D   V_j as in HBM; a thread's TD columns are chunks of VW adjacent ones, the CX threads'
+                   chunks side by side (`Layout.column`), so a warp's fragment loads are consecutive vectors
+    P^T  B_c x PS  the weights of the tile, transposed for the P V product; rows PS >= B_r floats apart,
+                   padded where that removes bank conflicts of the stores (`Layout.p_stride`)
     red  B_r x CX  one partial per (row, thread of the row group): row maxima, then row sums
     stat 2 B_r     (v1 only) m_i and l_i read from HBM once per visit and shared by the row group
 When Q^T + K^T + V + P^T + red (+ stat) exceeds the static 48 KB, P^T, red and stat move (as many as fit)
@@ -50,6 +52,11 @@ GUARD_NONE, GUARD_CAUSAL, GUARD_MARKED = 0, 1, 2  # how `pv` keeps masked value 
 NEG_ZERO = float32(-0.0)
 ONE = float32(1.0)
 UNROLL_BUDGET = 120  # operations per unrolled loop body (see make_engine)
+# Global loads a thread keeps in flight while loading a tile (registers held until they are stored), by order:
+# v2's 16 cover a whole K_j and V_j at the shipped d <= 128 tiles (d = 256 would otherwise hold 64 and halve
+# its occupancy); v1 runs one block per (batch, head), typically one per SM, so registers cost it no occupancy
+# until a block no longer fits, and its Q_i^T at d = 128 (32 loads per thread) goes in one round trip.
+IN_FLIGHT = {"v1": 32, "v2": 16}
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,49 @@ class Layout:
     def td(self) -> int:
         return self.d_pad // self.cx
 
-    def _sizes(self) -> dict[str, int]:
+    @property
+    def vw(self) -> int:
+        """Columns of O a thread owns side by side (a vector of V): the largest of 4, 2, 1 dividing TD."""
+        return next(w for w in (4, 2, 1) if self.td % w == 0)
+
+    def column(self, tx: int, e: int) -> int:
+        """The head-dim column of a thread's e-th O column: chunks of VW adjacent columns, the CX threads' chunks
+        side by side, so that a warp's V fragment loads are consecutive 16-byte vectors (no bank conflict):
+        column = (e // VW) CX VW + tx VW + e % VW, a bijection of (tx < CX, e < TD) onto 0..D-1."""
+        return (e // self.vw) * self.cx * self.vw + tx * self.vw + e % self.vw
+
+    def _store_p_wavefronts(self, stride: int) -> int:
+        """Wavefronts (banks' rule) of `store_p`'s stores for the first warp, with P^T rows `stride` floats
+        apart: lane (ty, tx) writes TM adjacent words at (tx TN + c) stride + ty TM, one store per c."""
+        from fa_numba import banks
+
+        width = 4 * next(w for w in (4, 2, 1) if self.tm % w == 0)
+        lanes = [divmod(t, self.cx) for t in range(min(banks.WARP, self.threads))]
+        total = 0
+        for c in range(self.tn):
+            for a in range(0, self.tm, width // 4):
+                addresses = [4 * ((tx * self.tn + c) * stride + ty * self.tm + a) for ty, tx in lanes]
+                total += banks.wavefronts(addresses, width, "store")
+        return total
+
+    @functools.cached_property
+    def p_stride(self) -> int:
+        """Floats between rows of P^T: B_r, or B_r padded (by multiples of the store's vector, so that the
+        vector stores stay aligned) to the stride whose `store_p` costs the fewest wavefronts, if the padded
+        layout still fits the budget without aliasing more. The tx stride TN B_r is a multiple of 32 banks at the shipped tiles
+        (an 8-way conflict); B_r + 4 cuts it to 2-way at TN = 2 and to none at TN = 1."""
+        step = next(w for w in (4, 2, 1) if self.tm % w == 0)
+        candidates = [self.block_q + step * i for i in range(32 // step)]
+        best = min(candidates, key=self._store_p_wavefronts)  # min keeps the first (the least padding) of ties
+        padded, plain = self._offsets(best), self._offsets(self.block_q)
+        if padded["_total"] * FLOAT_BYTES > self.budget or padded["_aliased"] > plain["_aliased"]:
+            return self.block_q  # no room, or only by aliasing (one more barrier per tile): unpadded
+        return best
+
+    def _sizes(self, p_stride: int | None = None) -> dict[str, int]:
         d, br, bc = self.d_pad, self.block_q, self.block_k
-        sizes = {"q": d * br, "k": d * bc, "v": bc * d, "p": bc * br, "red": br * self.cx}
+        stride = self.p_stride if p_stride is None else p_stride
+        sizes = {"q": d * br, "k": d * bc, "v": bc * d, "p": bc * stride, "red": br * self.cx}
         if self.order == "v1":
             sizes["stat"] = 2 * br  # m_i and l_i of the visit, read from HBM once per row
         return sizes
@@ -96,7 +143,10 @@ class Layout:
     def offsets(self) -> dict[str, int]:
         """Float offset of each region in the flat shared array, "_total" floats in all and "_aliased" (0/1):
         every region on its own if that fits the budget, else P^T, red (and stat) inside the dead operand."""
-        sizes = self._sizes()
+        return self._offsets(self.p_stride)
+
+    def _offsets(self, p_stride: int) -> dict[str, int]:
+        sizes = self._sizes(p_stride)
         offsets, end = {}, 0
         for name, size in sizes.items():
             offsets[name] = end
@@ -182,6 +232,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
     """
     BR, BC, D, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.d_pad, layout.tm, layout.tn, layout.td,
                                     layout.cx, layout.threads)
+    PS, VW = layout.p_stride, layout.vw  # P^T's row stride; O columns a thread owns side by side
     OFF = layout.offsets
     Q, K, V, P, RED = OFF["q"], OFF["k"], OFF["v"], OFF["p"], OFF["red"]
     # Steps unrolled per loop iteration, written as an inner loop the compiler unrolls: as many as keep the
@@ -193,40 +244,87 @@ def make_engine(layout: Layout) -> SimpleNamespace:
     STEP = next((t for t in (16, 8, 4, 2) if D % t == 0 and t * (TM * TN + TM + TN) <= UNROLL_BUDGET), 1)
     KSTEP = next((t for t in (8, 4, 2) if BC % t == 0 and t * (TM * TD + TM + TD) <= UNROLL_BUDGET), 1)
 
+    HD = layout.head_dim  # the kernel's d: a launch with another is refused (Kernel.__call__)
+
     def tile_loader(W, transposed):
-        """A loader of a W-row tile of src (rows past `rows` and features past d read as zeros) into smem at
-        off: transposed (Q_i^T, K_j^T) element (r, x) goes to off + x W + r, else (V_j) to off + r D + x.
+        """(fetch, put, STEPS) for a W-row tile of src (rows past `rows` and features past d read as zeros):
+        the thread moves STEPS elements, in chunks of at most IN_FLIGHT; fetch reads one chunk from HBM into
+        registers, every load issued before any is used (one round trip to memory per chunk, not one per
+        element), and put stores it into smem at off: transposed (Q_i^T, K_j^T) element (r, x) goes to
+        off + x W + r, else (V_j) to off + r D + x.
 
         Consecutive threads take consecutive smem addresses (conflict-free stores); when T is a multiple of
         the inner extent each thread keeps one inner index and walks the outer one by T / inner, so no
         division is left in the loop. One HBM read per element."""
         INNER, OUTER = (W, D) if transposed else (D, W)
         STEPS = _per_thread(INNER * OUTER, T)
+        CHUNK = min(STEPS, IN_FLIGHT[layout.order])
         KEEP = T % INNER == 0
 
         @cuda.jit(device=True, inline=True)
-        def load(src, b, h, row0, rows, d, smem, off, tid):
-            for step in range(STEPS):
-                idx = tid + step * T
-                if KEEP:
-                    inner = tid % INNER
-                    outer = tid // INNER + step * (T // INNER)
-                else:
-                    outer = idx // INNER
-                    inner = idx - outer * INNER
-                if outer < OUTER:
-                    r = inner if transposed else outer
-                    x = outer if transposed else inner
-                    value = ZERO
-                    if r < rows and x < d:
-                        value = to_f32(src[b, h, u64(row0 + r), u64(x)])
-                    smem[u64(off + idx)] = value
+        def place(tid, step):
+            """(idx, inner, outer) of the thread's step-th element."""
+            idx = tid + step * T
+            if KEEP:
+                inner = tid % INNER
+                outer = tid // INNER + step * (T // INNER)
+            else:
+                outer = idx // INNER
+                inner = idx - outer * INNER
+            return idx, inner, outer
 
-        return load
+        @cuda.jit(device=True, inline=True)
+        def fetch(src, b, h, row0, rows, values, tid, first):
+            """values[i] = the thread's element of step first + i (i < CHUNK; zero past the tile)."""
+            for i in range(CHUNK):
+                idx, inner, outer = place(tid, first + i)
+                r = inner if transposed else outer
+                x = outer if transposed else inner
+                value = ZERO
+                if first + i < STEPS and outer < OUTER and r < rows and x < HD:
+                    value = to_f32(src[b, h, u64(row0 + r), u64(x)])
+                values[i] = value
 
-    load_q = tile_loader(BR, True)  # Q_i^T
-    load_k = tile_loader(BC, True)  # K_j^T
-    load_rows = tile_loader(BC, False)  # V_j
+        @cuda.jit(device=True, inline=True)
+        def put(values, smem, off, tid, first):
+            for i in range(CHUNK):
+                idx, inner, outer = place(tid, first + i)
+                if first + i < STEPS and outer < OUTER:
+                    smem[u64(off + idx)] = values[i]
+
+        return fetch, put, STEPS, CHUNK
+
+    fetch_q, put_q, Q_STEPS, Q_CHUNK = tile_loader(BR, True)  # Q_i^T
+    fetch_k, put_k, K_STEPS, K_CHUNK = tile_loader(BC, True)  # K_j^T
+    fetch_v, put_v, V_STEPS, V_CHUNK = tile_loader(BC, False)  # V_j
+    KV_TOGETHER = K_STEPS + V_STEPS <= IN_FLIGHT[layout.order]  # both tiles' loads in flight at once
+
+    @cuda.jit(device=True, inline=True)
+    def load_q(q, b, h, row0, rows, smem, off, tid):
+        """Q_i^T into smem at off: a chunk of the thread's loads in flight, then its stores, and so on."""
+        values = cuda.local.array(Q_CHUNK, float32)
+        for first in range(0, Q_STEPS, Q_CHUNK):
+            fetch_q(q, b, h, row0, rows, values, tid, first)
+            put_q(values, smem, off, tid, first)
+
+    @cuda.jit(device=True, inline=True)
+    def load_kv(k, v, b, h, row0, rows, smem, k_off, v_off, tid):
+        """K_j^T and V_j into smem: every load of both tiles in flight together where IN_FLIGHT allows, else
+        each tile chunk by chunk."""
+        k_values = cuda.local.array(K_CHUNK, float32)
+        v_values = cuda.local.array(V_CHUNK, float32)
+        if KV_TOGETHER:
+            fetch_k(k, b, h, row0, rows, k_values, tid, 0)
+            fetch_v(v, b, h, row0, rows, v_values, tid, 0)
+            put_k(k_values, smem, k_off, tid, 0)
+            put_v(v_values, smem, v_off, tid, 0)
+        else:
+            for first in range(0, K_STEPS, K_CHUNK):
+                fetch_k(k, b, h, row0, rows, k_values, tid, first)
+                put_k(k_values, smem, k_off, tid, first)
+            for first in range(0, V_STEPS, V_CHUNK):
+                fetch_v(v, b, h, row0, rows, v_values, tid, first)
+                put_v(v_values, smem, v_off, tid, first)
 
     @cuda.jit(device=True, inline=True)
     def scores(smem, s, ty, tx, scale):
@@ -345,13 +443,13 @@ def make_engine(layout: Layout) -> SimpleNamespace:
 
         marked (a PARTIAL tile of the block-mask path): a masked pair is stored as -0.0, which exp never
         returns, so that the P V product can tell it from a weight that underflowed to +0.0."""
-        dst = smem[u64(P + tx * TN * BR + ty * TM):]
+        dst = smem[u64(P + tx * TN * PS + ty * TM):]
         for c in range(TN):
             for a in range(TM):
                 value = s[a, c]
                 if marked and dead[a, c]:
                     value = NEG_ZERO
-                dst[u64(c * BR + a)] = value
+                dst[u64(c * PS + a)] = value
 
     @cuda.jit(device=True, inline=True)
     def pv(smem, acc, alpha, ty, tx, guard, limit):
@@ -367,16 +465,16 @@ def make_engine(layout: Layout) -> SimpleNamespace:
             for e in range(TD):
                 acc[a, e] *= alpha[a]
         pw = smem[u64(P + ty * TM):]
-        vw = smem[u64(V + tx * TD):]
+        vw = smem[u64(V + tx * VW):]  # the thread's O columns: layout.column(tx, e)
         if guard == GUARD_MARKED:
             k0 = 0
             while k0 < BC:  # invariant: acc = alpha acc_old + sum over the visible keys < k0 of p v (L3.5)
                 for ki in range(KSTEP):
                     k = k0 + ki
                     for a in range(TM):
-                        pf[a] = pw[u64(k * BR + a)]
+                        pf[a] = pw[u64(k * PS + a)]
                     for e in range(TD):
-                        vf[e] = vw[u64(k * D + e)]
+                        vf[e] = vw[u64(k * D + (e // VW) * CX * VW + e % VW)]
                     for a in range(TM):
                         if math.copysign(ONE, pf[a]) > ZERO:  # not the -0.0 of a masked pair
                             for e in range(TD):
@@ -391,9 +489,9 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 for ki in range(KSTEP):
                     k = k0 + ki
                     for a in range(TM):
-                        pf[a] = pw[u64(k * BR + a)]
+                        pf[a] = pw[u64(k * PS + a)]
                     for e in range(TD):
-                        vf[e] = vw[u64(k * D + e)]
+                        vf[e] = vw[u64(k * D + (e // VW) * CX * VW + e % VW)]
                     for a in range(TM):
                         if float32(ki) <= rel[a]:  # a predicated FFMA: the product is never formed for a masked key
                             for e in range(TD):
@@ -405,9 +503,9 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 for ki in range(KSTEP):
                     k = k0 + ki
                     for a in range(TM):
-                        pf[a] = pw[u64(k * BR + a)]
+                        pf[a] = pw[u64(k * PS + a)]
                     for e in range(TD):
-                        vf[e] = vw[u64(k * D + e)]
+                        vf[e] = vw[u64(k * D + (e // VW) * CX * VW + e % VW)]
                     for a in range(TM):
                         for e in range(TD):
                             acc[a, e] += pf[a] * vf[e]
@@ -425,6 +523,6 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 acc += src[u64(a * CX + t)]
             total[a] = acc
 
-    return SimpleNamespace(load_q=load_q, load_k=load_k, load_rows=load_rows, masked_scores=masked_scores,
+    return SimpleNamespace(load_q=load_q, load_kv=load_kv, masked_scores=masked_scores,
                            row_max_partials=row_max_partials, softmax=softmax, store_p=store_p, pv=pv,
                            write_partials=write_partials, row_sum=row_sum)

@@ -39,11 +39,12 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    load_q, load_k, load_rows, masked_scores = E.load_q, E.load_k, E.load_rows, E.masked_scores
+    load_q, load_kv, masked_scores = E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
                                  layout.threads)
+    VW = layout.vw  # O columns a thread owns side by side (layout.column)
     CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
     # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
     GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
@@ -54,7 +55,7 @@ def kernel_source(config: Config):
     def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
                         row_kind, lohi, dense):
         bh = cuda.blockIdx.x  # (batch, head)
-        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features tx TD + e of O
+        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features layout.column(tx, e) of O
         ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the query tile
         tid = ty * CX + tx
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
@@ -76,6 +77,8 @@ def kernel_source(config: Config):
         l = cuda.local.array(TM, float32)  # l_i read from HBM, then the new l_i
         part = cuda.local.array(TM, float32)  # the thread's part of the tile's row sums
         alpha = cuda.local.array(TM, float32)
+        m_prev = cuda.local.array(TM, float32)  # m_i, l_i as read from HBM by tx == 0
+        l_prev = cuda.local.array(TM, float32)
         limit = cuda.local.array(TM, float32)  # last visible key of each row, relative to the tile
 
         # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM, every element written once.
@@ -103,14 +106,29 @@ def kernel_source(config: Config):
             # orders the initialisation above before the first visit's reads of O, l, m
             cuda.syncthreads()
             if stop > start:  # a key tile no query tile sees is never loaded
-                load_k(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j^T: loaded once per j
-                load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: loaded once per j
+                load_kv(k, v, b, h_kv, c0, cols, smem, K, V, tid)  # K_j^T and V_j: loaded once per j
             for idx in range(start, stop):  # invariant: the query tiles before this one have folded tile j (L4)
                 i = row_idx[idx] if LISTS else idx
                 r0 = i * BR
                 rows = min(BR, n_q - r0)
                 row = r0 + ty * TM  # the thread's first row
-                load_q(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i^T: reloaded on every visit
+                # The state of the visit from HBM, its loads issued before Q_i^T's so that they are all in
+                # flight together: each thread reads the elements of O it wrote itself on the last visit (and
+                # tx == 0 the m_i, l_i it wrote), so no barrier is needed for them.
+                for a in range(TM):
+                    r = row + a
+                    m_prev[a] = NEG_INF
+                    l_prev[a] = ZERO
+                    if r < n_q and tx == 0:
+                        m_prev[a] = m_hbm[b, h, r]
+                        l_prev[a] = l_hbm[b, h, r]
+                    for e in range(TD):
+                        x = (e // VW) * CX * VW + tx * VW + e % VW  # layout.column(tx, e)
+                        value = ZERO
+                        if r < n_q and x < d:
+                            value = o[b, h, r, x]
+                        acc[a, e] = value
+                load_q(q, b, h, r0, rows, smem, Q, tid)  # Q_i^T: reloaded on every visit
                 # Q_i^T (and on the first visit K_j^T, V_j) is complete before any thread reads it
                 cuda.syncthreads()
                 # PARTIAL tile: the mask is needed inside it
@@ -122,10 +140,9 @@ def kernel_source(config: Config):
                     cuda.syncthreads()
                 if tx == 0:  # m_i, l_i: read from HBM once per row, shared through shared memory
                     for a in range(TM):
-                        r = row + a
-                        if r < n_q:
-                            stats[u64(ty * TM + a)] = m_hbm[b, h, r]
-                            stats[u64(BR + ty * TM + a)] = l_hbm[b, h, r]
+                        if row + a < n_q:
+                            stats[u64(ty * TM + a)] = m_prev[a]
+                            stats[u64(BR + ty * TM + a)] = l_prev[a]
                 row_max_partials(smem, s, ty, tx)
                 # every partial row max and m_i, l_i are written before any thread reads them
                 cuda.syncthreads()
@@ -136,14 +153,9 @@ def kernel_source(config: Config):
                     if r < n_q:
                         m[a] = stats[u64(ty * TM + a)]
                         l[a] = stats[u64(BR + ty * TM + a)]
-                    for e in range(TD):
-                        x = tx * TD + e
-                        value = ZERO
-                        if r < n_q and x < d:
-                            value = o[b, h, r, x]
-                            if l[a] > ZERO:
-                                value *= l[a]
-                        acc[a, e] = value
+                    if l[a] > ZERO:
+                        for e in range(TD):
+                            acc[a, e] *= l[a]
                     part[a] = ZERO
                 softmax(smem, s, m, part, alpha, ty)  # m becomes the new max, part the thread's row sums
                 store_p(smem, s, dead, LISTS and partial, ty, tx)
@@ -161,7 +173,7 @@ def kernel_source(config: Config):
                     l_new = alpha[a] * l[a] + part[a]
                     if r < n_q:
                         for e in range(TD):
-                            x = tx * TD + e
+                            x = (e // VW) * CX * VW + tx * VW + e % VW  # layout.column(tx, e)
                             if x < d:
                                 o[b, h, r, x] = acc[a, e] / l_new if l_new > ZERO else acc[a, e]
                         if tx == 0:

@@ -33,10 +33,11 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    load_q, load_k, load_rows, masked_scores = E.load_q, E.load_k, E.load_rows, E.masked_scores
+    load_q, load_kv, masked_scores = E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
-    BR, BC, TM, TN, TD, CX = layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx
+    BR, BC, TM, TN, TD, CX, VW = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
+                                  layout.vw)
     CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
     OFF = layout.offsets
     SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
@@ -47,7 +48,7 @@ def kernel_source(config: Config):
     def flash_v2_engine(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
-        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features tx TD + e of O
+        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features layout.column(tx, e) of O
         ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the tile
         tid = ty * CX + tx
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
@@ -86,7 +87,7 @@ def kernel_source(config: Config):
             for c in range(TN):
                 dead[a, c] = False
         if stop > start:  # a query tile that sees no key never reads Q
-            load_q(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i^T: loaded once
+            load_q(q, b, h, r0, rows, smem, Q, tid)  # Q_i^T: loaded once
 
         for idx in range(start, stop):  # invariant: (m, l, acc) is the state of the visited tiles so far (L2, L4)
             j = col_idx[idx] if LISTS else idx
@@ -94,8 +95,7 @@ def kernel_source(config: Config):
             cols = min(BC, n_k - c0)
             # every thread has finished the previous tile's P V (reads of V and P^T) before they are overwritten
             cuda.syncthreads()
-            load_k(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j^T: reloaded per j
-            load_rows(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: reloaded per j
+            load_kv(k, v, b, h_kv, c0, cols, smem, K, V, tid)  # K_j^T and V_j: reloaded per j
             # K_j^T, V_j (and Q_i^T) are complete before any thread reads them
             cuda.syncthreads()
             # PARTIAL tile: the mask is needed inside it
@@ -128,7 +128,7 @@ def kernel_source(config: Config):
                 if LISTS:
                     alive = lohi[r, 0] < lohi[r, 1]
                 for e in range(TD):
-                    x = tx * TD + e
+                    x = (e // VW) * CX * VW + tx * VW + e % VW  # layout.column(tx, e)
                     if x < d:
                         o[b, h, r, x] = output(acc[a, e], l[a], alive)
                 if tx == 0:

@@ -70,7 +70,7 @@ ENGINE_REGIONS = {"q": "Q^T", "k": "K^T", "v": "V", "p": "P^T", "red": "red", "s
 BACKWARD_REGIONS = {"q": "Q", "do": "dO", "k": "K", "v": "V", "p": "P", "ds": "dS", "lse": "sigma(LSE)", "dd": "D"}
 _BACKWARD_KINDS = {"bwd-kv": "kv", "bwd-kv-det": "kv", "bwd-q-dq": "q", "bwd-q": "q"}  # the main kernel's kind
 OPERANDS = ("q", "k", "v")  # the engine regions its loaders and `scores` touch
-OPERAND_FUNCTIONS = ("load", "scores")  # engine.tile_loader's `load` (Q^T, K^T, V) and engine.scores
+OPERAND_FUNCTIONS = ("put", "scores")  # engine.tile_loader's `put` (the stores of Q^T, K^T, V) and engine.scores
 CAUSAL_NOTE = ("causal cfg measured on its non-causal kernel: a FULL tile runs the same code (the causal kernel "
                "differs only in PARTIAL tiles and in the tiles it visits)")
 SEED = 0
