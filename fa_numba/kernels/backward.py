@@ -61,6 +61,7 @@ FLOAT_BYTES = 4
 # (largest head dim, (B, t)) : square tiles of B rows and keys, t x t micro-tiles of S per thread
 DEFAULTS = ((64, (32, 4)), (128, (16, 2)), (256, (8, 1)))
 PRE_THREADS = 128  # one query row per thread in `preprocess`
+IN_FLIGHT = 16  # global loads a thread keeps in flight while loading a tile (registers held until stored)
 
 
 def default_backward_tiles(head_dim: int) -> tuple[int, int]:
@@ -221,18 +222,31 @@ def _kernel_parts(config: BackwardConfig):
     parts["gemm_keys_guarded"] = make_gemm(t, TD, B, 1, PS, 1, QS, guarded=True)
     parts["gemm_queries_guarded"] = make_gemm(t, TD, B, PS, 1, 1, QS, guarded=True)
 
+    STEPS = (B * D + T - 1) // T  # elements of a tile per thread
+    CHUNK = min(STEPS, IN_FLIGHT)
+
     @cuda.jit(device=True, inline=True)
     def load_tile(src, b, h, row0, rows, d, smem, dst, tid):
-        """smem[dst + r QS + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros up to B x D (coalesced)."""
-        for step in range((B * D + T - 1) // T):
-            idx = tid + step * T
-            if idx < B * D:
-                r = idx // D
-                x = idx - r * D
+        """smem[dst + r QS + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros up to B x D (coalesced).
+
+        Chunks of CHUNK loads are in flight together (all issued into registers, then stored): one round trip
+        to memory per chunk instead of one per element (the tile engine's loaders do the same)."""
+        values = cuda.local.array(CHUNK, float32)
+        for first in range(0, STEPS, CHUNK):
+            for i in range(CHUNK):
+                idx = tid + (first + i) * T
                 value = ZERO
-                if r < rows and x < d:
-                    value = to_f32(src[b, h, u64(row0 + r), u64(x)])
-                smem[u64(dst + r * QS + x)] = value
+                if first + i < STEPS and idx < B * D:
+                    r = idx // D
+                    x = idx - r * D
+                    if r < rows and x < d:
+                        value = to_f32(src[b, h, u64(row0 + r), u64(x)])
+                values[i] = value
+            for i in range(CHUNK):
+                idx = tid + (first + i) * T
+                if first + i < STEPS and idx < B * D:
+                    r = idx // D
+                    smem[u64(dst + r * QS + idx - r * D)] = values[i]
 
     @cuda.jit(device=True, inline=True)
     def load_stats(lse, dvec, b, h, row0, rows, smem, tid):
