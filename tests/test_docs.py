@@ -134,6 +134,8 @@ def test_doctests(module):
     assert failures == 0
 
 
+# slow tier: every kernel of both tables in the simulator, about 50 s on 2 cores (CI runs the tier too)
+@pytest.mark.slow
 @pytest.mark.skipif(fa_numba.backend.name() != "simulator",
                     reason="docs/compare.md shows the simulator's table; a GPU adds timing columns")
 @pytest.mark.parametrize("argv", [[], ["--mask", "window:8,0"]], ids=["default", "mask"])
