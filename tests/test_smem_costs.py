@@ -1,7 +1,8 @@
 """`fa_numba.kernels.smem_costs`: the shared-memory wavefronts one tile-loop iteration costs one block.
 
 Default tier: one small engine configuration whose per-iteration wavefronts are worked out by hand from its
-layout (the bank rule: 32 banks of 4 bytes; 64-bit accesses per half warp, 128-bit per quarter warp), the
+layout (the bank rule: 32 banks of 4 bytes; 64-bit accesses per half warp, 128-bit per quarter warp, paired
+128-bit loads per half warp), the
 premise that 3 tiles - 2 == 2 tiles - 1, and the per-region pairing of a diverging warp on a probe. Slow tier:
 every shipped configuration. Simulator only: the tracer hooks the CUDA simulator."""
 
@@ -61,28 +62,39 @@ def test_k_transpose_and_v_stores_are_conflict_free_one_element_per_lane(small, 
     assert row(result, "V", "store") == (4, steps, steps, steps)
 
 
-def test_k_transpose_fragment_loads_merge_to_conflict_free_128_bit(small):
+def test_the_small_layout_interleaves_its_row_groups_lane_by_lane(small):
+    # engine.Layout.owner: CX = 8 is a power of two, 2 CX = 16 <= 32 and RY = 4 is even, so lanes 0-15 hold
+    # row groups 0 and 1 alternately (ty = lane % 2, tx = lane // 2) and lanes 16-31 row groups 2 and 3
+    layout = small["layout"]
+    assert layout.pairs_rows
+    assert [layout.owner(t) for t in (0, 1, 2, 3, 15, 16, 17, 31)] == [
+        (0, 0), (1, 0), (0, 1), (1, 1), (1, 7), (2, 0), (3, 0), (3, 7)]
+
+
+def test_k_transpose_fragment_loads_merge_to_paired_conflict_free_128_bit(small):
     # scores: lane (ty, tx) reads K^T[x B_c + tx TN + c], c < TN = 4: four adjacent, 16-byte aligned words
-    # (K is a multiple of 4 floats): one LDS.128 per feature x, D = 16 of them. Quarter warp p = row group
-    # ty = p, tx = 0..7: words tx 4 + c + 32 x, 32 distinct banks: 1 wavefront per phase, 4 per access.
+    # (K is a multiple of 4 floats): one LDS.128 per feature x, D = 16 of them. Lanes n and n ^ 1 share tx,
+    # so the load is paired (banks' rule): two half-warp phases, each 8 distinct vectors (tx = 0..7) at
+    # words 32 x + 4 tx + c: 32 distinct banks, 1 wavefront. 2 per access, the paired ideal.
     merged, scalar = small["merged"], small["scalar"]
-    assert row(merged, "K^T", "load") == (16, 16, 64, 64)
+    assert row(merged, "K^T", "load") == (16, 16, 32, 32)
     # scalar: one LDS per (x, c), the 4 row groups read the same word (a broadcast): 1 wavefront each
     assert row(scalar, "K^T", "load") == (4, 64, 64, 64)
 
 
-def test_p_transpose_store_with_the_padded_rows_is_a_4_way_conflict(small):
+def test_p_transpose_store_with_the_padded_rows_is_a_2_way_conflict(small):
     # store_p: lane (ty, tx) writes P^T[(tx TN + c) PS + ty TM + a]: for each c four adjacent words (a), one
-    # STS.128. Unpadded (PS = B_r = 16) the tx stride TN B_r = 64 words is 0 mod 32 banks: all 8 lanes of a
-    # quarter warp (ty = p, tx = 0..7) in the same 4 banks, 8-way. Layout.p_stride pads to PS = 20: the tx
-    # stride 80 words puts lane tx at bank group (80 tx / 4) mod 8 = 4 tx mod 8, so the 4 lanes of one tx
-    # parity share a group: 4 wavefronts per phase, 16 per access, against 4 ideal; TN = 4 accesses. (No
-    # stride that keeps the STS.128 aligned does better at TN = 4: TN PS / 4 = PS would have to be odd.)
+    # STS.128. Quarter warp 0 is lanes (ty, tx) = (0, 0), (1, 0), (0, 1), .., (1, 3) (owner); counting in
+    # groups of 4 banks (8 per 32), lane (ty, tx) starts in group (tx TN PS / 4 + ty) mod 8.
+    # Unpadded, PS = B_r = 16: group (16 tx + ty) mod 8 = ty, so 4 lanes in each of groups 0 and 1, 4-way.
+    # Layout.p_stride pads to PS = 20: group (20 tx + ty) mod 8 = (4 tx + ty) mod 8 = 0, 1, 4, 5, 0, 1, 4, 5:
+    # 2-way, 2 wavefronts per phase, 8 per access against 4 ideal; TN = 4 accesses. (No stride that keeps
+    # the STS.128 aligned does better: 4 distinct even groups for tx = 0..3 need PS = 2 mod 4.)
     # Scalar: 16 STS, word 80 tx + 4 ty + k, bank (16 tx + 4 ty + k) mod 32: 8 banks, 4 lanes each: 4-way.
     layout, merged, scalar = small["layout"], small["merged"], small["scalar"]
-    assert layout.p_stride == 20 and layout.tn * layout.block_q % WARP == 0
-    assert layout._store_p_wavefronts(layout.block_q) == 128  # what the unpadded rows would cost
-    assert row(merged, "P^T", "store") == (16, 4, 64, 16)
+    assert layout.p_stride == 20
+    assert layout._store_p_wavefronts(layout.block_q) == 64  # what the unpadded rows would cost
+    assert row(merged, "P^T", "store") == (16, 4, 32, 16)
     assert row(scalar, "P^T", "store") == (4, 16, 64, 16)
     assert merged["regions"]["P^T"]["degree"] > 1
 

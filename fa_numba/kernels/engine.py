@@ -1,7 +1,8 @@
 """The tile engine: the device functions both register-tiled kernels (v1 and v2) are built from.
 
-Thread layout. A block has T = RY x CX threads, RY = B_r / TM and CX = B_c / TN; thread t = ty CX + tx
-(tx fastest, so the threads of one row group are neighbouring lanes). Thread (ty, tx) owns
+Thread layout. A block has T = RY x CX threads, RY = B_r / TM and CX = B_c / TN; thread t (threadIdx.y CX +
+threadIdx.x) is (ty, tx) = `Layout.owner(t)`: t = ty CX + tx, or, at the shipped layouts, two row groups
+interleaved lane by lane so that every fragment load is a paired one (see owner). Thread (ty, tx) owns
     the TM x TN micro-tile of S:  rows ty TM + a (a < TM), key columns tx TN + b (b < TN);
     the TM x TD micro-tile of O:  the same rows, head-dim columns Layout.column(tx, e) (e < TD), TD = D / CX,
 in registers (`cuda.local.array` indexed only by compile-time constants in fully unrolled loops, which
@@ -24,7 +25,9 @@ and each tile pays one more barrier, so that no thread overwrites K^T (Q^T) whil
 Tiles are loaded cooperatively: Q^T and K^T with the tile's row index fastest across threads (stores to
 consecutive banks, conflict-free; the strided global reads hit the same cache lines, so HBM traffic is
 unchanged), V with d fastest (coalesced). Each element is read from HBM once per load, rows past N and
-columns past d are never read (zeros instead), and float16 / bfloat16 become float32 once, on load.
+columns past d are never read (zeros instead), and float16 / bfloat16 become float32 once, on load. A
+thread issues all its loads of a tile (IN_FLIGHT at most) into registers before it stores any, so a tile
+costs one round trip to memory, not one per element; v2 loads K_j and V_j in the same round trip.
 
 The online softmax over a thread's rows is the twin of online_softmax.update (proofs/L2): the row max of
 the tile goes through `red` (each thread writes its partial, every thread of the row group reads all CX),
@@ -93,6 +96,25 @@ class Layout:
         return self.d_pad // self.cx
 
     @property
+    def pairs_rows(self) -> bool:
+        """Whether `owner` interleaves row groups: CX a power of two with 2 CX <= 32 and RY even."""
+        cx = self.cx
+        return cx & (cx - 1) == 0 and 2 * cx <= 32 and self.ry % 2 == 0
+
+    def owner(self, tid: int) -> tuple[int, int]:
+        """(ty, tx) of the block's thread tid (threadIdx.y CX + threadIdx.x, as the hardware numbers lanes).
+
+        Where `pairs_rows`, groups of 2 CX consecutive threads hold two row groups, the lowest bit of tid
+        choosing between them: ty = 2 (tid // 2 CX) + tid % 2, tx = (tid % 2 CX) // 2. Then lanes n and n ^ 1
+        share tx (their V and K^T fragments) and lanes n and n ^ 2 share ty (their P^T and Q^T fragments),
+        so every 128-bit fragment load is a paired load (banks' rule: 2 wavefronts, not 4), and a quarter
+        warp's P^T stores spread over 8 bank groups. Otherwise ty = tid // CX, tx = tid % CX."""
+        if self.pairs_rows:
+            group, within = divmod(tid, 2 * self.cx)
+            return 2 * group + within % 2, within // 2
+        return divmod(tid, self.cx)
+
+    @property
     def vw(self) -> int:
         """Columns of O a thread owns side by side (a vector of V): the largest of 4, 2, 1 dividing TD."""
         return next(w for w in (4, 2, 1) if self.td % w == 0)
@@ -105,11 +127,11 @@ class Layout:
 
     def _store_p_wavefronts(self, stride: int) -> int:
         """Wavefronts (banks' rule) of `store_p`'s stores for the first warp, with P^T rows `stride` floats
-        apart: lane (ty, tx) writes TM adjacent words at (tx TN + c) stride + ty TM, one store per c."""
+        apart: lane t = (ty, tx) (`owner`) writes TM adjacent words at (tx TN + c) stride + ty TM, one store per c."""
         from fa_numba import banks
 
         width = 4 * next(w for w in (4, 2, 1) if self.tm % w == 0)
-        lanes = [divmod(t, self.cx) for t in range(min(banks.WARP, self.threads))]
+        lanes = [self.owner(t) for t in range(min(banks.WARP, self.threads))]
         total = 0
         for c in range(self.tn):
             for a in range(0, self.tm, width // 4):
@@ -326,6 +348,18 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 fetch_v(v, b, h, row0, rows, v_values, tid, first)
                 put_v(v_values, smem, v_off, tid, first)
 
+    PAIRS = layout.pairs_rows
+
+    @cuda.jit(device=True, inline=True)
+    def owner(tid):
+        """(ty, tx) of thread tid: Layout.owner."""
+        if PAIRS:
+            group = tid // (2 * CX)
+            within = tid - group * (2 * CX)
+            return 2 * group + within % 2, within // 2
+        ty = tid // CX
+        return ty, tid - ty * CX
+
     @cuda.jit(device=True, inline=True)
     def scores(smem, s, ty, tx, scale):
         """s = scale Q_i K_j^T on the thread's TM x TN micro-tile; Q and K fragments from shared memory.
@@ -523,6 +557,6 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 acc += src[u64(a * CX + t)]
             total[a] = acc
 
-    return SimpleNamespace(load_q=load_q, load_kv=load_kv, masked_scores=masked_scores,
+    return SimpleNamespace(owner=owner, load_q=load_q, load_kv=load_kv, masked_scores=masked_scores,
                            row_max_partials=row_max_partials, softmax=softmax, store_p=store_p, pv=pv,
                            write_partials=write_partials, row_sum=row_sum)

@@ -10,14 +10,16 @@ O_i read, O_i written (r_i d each), l_i and m_i read and written (r_i each); the
 writes LSE. Non-causal: Q read T_c N_q d, O read T_c N_q d and written (T_c + 1) N_q d.
 
 Launch: grid (B H,), block (B_c / TN, B_r / TM) threads (engine.Layout): one block per (batch, head) runs
-the whole j-outer loop, as the original FlashAttention kernel does. Per visit (i, j): load Q_i^T, S = scale
-Q_i K_j^T; read m_i, l_i once per row (into shared memory, beside the row maxima) and each thread's O
-micro-tile, rebuild acc = O l; p, P^T and the row sums through shared memory, acc = alpha acc + P V; write
-O = acc / l, m and l back.
+the whole j-outer loop, as the original FlashAttention kernel does. Per visit (i, j): read each thread's O
+micro-tile and (tx = 0) m_i, l_i into registers, their loads issued before Q_i^T's so that all are in flight
+together (each thread reads what it wrote on the last visit: no barrier needed); load Q_i^T, S = scale
+Q_i K_j^T; m_i, l_i into shared memory beside the row maxima, rebuild acc = O l; p, P^T and the row sums
+through shared memory, acc = alpha acc + P V; write O = acc / l, m and l back.
 
 Limits and departures from the paper:
 - Parallelism is B H blocks: the cost of reading K and V once. A block holds 256 threads (default tiles,
-  d <= 128) so that even B H = 64 blocks keep most of an H200's 132 SMs issuing.
+  d <= 128), but B H = 64 blocks still leave 68 of an H200's 132 SMs idle: the structural cap the
+  whole-kernel estimate shows (docs/profile.md).
 - The paper keeps l and m as outputs; a last pass turns them into LSE = m + log l so that both orders
   return the same thing. l and m are float32 workspaces of shape (B, H, N_q).
 - FP32 CUDA cores only; static shared memory <= 48 KB (kernels.default_tiles); inputs float32, float16 or
@@ -39,7 +41,7 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    load_q, load_kv, masked_scores = E.load_q, E.load_kv, E.masked_scores
+    owner, load_q, load_kv, masked_scores = E.owner, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
@@ -55,9 +57,9 @@ def kernel_source(config: Config):
     def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
                         row_kind, lohi, dense):
         bh = cuda.blockIdx.x  # (batch, head)
-        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features layout.column(tx, e) of O
-        ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the query tile
-        tid = ty * CX + tx
+        tid = cuda.threadIdx.y * CX + cuda.threadIdx.x  # the hardware's thread (and lane) order
+        ty, tx = owner(tid)  # layout.owner: the row group and the column group of the thread
+        # tx: keys tx TN + c of S, features layout.column(tx, e) of O; ty: rows ty TM .. ty TM + TM - 1
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
         b = bh // heads
         h = bh - b * heads

@@ -33,7 +33,7 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    load_q, load_kv, masked_scores = E.load_q, E.load_kv, E.masked_scores
+    owner, load_q, load_kv, masked_scores = E.owner, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, VW = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
@@ -48,9 +48,9 @@ def kernel_source(config: Config):
     def flash_v2_engine(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
-        tx = cuda.threadIdx.x  # column group: keys tx TN + c of S, features layout.column(tx, e) of O
-        ty = cuda.threadIdx.y  # row group: rows ty TM .. ty TM + TM - 1 of the tile
-        tid = ty * CX + tx
+        tid = cuda.threadIdx.y * CX + cuda.threadIdx.x  # the hardware's thread (and lane) order
+        ty, tx = owner(tid)  # layout.owner: the row group and the column group of the thread
+        # tx: keys tx TN + c of S, features layout.column(tx, e) of O; ty: rows ty TM .. ty TM + TM - 1
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
         b = bh // heads
         h = bh - b * heads
