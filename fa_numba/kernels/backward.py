@@ -61,7 +61,7 @@ FLOAT_BYTES = 4
 # (largest head dim, (B, t)) : square tiles of B rows and keys, t x t micro-tiles of S per thread
 DEFAULTS = ((64, (32, 4)), (128, (16, 2)), (256, (8, 1)))
 PRE_THREADS = 128  # one query row per thread in `preprocess`
-IN_FLIGHT = 16  # global loads a thread keeps in flight while loading a tile (registers held until stored)
+IN_FLIGHT = 8  # global loads a thread keeps in flight while loading a tile (registers held until stored)
 
 
 def default_backward_tiles(head_dim: int) -> tuple[int, int]:
