@@ -282,6 +282,11 @@ def make_engine(layout: Layout) -> SimpleNamespace:
         STEPS = _per_thread(INNER * OUTER, T)
         CHUNK = min(STEPS, IN_FLIGHT[layout.order])
         KEEP = T % INNER == 0
+        # compile-time: whether a step can fall past the tile (T does not divide it), and whether the tile
+        # has padding columns (D > d); where not, those checks are compiled out (64-bit compares, two ISETPs
+        # each, per element)
+        RAGGED = (INNER * OUTER) % T != 0
+        PADDED = D != HD
 
         @cuda.jit(device=True, inline=True)
         def place(tid, step):
@@ -297,13 +302,37 @@ def make_engine(layout: Layout) -> SimpleNamespace:
 
         @cuda.jit(device=True, inline=True)
         def fetch(src, b, h, row0, rows, values, tid, first):
-            """values[i] = the thread's element of step first + i (i < CHUNK; zero past the tile)."""
+            """values[i] = the thread's element of step first + i (i < CHUNK; zero past the tile).
+
+            Where each thread keeps its inner index (KEEP), its elements lie on one line of src: a row of Q or K
+            for the transposed tiles, a column of V otherwise. That line is taken as a view once (at a clamped
+            index, so that the view itself is always in bounds), and each load is then one step along it
+            instead of the whole 4-d index with its runtime strides."""
+            if KEEP:
+                inner = tid % INNER
+                if transposed:  # the thread's row r = inner; its features x = outer vary
+                    keep = inner < rows
+                    line = src[b, h, u64(row0 + min(inner, rows - 1))]
+                else:  # the thread's feature x = inner; its rows r = outer vary
+                    keep = not PADDED or inner < HD
+                    line = src[b, h, :, u64(min(inner, HD - 1))]
+                for i in range(CHUNK):
+                    outer = tid // INNER + (first + i) * (T // INNER)
+                    value = ZERO
+                    if first + i < STEPS and (not RAGGED or outer < OUTER) and keep:
+                        if transposed:
+                            if not PADDED or outer < HD:
+                                value = to_f32(line[u64(outer)])
+                        elif outer < rows:
+                            value = to_f32(line[u64(row0 + outer)])
+                    values[i] = value
+                return
             for i in range(CHUNK):
                 idx, inner, outer = place(tid, first + i)
                 r = inner if transposed else outer
                 x = outer if transposed else inner
                 value = ZERO
-                if first + i < STEPS and outer < OUTER and r < rows and x < HD:
+                if first + i < STEPS and (not RAGGED or outer < OUTER) and r < rows and (not PADDED or x < HD):
                     value = to_f32(src[b, h, u64(row0 + r), u64(x)])
                 values[i] = value
 
@@ -311,7 +340,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
         def put(values, smem, off, tid, first):
             for i in range(CHUNK):
                 idx, inner, outer = place(tid, first + i)
-                if first + i < STEPS and outer < OUTER:
+                if first + i < STEPS and (not RAGGED or outer < OUTER):
                     smem[u64(off + idx)] = values[i]
 
         return fetch, put, STEPS, CHUNK
