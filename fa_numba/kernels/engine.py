@@ -58,8 +58,15 @@ UNROLL_BUDGET = 120  # operations per unrolled loop body (see make_engine)
 # Global loads a thread keeps in flight while loading a tile (registers held until they are stored), by order:
 # v2's 16 cover a whole K_j and V_j at the shipped d <= 128 tiles (d = 256 would otherwise hold 64 and halve
 # its occupancy); v1 runs one block per (batch, head), typically one per SM, so registers cost it no occupancy
-# until a block no longer fits, and its Q_i^T at d = 128 (32 loads per thread) goes in one round trip.
+# until a block no longer fits, and its Q_i^T at d = 128 (32 loads per thread) goes in one round trip; but
+# its 128-thread blocks at d = 256 spill at 32 (255 registers, 108 bytes), so they keep 16.
 IN_FLIGHT = {"v1": 32, "v2": 16}
+IN_FLIGHT_SMALL_BLOCKS = 16  # blocks of fewer than 256 threads, either order
+
+
+def in_flight(layout: "Layout") -> int:
+    """Global loads a thread of this layout keeps in flight while it loads a tile (IN_FLIGHT)."""
+    return IN_FLIGHT[layout.order] if layout.threads >= 256 else IN_FLIGHT_SMALL_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -280,7 +287,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
         division is left in the loop. One HBM read per element."""
         INNER, OUTER = (W, D) if transposed else (D, W)
         STEPS = _per_thread(INNER * OUTER, T)
-        CHUNK = min(STEPS, IN_FLIGHT[layout.order])
+        CHUNK = min(STEPS, in_flight(layout))
         KEEP = T % INNER == 0
         # compile-time: whether a step can fall past the tile (T does not divide it), and whether the tile
         # has padding columns (D > d); where not, those checks are compiled out (64-bit compares, two ISETPs
@@ -348,7 +355,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
     fetch_q, put_q, Q_STEPS, Q_CHUNK = tile_loader(BR, True)  # Q_i^T
     fetch_k, put_k, K_STEPS, K_CHUNK = tile_loader(BC, True)  # K_j^T
     fetch_v, put_v, V_STEPS, V_CHUNK = tile_loader(BC, False)  # V_j
-    KV_TOGETHER = K_STEPS + V_STEPS <= IN_FLIGHT[layout.order]  # both tiles' loads in flight at once
+    KV_TOGETHER = K_STEPS + V_STEPS <= in_flight(layout)  # both tiles' loads in flight at once
 
     @cuda.jit(device=True, inline=True)
     def load_q(q, b, h, row0, rows, smem, off, tid):
