@@ -13,7 +13,7 @@ import pytest
 from fa_numba import backend, iomodel, reference, tiled
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.common import SHARED_BYTES_LIMIT, Config
-from fa_numba.kernels.engine import DEFAULTS, Layout, default_config, micro_for
+from fa_numba.kernels.layout import DEFAULTS, Layout, default_config, micro_for
 from fa_numba.kernels.engine_v1 import FlashV1Engine
 from fa_numba.kernels.engine_v1 import kernel_source as v1_source
 from fa_numba.kernels.engine_v2 import FlashV2Engine

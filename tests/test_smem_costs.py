@@ -21,7 +21,7 @@ from fa_numba.kernels import smem_costs, smem_trace
 pytestmark = pytest.mark.skipif(backend.name() != "simulator", reason="the tracer hooks the CUDA simulator")
 
 WARP = 32
-# v2 with 16 x 32 tiles at d = 16: micro-tiles 4 x 4 (engine.micro_for), so RY = 4 row groups of CX = 8
+# v2 with 16 x 32 tiles at d = 16: micro-tiles 4 x 4 (layout.micro_for), so RY = 4 row groups of CX = 8
 # threads: T = 32 threads, exactly one warp, lane = ty CX + tx. D = 16, TD = D / CX = 2.
 SMALL = dict(variant="v2", block_q=16, block_k=32, head_dim=16, dtype="float32", causal=False)
 
@@ -63,7 +63,7 @@ def test_k_transpose_and_v_stores_are_conflict_free_one_element_per_lane(small, 
 
 
 def test_the_small_layout_interleaves_its_row_groups_lane_by_lane(small):
-    # engine.Layout.owner: CX = 8 is a power of two, 2 CX = 16 <= 32 and RY = 4 is even, so lanes 0-15 hold
+    # layout.Layout.owner: CX = 8 is a power of two, 2 CX = 16 <= 32 and RY = 4 is even, so lanes 0-15 hold
     # row groups 0 and 1 alternately (ty = lane % 2, tx = lane // 2) and lanes 16-31 row groups 2 and 3
     layout = small["layout"]
     assert layout.pairs_rows

@@ -13,7 +13,7 @@ from typing import Callable
 
 from fa_numba import backend
 from fa_numba.kernels.common import MAX_HEAD_DIM, Config
-from fa_numba.kernels.engine import default_config
+from fa_numba.kernels.layout import default_config
 from fa_numba.kernels.engine_v1 import make_v1_engine
 from fa_numba.kernels.engine_v2 import make_v2_engine
 from fa_numba.kernels.rowwise_v1 import make_v1
@@ -49,7 +49,7 @@ VARIANTS = {
 
 
 def default_tiles(head_dim: int) -> tuple[int, int]:
-    """(block_q, block_k) by head dim: the tile engine's shipped tiles (engine.DEFAULTS), which fit the 48 KB
+    """(block_q, block_k) by head dim: the tile engine's shipped tiles (layout.DEFAULTS), which fit the 48 KB
     static shared-memory budget of every variant (the one-thread-per-row kernels need only 2 B_c d 4 bytes)."""
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {head_dim}")

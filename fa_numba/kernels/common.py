@@ -81,7 +81,7 @@ class Config:
     @property
     def layout(self):
         """The engine's compile-time layout (micro-tiles, threads, shared-memory regions); engine kernels only."""
-        from fa_numba.kernels.engine import Layout, micro_for
+        from fa_numba.kernels.layout import Layout, micro_for
 
         return Layout(self.order, self.block_q, self.block_k, self.head_dim,
                       *micro_for(self.block_q, self.block_k, self.head_dim), budget=self.smem_budget)

@@ -9,7 +9,7 @@ HBM traffic per (batch, head), in elements: exactly that of the one-thread-per-r
 O_i read, O_i written (r_i d each), l_i and m_i read and written (r_i each); the last pass reads l, m and
 writes LSE. Non-causal: Q read T_c N_q d, O read T_c N_q d and written (T_c + 1) N_q d.
 
-Launch: grid (B H,), block (B_c / TN, B_r / TM) threads (engine.Layout): one block per (batch, head) runs
+Launch: grid (B H,), block (B_c / TN, B_r / TM) threads (layout.Layout): one block per (batch, head) runs
 the whole j-outer loop, as the original FlashAttention kernel does. Per visit (i, j): read each thread's O
 micro-tile and (tx = 0) m_i, l_i into registers, their loads issued before Q_i^T's so that all are in flight
 together (each thread reads what it wrote on the last visit: no barrier needed); load Q_i^T, S = scale

@@ -7,7 +7,7 @@ HBM traffic per (batch, head), in elements: exactly that of the one-thread-per-r
 ...), proofs/L5): Q read once per query tile that sees a key, K and V read d K_i per query tile, O written
 N_q d, LSE written N_q. Non-causal: Q N_q d, K and V T_r N_k d each.
 
-Launch: grid (T_r, B H), block (B_r / TM) (B_c / TN) threads (engine.Layout); each thread owns a TM x TN
+Launch: grid (T_r, B H), block (B_r / TM) (B_c / TN) threads (layout.Layout); each thread owns a TM x TN
 micro-tile of S and a TM x TD micro-tile of O in registers. Per key tile: load K_j^T and V_j, S = scale Q_i
 K_j^T, row max through shared memory, p = exp(s - shift), P^T through shared memory, O = alpha O + P V.
 

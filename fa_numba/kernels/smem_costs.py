@@ -17,7 +17,7 @@ in which tiles it visits). `difference_is_per_iteration` checks the premise: 3 t
 
 Regions. The engine kernels (v1, v2) and the backward kernels keep one flat float32 shared array, so the
 tracer sees one site; each access is attributed to the region of the layout it touches (element offset =
-byte offset // 4 against `engine.Layout.offsets`: Q^T, K^T, V, P^T, red, stat; `backward.BackwardConfig.offsets`:
+byte offset // 4 against `layout.Layout.offsets`: Q^T, K^T, V, P^T, red, stat; `backward.BackwardConfig.offsets`:
 Q, dO, K, V, P, dS, sigma(LSE), D). Where the engine aliases (P^T, red, stat inside the operand the order no
 longer needs: K^T in v2, Q^T in v1, at d >= 128) an offset alone is ambiguous; the function making the access
 decides: the tile loaders and `scores` touch Q^T, K^T, V, every other function P^T, red, stat (and V). The
