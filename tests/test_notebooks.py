@@ -1,4 +1,4 @@
-"""The stored notebooks execute cleanly (each under 60 s) when the `notebooks` extra is installed."""
+"""The stored notebooks execute cleanly (each under 60 s) when the `notebooks` extra is installed (slow tier)."""
 
 import pathlib
 import time
@@ -14,6 +14,8 @@ def test_the_three_notebooks_are_there():
         "01_online_softmax.ipynb", "02_tiles_and_causal_skipping.ipynb", "03_v1_vs_v2.ipynb"]
 
 
+# slow tier: a Jupyter kernel per notebook, about 22 s for the three on 2 cores (CI runs the tier too)
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes_without_error(path, tmp_path):
     nbformat = pytest.importorskip("nbformat", reason="needs the optional 'notebooks' extra (nbformat)")

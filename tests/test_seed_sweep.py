@@ -33,6 +33,7 @@ def test_the_ci_profile_is_refused():
         seed_sweep.main(["--profile", "ci", "--seeds", "1"])
 
 
+@pytest.mark.slow  # three pytest runs in subprocesses, about 13 s on 2 cores (CI runs the slow tier too)
 def test_a_sweep_reports_passes_and_failures(capsys, tmp_path):
     """Two seeds of one quick test pass; a run that selects no test counts as failed (pytest exit code 5)."""
     quick = ["tests/test_seeds.py::test_row_1_2_then_3"]
