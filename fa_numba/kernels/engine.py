@@ -85,8 +85,8 @@ def make_engine(layout: Layout) -> SimpleNamespace:
     HD = layout.head_dim  # the kernel's d: a launch with another is refused (Kernel.__call__)
 
     def tile_loader(W, transposed):
-        """(fetch, put, STEPS) for a W-row tile of src (rows past `rows` and features past d read as zeros):
-        the thread moves STEPS elements, in chunks of at most IN_FLIGHT; fetch reads one chunk from HBM into
+        """(fetch, put, STEPS, CHUNK) for a W-row tile of src (rows past `rows` and features past d read as zeros):
+        the thread moves STEPS elements, in chunks of CHUNK <= in_flight(layout); fetch reads one chunk from HBM into
         registers, every load issued before any is used (one round trip to memory per chunk, not one per
         element), and put stores it into smem at off: transposed (Q_i^T, K_j^T) element (r, x) goes to
         off + x W + r, else (V_j) to off + r D + x.
