@@ -206,6 +206,11 @@ def make_engine(layout: Layout) -> SimpleNamespace:
         return ty, tid - ty * CX
 
     @cuda.jit(device=True, inline=True)
+    def column(tx, e):
+        """The head-dim column of thread tx's e-th O column: Layout.column."""
+        return (e // VW) * CX * VW + tx * VW + e % VW
+
+    @cuda.jit(device=True, inline=True)
     def scores(smem, s, ty, tx, scale):
         """s = scale Q_i K_j^T on the thread's TM x TN micro-tile; Q and K fragments from shared memory.
 
@@ -353,7 +358,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                     for a in range(TM):
                         pf[a] = pw[u64(k * PS + a)]
                     for e in range(TD):
-                        vf[e] = vw[u64(k * D + (e // VW) * CX * VW + e % VW)]
+                        vf[e] = vw[u64(k * D + column(0, e))]  # tx's offset is in vw
                     for a in range(TM):
                         if math.copysign(ONE, pf[a]) > ZERO:  # not the -0.0 of a masked pair
                             for e in range(TD):
@@ -370,7 +375,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                     for a in range(TM):
                         pf[a] = pw[u64(k * PS + a)]
                     for e in range(TD):
-                        vf[e] = vw[u64(k * D + (e // VW) * CX * VW + e % VW)]
+                        vf[e] = vw[u64(k * D + column(0, e))]  # tx's offset is in vw
                     for a in range(TM):
                         if float32(ki) <= rel[a]:  # a predicated FFMA: the product is never formed for a masked key
                             for e in range(TD):
@@ -384,7 +389,7 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                     for a in range(TM):
                         pf[a] = pw[u64(k * PS + a)]
                     for e in range(TD):
-                        vf[e] = vw[u64(k * D + (e // VW) * CX * VW + e % VW)]
+                        vf[e] = vw[u64(k * D + column(0, e))]  # tx's offset is in vw
                     for a in range(TM):
                         for e in range(TD):
                             acc[a, e] += pf[a] * vf[e]
@@ -402,6 +407,6 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 acc += src[u64(a * CX + t)]
             total[a] = acc
 
-    return SimpleNamespace(owner=owner, load_q=load_q, load_kv=load_kv, masked_scores=masked_scores,
+    return SimpleNamespace(owner=owner, column=column, load_q=load_q, load_kv=load_kv, masked_scores=masked_scores,
                            row_max_partials=row_max_partials, softmax=softmax, store_p=store_p, pv=pv,
                            write_partials=write_partials, row_sum=row_sum)

@@ -41,12 +41,11 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    owner, load_q, load_kv, masked_scores = E.owner, E.load_q, E.load_kv, E.masked_scores
+    owner, column, load_q, load_kv, masked_scores = E.owner, E.column, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
                                  layout.threads)
-    VW = layout.vw  # O columns a thread owns side by side (layout.column)
     CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
     # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
     GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
@@ -125,7 +124,7 @@ def kernel_source(config: Config):
                         m_prev[a] = m_hbm[b, h, r]
                         l_prev[a] = l_hbm[b, h, r]
                     for e in range(TD):
-                        x = (e // VW) * CX * VW + tx * VW + e % VW  # layout.column(tx, e)
+                        x = column(tx, e)
                         value = ZERO
                         if r < n_q and x < d:
                             value = o[b, h, r, x]
@@ -175,7 +174,7 @@ def kernel_source(config: Config):
                     l_new = alpha[a] * l[a] + part[a]
                     if r < n_q:
                         for e in range(TD):
-                            x = (e // VW) * CX * VW + tx * VW + e % VW  # layout.column(tx, e)
+                            x = column(tx, e)
                             if x < d:
                                 o[b, h, r, x] = acc[a, e] / l_new if l_new > ZERO else acc[a, e]
                         if tx == 0:

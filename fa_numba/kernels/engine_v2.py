@@ -33,11 +33,10 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
     E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
-    owner, load_q, load_kv, masked_scores = E.owner, E.load_q, E.load_kv, E.masked_scores
+    owner, column, load_q, load_kv, masked_scores = E.owner, E.column, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
-    BR, BC, TM, TN, TD, CX, VW = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
-                                  layout.vw)
+    BR, BC, TM, TN, TD, CX = layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx
     CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
     OFF = layout.offsets
     SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
@@ -128,7 +127,7 @@ def kernel_source(config: Config):
                 if LISTS:
                     alive = lohi[r, 0] < lohi[r, 1]
                 for e in range(TD):
-                    x = (e // VW) * CX * VW + tx * VW + e % VW  # layout.column(tx, e)
+                    x = column(tx, e)
                     if x < d:
                         o[b, h, r, x] = output(acc[a, e], l[a], alive)
                 if tx == 0:
