@@ -1,7 +1,8 @@
 """fa_numba: exact FlashAttention (v1 KV-outer and v2 Q-outer loop orders) in Numba CUDA.
 
 Layers, top to bottom (each imports only those above it):
-    reference       float64 dense attention and its gradients, the derived tolerance rules
+    reference       float64 dense attention and its gradients (the definition), their float32 twins
+    tolerance       the derived tolerance rules a float32 result is judged by: terms, baselines, checks
     online_softmax  the (m, l, acc) state and its merge / update / finalize
     tiling          tile grid, SKIP / FULL / PARTIAL classification (causal or any mask), block masks, schedules
     masks           causal, sliding window, documents, prefix-LM, from_function / from_dense: predicate,
@@ -22,8 +23,9 @@ from fa_numba import backend
 
 backend.select()  # before anything imports numba.cuda
 
-from fa_numba import iomodel, masks, online_softmax, reference, tiled, tiling  # noqa: E402
+from fa_numba import iomodel, masks, online_softmax, reference, tiled, tiling, tolerance  # noqa: E402
 from fa_numba.api import attention, attention_backward  # noqa: E402
 
-__all__ = ["attention", "attention_backward", "backend", "iomodel", "masks", "online_softmax", "reference", "tiled", "tiling"]
+__all__ = ["attention", "attention_backward", "backend", "iomodel", "masks", "online_softmax", "reference", "tiled",
+           "tiling", "tolerance"]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts
+from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts, tolerance
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, kernel_mask
 from fa_numba.timing import attention_flops, time_call
@@ -270,7 +270,7 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     n_scores = qc.shape[0] * qc.shape[1] * s.n_q * s.n_k
     contractions = reference.CONTRACTIONS if n_scores <= EXACT_CHECK_MAX_SCORES else ("matmul",)
     causal, mask, form = masking(s)
-    base = reference.baseline(qc, kc, vc, causal=causal, contractions=contractions, block_q=s.block_q,
+    base = tolerance.baseline(qc, kc, vc, causal=causal, contractions=contractions, block_q=s.block_q,
                               block_k=s.block_k, mask=mask)
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, s.block_q, s.block_k)
@@ -288,9 +288,9 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
         out, lse = out[part], lse[part]
         atol_out, atol_lse = base.tolerances(row["order"])
         row.update(atol_out=atol_out, atol_lse=atol_lse,
-                   err_out=reference.max_error(out, base.out), err_lse=reference.max_error(lse, base.lse))
+                   err_out=tolerance.max_error(out, base.out), err_lse=tolerance.max_error(lse, base.lse))
         try:
-            reference.judge(out, lse, base, name=row["variant"], order=row["order"])
+            tolerance.judge(out, lse, base, name=row["variant"], order=row["order"])
             row["passed"] = True
         except AssertionError as failure:
             row["passed"], row["failure"] = False, str(failure)
@@ -381,7 +381,7 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
     scale = 1 / math.sqrt(s.head_dim)
     out, lse = attention_forward(q, k, v, causal, block, mask=mask)
     contractions = reference.CONTRACTIONS if s.batch * s.heads * s.n_q * s.n_k <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    base = reference.baseline_backward(*(reference_view(x) for x in (q, k, v, dout)), causal=causal,
+    base = tolerance.baseline_backward(*(reference_view(x) for x in (q, k, v, dout)), causal=causal,
                                        contractions=contractions, mask=mask)
     q, k, v, dout = (kernel_view(x) for x in (q, k, v, dout))
     device = [cuda.to_device(x) for x in (q, k, v, out, lse, dout)]
@@ -405,10 +405,10 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
             launch()
             grads = [g.copy_to_host() for g in grads_dev[:3]]
         for key, g, ref in zip(("dq", "dk", "dv"), grads, (base.dq, base.dk, base.dv)):
-            row[f"err_{key}"] = reference.max_error(g, ref)
+            row[f"err_{key}"] = tolerance.max_error(g, ref)
         row.update(atol_dq=base.atol_dq, atol_dk=base.atol_dk, atol_dv=base.atol_dv)
         try:
-            reference.judge_backward(*grads, base, name=row["variant"])
+            tolerance.judge_backward(*grads, base, name=row["variant"])
             row["passed"] = True
         except AssertionError as failure:
             row["passed"], row["failure"] = False, str(failure)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fa_numba import reference
+from fa_numba import tolerance
 
 U64 = 2.0**-53  # unit roundoff of float64
 EXP = 3 * U64  # relative error of np.exp / np.log in float64: 1 ulp off the correctly rounded value
@@ -32,9 +32,9 @@ UNDERFLOW = float(np.finfo(np.float64).smallest_subnormal)  # absolute slack per
 
 
 def gamma(n: int, u: float = U64) -> float:
-    """Higham's gamma_n = n u / (1 - n u), in float64's unit roundoff by default (reference.gamma, whose
+    """Higham's gamma_n = n u / (1 - n u), in float64's unit roundoff by default (tolerance.gamma, whose
     default is float32's)."""
-    return reference.gamma(n, u)
+    return tolerance.gamma(n, u)
 
 
 def factor(exps, ops, gap):

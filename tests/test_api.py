@@ -5,7 +5,7 @@ import pytest
 from numba import cuda
 
 import fa_numba
-from fa_numba import reference
+from fa_numba import tolerance
 from fa_numba.kernels import VARIANTS, default_tiles
 from strategies import Case
 
@@ -18,7 +18,7 @@ def test_numpy_in_numpy_out_in_every_layout(order):
     out4, lse4 = fa_numba.attention(q, k, v, causal=True, order=order, return_lse=True, **SMALL)
     assert isinstance(out4, np.ndarray) and out4.shape == q.shape and out4.dtype == np.float32
     assert lse4.shape == q.shape[:-1]
-    reference.check_attention(out4, lse4, q, k, v, causal=True, order=order, **SMALL)
+    tolerance.check_attention(out4, lse4, q, k, v, causal=True, order=order, **SMALL)
     out3 = fa_numba.attention(q[0], k[0], v[0], causal=True, order=order, **SMALL)
     out2 = fa_numba.attention(q[0, 1], k[0, 0], v[0, 0], causal=True, order=order, **SMALL)
     assert out3.shape == (2, 5, 3) and out2.shape == (5, 3)
@@ -32,7 +32,7 @@ def test_device_arrays_in_device_arrays_out():
     out, lse = fa_numba.attention(dq, dk, dv, return_lse=True, **SMALL)
     assert not isinstance(out, np.ndarray) and hasattr(out, "copy_to_host")
     assert tuple(out.shape) == (1, 4, 2) and tuple(lse.shape) == (1, 4)
-    reference.check_attention(out.copy_to_host(), lse.copy_to_host(), q[0], k[0], v[0], order="v2", **SMALL)
+    tolerance.check_attention(out.copy_to_host(), lse.copy_to_host(), q[0], k[0], v[0], order="v2", **SMALL)
 
 
 def test_defaults_scale_and_tiles():
@@ -51,7 +51,7 @@ def test_float16_inputs_give_float32_outputs():
     q, k, v = Case(n_q=6, n_k=7, d=4, block_q=4, block_k=4, causal=True).inputs(np.float16)
     out, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, **SMALL)
     assert out.dtype == np.float32
-    reference.check_attention(out, lse, q, k, v, causal=True, order="v2", **SMALL)
+    tolerance.check_attention(out, lse, q, k, v, causal=True, order="v2", **SMALL)
 
 
 def _qkv(dtype=np.float32, d=8):
@@ -102,7 +102,7 @@ def test_non_contiguous_device_array_is_refused():
 def test_non_contiguous_host_array_is_accepted():
     q = np.asfortranarray(np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32))
     out, lse = fa_numba.attention(q, q, q, return_lse=True, **SMALL)
-    reference.check_attention(out, lse, q, q, q, order="v2", **SMALL)
+    tolerance.check_attention(out, lse, q, q, q, order="v2", **SMALL)
 
 
 def test_backend_is_reported():
@@ -119,7 +119,7 @@ def test_array_likes_and_foreign_dtypes():
 
     q = np.random.default_rng(1).standard_normal((4, 2)).astype(np.float32)
     out, lse = fa_numba.attention(HostTensor(q), HostTensor(q), HostTensor(q), return_lse=True, **SMALL)
-    reference.check_attention(out, lse, q, q, q, order="v2", **SMALL)
+    tolerance.check_attention(out, lse, q, q, q, order="v2", **SMALL)
 
     class ForeignDtype:  # has a shape and a dtype NumPy cannot read
         shape, dtype = (4, 2), "torch.bfloat16"

@@ -11,7 +11,7 @@ import pytest
 from numba import cuda
 
 import fa_numba
-from fa_numba import arrays, backend, reference
+from fa_numba import arrays, backend, tolerance
 from fa_numba.kernels import default_tiles
 from strategies import Case
 
@@ -65,7 +65,7 @@ def test_the_result_comes_back_in_the_input_library(name, to_library, to_numpy, 
                                   return_lse=True, **SMALL)
     assert is_library_type(out) and is_library_type(lse), (type(out), type(lse))
     assert tuple(out.shape) == q.shape and tuple(lse.shape) == q.shape[:-1]
-    reference.check_attention(to_numpy(out), to_numpy(lse), q, k, v, causal=True, order=order, **SMALL)
+    tolerance.check_attention(to_numpy(out), to_numpy(lse), q, k, v, causal=True, order=order, **SMALL)
     out3 = fa_numba.attention(*(to_library(np.ascontiguousarray(x[0])) for x in (q, k, v)), causal=True,
                               order=order, **SMALL)
     assert is_library_type(out3) and tuple(out3.shape) == q.shape[1:]
@@ -79,11 +79,11 @@ def test_torch_cpu_tensors_float16_grad_and_strides():
     tq.requires_grad_(True)  # read through .detach(): no autograd history on the result
     out, lse = fa_numba.attention(tq, tk, tv, causal=True, return_lse=True, **SMALL)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32 and not out.requires_grad
-    reference.check_attention(out.numpy(), lse.numpy(), q, k, v, causal=True, order="v2", **SMALL)
+    tolerance.check_attention(out.numpy(), lse.numpy(), q, k, v, causal=True, order="v2", **SMALL)
     wide = torch.from_numpy(np.concatenate([q, q], axis=-1).astype(np.float32))[..., ::2]  # non-contiguous
     assert not wide.is_contiguous()
     out, lse = fa_numba.attention(wide, tk.float(), tv.float(), causal=True, return_lse=True, **SMALL)
-    reference.check_attention(out.numpy(), lse.numpy(), wide.numpy(), k.astype(np.float32), v.astype(np.float32),
+    tolerance.check_attention(out.numpy(), lse.numpy(), wide.numpy(), k.astype(np.float32), v.astype(np.float32),
                               causal=True, order="v2", **SMALL)
 
 
@@ -158,7 +158,7 @@ def test_torch_cuda_launch_is_ordered_on_the_current_stream():
         after_out, after_lse = out * 1, lse * 1  # queued after the kernel on the same stream
     side.synchronize()
     assert type(out) is torch.Tensor and out.device == q.device and out.dtype == torch.float32
-    reference.check_attention(after_out.cpu().numpy(), after_lse.cpu().numpy(), q_host, k_host, v_host, causal=True,
+    tolerance.check_attention(after_out.cpu().numpy(), after_lse.cpu().numpy(), q_host, k_host, v_host, causal=True,
                               order="v2", block_q=default_tiles(64)[0], block_k=default_tiles(64)[1])
 
 
@@ -176,5 +176,5 @@ def test_cupy_arrays_launch_on_cupys_current_stream():
         after_out, after_lse = out * 1, lse * 1
     stream.synchronize()
     assert type(out) is cupy.ndarray and out.device.id == q.device.id
-    reference.check_attention(cupy.asnumpy(after_out), cupy.asnumpy(after_lse), q_host, k_host, v_host, causal=True,
+    tolerance.check_attention(cupy.asnumpy(after_out), cupy.asnumpy(after_lse), q_host, k_host, v_host, causal=True,
                               order="v2", **SMALL)

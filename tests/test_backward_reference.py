@@ -8,7 +8,7 @@ from hypothesis import example, given
 
 from scipy.special import softmax
 
-from fa_numba import masks, reference
+from fa_numba import masks, reference, tolerance
 from float64_bounds import finite_difference_bounds, float64_atols, magnitudes
 from strategies import (BACKWARD_HARD_CASES, HARD_MASK_CASES, Case, MaskCase, cases, mask_cases,
                         with_backward_hard_cases, with_hard_mask_cases)
@@ -154,8 +154,8 @@ def test_naive_f32_backward_computes_in_float32_and_its_orders_differ():
              for c in reference.CONTRACTIONS]
     for n in naive:
         assert all(g.dtype == np.float32 for g in n)
-        assert all(0 < reference.max_error(g, r) < 1e-4 for g, r in zip(n, ref))
-    assert len({reference.max_error(n[0], ref[0]) for n in naive}) > 1
+        assert all(0 < tolerance.max_error(g, r) < 1e-4 for g, r in zip(n, ref))
+    assert len({tolerance.max_error(n[0], ref[0]) for n in naive}) > 1
     with pytest.raises(ValueError, match="contraction must be one of"):
         reference.attention_backward_naive_f32(q, k, v, dout, contraction="blas")
 
@@ -166,7 +166,7 @@ def test_backward_tolerance_is_the_documented_rule():
     case = Case(n_q=7, n_k=9, d=5, block_q=1, block_k=1, causal=True, logit=3.0, seed=6)
     q, k, v = case.inputs()
     dout = case.grad_output()
-    base = reference.baseline_backward(q, k, v, dout, causal=True)
+    base = tolerance.baseline_backward(q, k, v, dout, causal=True)
     ref = reference.attention_backward(q, k, v, dout, causal=True)
     naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=True, contraction=c)
              for c in reference.CONTRACTIONS]
@@ -199,10 +199,10 @@ def test_cancellation_floor_covers_a_row_that_sees_one_key():
     case = Case(n_q=4, n_k=1, d=6, block_q=1, block_k=1, causal=False, seed=11)
     q, k, v = case.inputs(np.float32)
     dout = case.grad_output(np.float32)
-    base = reference.baseline_backward(q, k, v, dout)
+    base = tolerance.baseline_backward(q, k, v, dout)
     ref = reference.attention_backward(q, k, v, dout)
     naive_dq = [reference.attention_backward_naive_f32(q, k, v, dout, contraction=c)[0] for c in ("loop", "loop_reversed")]
-    assert all(reference.max_error(n, ref[0]) == 0 for n in naive_dq)  # exact by luck
+    assert all(tolerance.max_error(n, ref[0]) == 0 for n in naive_dq)  # exact by luck
     # D summed in the reverse order of dP: the rounding noise any other implementation may have.
     out = np.broadcast_to(v, q.shape)  # one key: O_i = V_0
     d_rev = np.zeros(q.shape[:-1], np.float32)
@@ -212,8 +212,8 @@ def test_cancellation_floor_covers_a_row_that_sees_one_key():
     for x in range(case.d):
         dp += dout[..., x] * v[..., 0, x][..., None]
     dq = (np.float32(1 / np.sqrt(case.d)) * (dp - d_rev))[..., None] * k  # P = 1: dS = dP - D
-    err = reference.max_error(dq, ref[0])
-    assert err > reference.rounding_floor(ref[0])  # the floor of the forward alone would fail it
+    err = tolerance.max_error(dq, ref[0])
+    assert err > tolerance.rounding_floor(ref[0])  # the floor of the forward alone would fail it
     assert err <= base.atol_dq
 
 
@@ -223,16 +223,16 @@ def test_check_attention_backward_rejects_a_wrong_answer():
     q, k, v = case.inputs()
     dout = case.grad_output()
     grads = reference.attention_backward_naive_f32(q, k, v, dout, causal=True)
-    check = reference.check_attention_backward(*grads, q, k, v, dout, causal=True)
+    check = tolerance.check_attention_backward(*grads, q, k, v, dout, causal=True)
     assert check.err_dq <= check.atol_dq / 3 and check.err_dv <= check.atol_dv / 3  # naive passes with room
     unmasked = reference.attention_backward_naive_f32(q, k, v, dout, causal=False)  # forgot the mask
     for t, name in enumerate(("dq", "dk", "dv")):
         wrong = list(grads)
         wrong[t] = unmasked[t]
         with pytest.raises(AssertionError, match=f"kernel {name}"):
-            reference.check_attention_backward(*wrong, q, k, v, dout, causal=True)
+            tolerance.check_attention_backward(*wrong, q, k, v, dout, causal=True)
     with pytest.raises(AssertionError, match="non-finite mismatch"):
-        reference.check_attention_backward(grads[0] * np.nan, *grads[1:], q, k, v, dout, causal=True)
+        tolerance.check_attention_backward(grads[0] * np.nan, *grads[1:], q, k, v, dout, causal=True)
 
 
 # --- masks beyond causal (proofs/L8) -----------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_gradients_with_a_mask_match_explicit_per_row_loops(mc: MaskCase):
     explicit = _explicit_gradients(q, k, v, dout, visible)
     for name, g, n, e, atol in zip(("dq", "dk", "dv"), grads, naive, explicit, atols):
         assert g.shape == e.shape and g.dtype == np.float64 and n.dtype == np.float32
-        reference.assert_close(g, e, atol, name=name)
+        tolerance.assert_close(g, e, atol, name=name)
         assert np.isfinite(n).all()
     assert (grads[0][..., dead, :] == 0).all() and (naive[0][..., dead, :] == 0).all()
     unseen = ~visible.any(axis=0)  # keys no query sees: zero dK, dV
@@ -317,7 +317,7 @@ def test_causal_flag_equals_the_causal_mask_in_the_backward_reference_bitwise(ca
     for fn in (reference.attention_backward, reference.attention_backward_naive_f32):
         for a, b in zip(fn(q, k, v, dout, causal=True), fn(q, k, v, dout, mask=masks.causal())):
             np.testing.assert_array_equal(a, b)
-    by_flag, by_mask = (vars(reference.baseline_backward(q, k, v, dout, contractions=("matmul",), **kw)).values()
+    by_flag, by_mask = (vars(tolerance.baseline_backward(q, k, v, dout, contractions=("matmul",), **kw)).values()
                         for kw in ({"causal": True}, {"mask": masks.causal()}))
     for a, b in zip(by_flag, by_mask):  # the gradients and their tolerances
         np.testing.assert_array_equal(a, b)
@@ -329,7 +329,7 @@ def test_check_attention_backward_with_a_mask_rejects_unmasked_gradients():
     q, k, v = Case(n_q=7, n_k=7, d=4, block_q=1, block_k=1, causal=False, seed=13).inputs()
     dout = Case(n_q=7, n_k=7, d=4, block_q=1, block_k=1, causal=False, seed=13).grad_output()
     grads = reference.attention_backward_naive_f32(q, k, v, dout, mask=mask)
-    check = reference.check_attention_backward(*grads, q, k, v, dout, mask=mask)
+    check = tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mask)
     assert check.err_dq <= check.atol_dq and check.err_dk <= check.atol_dk
     for wrong in (reference.attention_backward_naive_f32(q, k, v, dout, causal=True),  # the window forgotten
                   reference.attention_backward_naive_f32(q, k, v, dout, mask=masks.sliding_window(1, 0))):
@@ -337,6 +337,6 @@ def test_check_attention_backward_with_a_mask_rejects_unmasked_gradients():
             given_grads = list(grads)
             given_grads[t] = wrong[t]
             with pytest.raises(AssertionError, match=f"kernel {name}"):
-                reference.check_attention_backward(*given_grads, q, k, v, dout, mask=mask)
+                tolerance.check_attention_backward(*given_grads, q, k, v, dout, mask=mask)
     with pytest.raises(ValueError, match=r"pass causal=True or mask=\.\.\., not both"):
         reference.attention_backward(q, k, v, dout, causal=True, mask=mask)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling
+from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling, tolerance
 from float64_bounds import float64_atols, magnitudes
 from strategies import (HARD_MASK_CASES, Case, MaskCase, cases, mask_cases, with_backward_hard_cases,
                         with_hard_mask_cases)
@@ -45,7 +45,7 @@ def test_float64_spec_of_both_orders_equals_the_reference(case: Case):
             grads = _backward(case, order, deterministic, inputs, forward)[:3]
         for name, g, r, atol in zip(("dq", "dk", "dv"), grads, ref, atols):
             assert g.shape == r.shape and g.dtype == np.float64
-            reference.assert_close(g, r, atol, name=f"tiled {order}{' deterministic' if deterministic else ''} {name}")
+            tolerance.assert_close(g, r, atol, name=f"tiled {order}{' deterministic' if deterministic else ''} {name}")
 
 
 # Exceeds 3x its naive error plus the other floors by 10% without the LSE's ulp in the floor (proofs/L7).
@@ -62,11 +62,11 @@ def test_float32_spec_of_both_orders_passes_the_3x_rule(case: Case):
     q, k, v, dout = inputs
     out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=case.block_q, block_k=case.block_k,
                                   causal=case.causal, dtype=np.float32)
-    base = reference.baseline_backward(q, k, v, dout, causal=case.causal)
+    base = tolerance.baseline_backward(q, k, v, dout, causal=case.causal)
     for order, deterministic in VARIANTS:
         grads = _backward(case, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
         assert all(g.dtype == np.float32 for g in grads)
-        reference.judge_backward(*grads, base, name=f"tiled {order} float32")
+        tolerance.judge_backward(*grads, base, name=f"tiled {order} float32")
 
 
 @pytest.mark.lemma("L7")
@@ -75,10 +75,10 @@ def test_float16_inputs_are_checked_against_the_reference_of_the_same_inputs():
     inputs = _inputs(case, np.float16)
     q, k, v, dout = inputs
     out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=4, block_k=4, causal=True, dtype=np.float32)
-    base = reference.baseline_backward(q, k, v, dout, causal=True)
+    base = tolerance.baseline_backward(q, k, v, dout, causal=True)
     for order, deterministic in VARIANTS:
         grads = _backward(case, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
-        reference.judge_backward(*grads, base, name=f"tiled {order} from float16")
+        tolerance.judge_backward(*grads, base, name=f"tiled {order} from float16")
 
 
 @pytest.mark.lemma("L7")
@@ -160,18 +160,18 @@ def test_a_broken_spec_is_caught(monkeypatch):
     ref = reference.attention_backward(*inputs, causal=True)
     atols = float64_atols(magnitudes(*inputs, True))
     f32 = _inputs(case, np.float32)
-    base = reference.baseline_backward(*f32, causal=True)
+    base = tolerance.baseline_backward(*f32, causal=True)
     monkeypatch.setattr(tiled, "_preprocess", lambda out, dout: np.zeros(out.shape[:-1], dtype=out.dtype))
     for order, deterministic in VARIANTS:
         dq, dk, dv, _ = _backward(case, order, deterministic, inputs, forward)
         np.testing.assert_allclose(dv, ref[2], rtol=1e-12, atol=1e-12)  # dV does not involve D
         for name, g, r, atol in (("dq", dq, ref[0], atols[0]), ("dk", dk, ref[1], atols[1])):
             with pytest.raises(AssertionError, match="beyond atol"):
-                reference.assert_close(g, r, atol, name=name)
+                tolerance.assert_close(g, r, atol, name=name)
         grads = _backward(case, order, deterministic, f32, tuple(x.astype(np.float32) for x in forward),
                           dtype=np.float32)[:3]
         with pytest.raises(AssertionError, match="broken dq"):
-            reference.judge_backward(*grads, base, name="broken")
+            tolerance.judge_backward(*grads, base, name="broken")
 
 
 def test_arguments_are_validated_by_name():
@@ -291,7 +291,7 @@ def test_float64_backward_spec_with_a_mask_equals_the_reference(mc: MaskCase):
             warnings.simplefilter("error")  # dead rows and masked scores must not warn
             grads = _mask_backward(mc, order, deterministic, inputs, forward)[:3]
         for name, g, r, atol in zip(("dq", "dk", "dv"), grads, ref, atols):
-            reference.assert_close(g, r, atol, name=f"tiled {order}{' deterministic' if deterministic else ''} {name}")
+            tolerance.assert_close(g, r, atol, name=f"tiled {order}{' deterministic' if deterministic else ''} {name}")
         assert (grads[0][..., dead, :] == 0).all()  # decided by the mask: exactly zero
 
 
@@ -304,11 +304,11 @@ def test_float32_backward_spec_with_a_mask_passes_the_3x_rule(mc: MaskCase):
     q, k, v, dout = inputs
     out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=mc.case.block_q, block_k=mc.case.block_k,
                                   mask=mc.mask, dtype=np.float32)
-    base = reference.baseline_backward(q, k, v, dout, mask=mc.mask)
+    base = tolerance.baseline_backward(q, k, v, dout, mask=mc.mask)
     for order, deterministic in VARIANTS:
         grads = _mask_backward(mc, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
         assert all(g.dtype == np.float32 for g in grads)
-        reference.judge_backward(*grads, base, name=f"tiled {order} float32")
+        tolerance.judge_backward(*grads, base, name=f"tiled {order} float32")
 
 
 @pytest.mark.lemma("L8")

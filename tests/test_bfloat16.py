@@ -9,7 +9,7 @@ import pytest
 from numba import cuda
 
 import fa_numba
-from fa_numba import reference
+from fa_numba import tolerance
 from fa_numba.kernels import VARIANTS
 from fa_numba.kernels.common import to_f32
 from strategies import Case
@@ -39,7 +39,7 @@ def test_bfloat16_host_arrays(order, causal):
     (q, k, v), exact = _inputs(case)
     out, lse = fa_numba.attention(q, k, v, causal=causal, order=order, return_lse=True, **SMALL)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == q.shape
-    reference.check_attention(out, lse, *exact, causal=causal, name=f"{order} bfloat16", order=VARIANTS[order].order,
+    tolerance.check_attention(out, lse, *exact, causal=causal, name=f"{order} bfloat16", order=VARIANTS[order].order,
                               **SMALL)
 
 
@@ -50,7 +50,7 @@ def test_bfloat16_device_arrays_in_the_simulator():
     (q, k, v), exact = _inputs(case)
     out, lse = fa_numba.attention(*(cuda.to_device(x) for x in (q, k, v)), causal=True, return_lse=True, **SMALL)
     assert not isinstance(out, np.ndarray) and out.dtype == np.float32
-    reference.check_attention(out.copy_to_host(), lse.copy_to_host(), *exact, causal=True, name="device bfloat16",
+    tolerance.check_attention(out.copy_to_host(), lse.copy_to_host(), *exact, causal=True, name="device bfloat16",
                               order="v2", **SMALL)
 
 
@@ -61,7 +61,7 @@ def test_bfloat16_torch_tensors():
     q, k, v = (torch.from_numpy(x).bfloat16() for x in exact)  # exact: the values are bfloat16 already
     out, lse = fa_numba.attention(q, k, v, return_lse=True, **SMALL)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
-    reference.check_attention(out.numpy(), lse.numpy(), *exact, name="torch bfloat16", order="v2", **SMALL)
+    tolerance.check_attention(out.numpy(), lse.numpy(), *exact, name="torch bfloat16", order="v2", **SMALL)
 
 
 def test_mixed_bfloat16_is_named():

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from fa_numba import cli, iomodel, reference
+from fa_numba import cli, iomodel, tolerance
 from fa_numba.kernels import VARIANTS
 from fa_numba import compare as cmp
 
@@ -359,7 +359,7 @@ def test_compare_takes_bfloat16_and_judges_it_by_the_reference_rule(tmp_path, ca
         assert theirs.dtype == np.dtype(ml_dtypes.bfloat16)
         np.testing.assert_array_equal(mine.view(np.uint16), theirs.view(np.uint16))
     # the reference's rule on the exact float32 values of those inputs, as for float16 (the widening is exact)
-    base = reference.baseline(*(x.astype(np.float32) for x in (q, k, v)), causal=True, block_q=8, block_k=8)
+    base = tolerance.baseline(*(x.astype(np.float32) for x in (q, k, v)), causal=True, block_q=8, block_k=8)
     for row in result["rows"]:
         assert row["passed"]
         assert (row["atol_out"], row["atol_lse"]) == base.tolerances(row["order"])

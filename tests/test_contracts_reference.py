@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fa_numba import reference, tiled
+from fa_numba import reference, tiled, tolerance
 from strategies import Case
 
 # --- visible_matmul: sum_j p_ij v_j over the visible pairs, non-finite values included ----------------
@@ -130,11 +130,11 @@ def test_a_mask_whose_dense_form_is_not_a_bool_array_of_the_sizes_is_refused(mas
 
 
 def test_max_error_reads_finite_reference_entries_and_a_nan_there_is_an_infinite_error():
-    assert reference.max_error(np.array([5.0, np.nan]), np.array([-np.inf, np.nan])) == 0.0  # nothing finite
-    assert reference.max_error(np.array([1.5, 7.0]), np.array([1.0, -np.inf])) == 0.5
+    assert tolerance.max_error(np.array([5.0, np.nan]), np.array([-np.inf, np.nan])) == 0.0  # nothing finite
+    assert tolerance.max_error(np.array([1.5, 7.0]), np.array([1.0, -np.inf])) == 0.5
     # A NaN or inf where the reference is finite is an infinite error (never NaN, which no `<=` rejects).
-    assert reference.max_error(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == np.inf
-    assert reference.max_error(np.array([np.inf, 2.5]), np.array([1.0, 2.0])) == np.inf
+    assert tolerance.max_error(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == np.inf
+    assert tolerance.max_error(np.array([np.inf, 2.5]), np.array([1.0, 2.0])) == np.inf
 
 
 def test_a_problem_with_no_finite_reference_entry_is_allowed_no_error():
@@ -142,24 +142,24 @@ def test_a_problem_with_no_finite_reference_entry_is_allowed_no_error():
     only the same NaNs pass."""
     q, k, v = Case(3, 4, 2, 1, 1, True).inputs()
     q = np.full_like(q, np.nan)
-    base = reference.baseline(q, k, v)
+    base = tolerance.baseline(q, k, v)
     assert (base.atol_out, base.atol_lse) == (0.0, 0.0) and np.isnan(base.out).all()
-    reference.judge(base.out.copy(), base.lse.copy(), base)
+    tolerance.judge(base.out.copy(), base.lse.copy(), base)
     with pytest.raises(AssertionError, match="non-finite mismatch"):
-        reference.judge(np.zeros_like(base.out), base.lse, base)
+        tolerance.judge(np.zeros_like(base.out), base.lse, base)
     dout = np.ones_like(q)
-    back = reference.baseline_backward(q, k, v, dout)
+    back = tolerance.baseline_backward(q, k, v, dout)
     assert (back.atol_dq, back.atol_dk, back.atol_dv) == (0.0, 0.0, 0.0)
 
 
 def test_assert_close_sits_on_its_bound_and_counts_each_entry_once():
     # |actual - expected| <= atol: an error of exactly atol passes (0.5 is exact in binary).
-    assert reference.assert_close(np.array([1.5, 2.0]), np.array([1.0, 2.0]), 0.5) == 0.5
+    assert tolerance.assert_close(np.array([1.5, 2.0]), np.array([1.0, 2.0]), 0.5) == 0.5
     with pytest.raises(AssertionError, match="1 entries beyond atol"):
-        reference.assert_close(np.array([1.5, 2.0]), np.array([1.0, 2.0]), 0.25)
+        tolerance.assert_close(np.array([1.5, 2.0]), np.array([1.0, 2.0]), 0.25)
     # A finite value where the reference is -inf is a non-finite mismatch, and only that.
     with pytest.raises(AssertionError) as info:
-        reference.assert_close(np.array([1.0, 0.0]), np.array([1.0, -np.inf]), 1e9)
+        tolerance.assert_close(np.array([1.0, 0.0]), np.array([1.0, -np.inf]), 1e9)
     assert "1 entries non-finite mismatch" in str(info.value) and "beyond atol" not in str(info.value)
 
 
@@ -168,22 +168,25 @@ def test_assert_close_reports_how_many_fail_and_shows_only_the_first_five():
     expected = np.zeros(100)
     actual = np.where(np.arange(100) % 10 == 3, 1.0, 0.0)  # entries 3, 13, ..., 93 are off by 1
     with pytest.raises(AssertionError) as info:
-        reference.assert_close(actual, expected, 0.5, name="big")
+        tolerance.assert_close(actual, expected, 0.5, name="big")
     message = str(info.value)
     assert message.startswith("big: max error 1.000e+00 vs atol 5.000e-01; 10 entries beyond atol (first: (3,)")
     assert message.count("got ") == 5 and "(43,)" in message and "(53,)" not in message
 
 
 @pytest.mark.parametrize("make", [
-    lambda q, k, v, dout: reference.baseline(q, k, v),
-    lambda q, k, v, dout: reference.baseline(q, k, v, block_q=1, block_k=1).terms,
-    lambda q, k, v, dout: reference.check_attention(*reference.attention(q, k, v), q, k, v),
-    lambda q, k, v, dout: reference.baseline_backward(q, k, v, dout),
-    lambda q, k, v, dout: reference.check_attention_backward(*reference.attention_backward(q, k, v, dout), q, k, v,
+    lambda q, k, v, dout: tolerance.baseline(q, k, v),
+    lambda q, k, v, dout: tolerance.baseline(q, k, v, block_q=1, block_k=1).terms,
+    lambda q, k, v, dout: tolerance.check_attention(*reference.attention(q, k, v), q, k, v),
+    lambda q, k, v, dout: tolerance.baseline_backward(q, k, v, dout),
+    lambda q, k, v, dout: tolerance.check_attention_backward(*reference.attention_backward(q, k, v, dout), q, k, v,
                                                              dout),
-], ids=["Baseline", "Terms", "Check", "BaselineBackward", "CheckBackward"])
+    lambda q, k, v, dout: reference.dense(q, k, v),
+    lambda q, k, v, dout: reference.dense_backward(q, k, v, dout),
+], ids=["Baseline", "Terms", "Check", "BaselineBackward", "CheckBackward", "Dense", "DenseBackward"])
 def test_baselines_and_checks_are_immutable(make):
-    """A baseline is computed once and shared by every implementation judged against it: none can change it."""
+    """A baseline is computed once and shared by every implementation judged against it: none can change it
+    (nor the reference's records of what it materialises, which the baselines are built from)."""
     case = Case(3, 4, 2, 1, 1, True)
     result = make(*case.inputs(), case.grad_output())
     name = dataclasses.fields(result)[-1].name
@@ -223,16 +226,16 @@ def test_gamma_is_highams_bound_and_refuses_n_u_of_one_or_more():
     defined for 0 <= n u < 1 and refuses anything else by name."""
     from fractions import Fraction
 
-    assert reference.gamma(0) == 0.0
-    assert reference.gamma(1, 0.25) == 0.25 / 0.75 and reference.gamma(3, 0.25) == 3.0
-    assert reference.gamma(2) == 2 * reference.U32 / (1 - 2 * reference.U32) == reference.ROUND_TRIP
+    assert tolerance.gamma(0) == 0.0
+    assert tolerance.gamma(1, 0.25) == 0.25 / 0.75 and tolerance.gamma(3, 0.25) == 3.0
+    assert tolerance.gamma(2) == 2 * tolerance.U32 / (1 - 2 * tolerance.U32) == tolerance.ROUND_TRIP
     u = Fraction(1, 2**10)
     for n in (1, 2, 7, 100, 1000):
         worst = max(abs((1 + u) ** n - 1), abs((1 - u) ** n - 1))  # the extreme products, exactly
-        assert worst <= reference.gamma(n, float(u))
-    for n, unit in ((-1, reference.U32), (4, 0.25), (5, 0.25), (2**24, reference.U32)):
+        assert worst <= tolerance.gamma(n, float(u))
+    for n, unit in ((-1, tolerance.U32), (4, 0.25), (5, 0.25), (2**24, tolerance.U32)):
         with pytest.raises(ValueError, match="gamma needs 0 <= n u < 1"):
-            reference.gamma(n, unit)
+            tolerance.gamma(n, unit)
 
 
 def _one_row(scores, values):
@@ -241,13 +244,13 @@ def _one_row(scores, values):
     k = np.asarray(scores, dtype=np.float32)[:, None]
     v = np.asarray(values, dtype=np.float32)[:, None]
     assert (k[:, 0].astype(np.float64) == np.asarray(scores)).all()
-    base = reference.baseline(q, k, v, scale=1.0, block_q=1, block_k=1)
+    base = tolerance.baseline(q, k, v, scale=1.0, block_q=1, block_k=1)
     s = np.asarray(scores, dtype=np.float64)
     p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
     return base.terms, p, float(p @ np.asarray(values, dtype=np.float64))
 
 
-U = reference.U32
+U = tolerance.U32
 
 
 @pytest.mark.parametrize("first, second, counted", [
@@ -266,7 +269,7 @@ def test_the_rescaling_term_counts_a_tile_that_may_raise_the_float32_max(first, 
     if not counted:
         assert terms.online_out == 0.0 and terms.online_lse == 0.0
         return
-    e = reference.EXP_REL + U + U * max(second - first, 0.0)
+    e = tolerance.EXP_REL + U + U * max(second - first, 0.0)
     assert terms.online_out == pytest.approx(e * p[0] * (1.0 + abs(o)), rel=1e-12, abs=0)
     assert terms.online_lse == pytest.approx(e * p[0], rel=1e-12, abs=0)
 
@@ -275,9 +278,9 @@ def test_the_tolerance_adds_no_score_floor_unless_given():
     """tolerance(expected, naive) = 2 err(naive) + rounding_floor(expected), the score floor only when passed."""
     expected = np.array([1.0, -2.0, 0.5])
     naive = [expected + np.array([2.0**-20, 0.0, 0.0]), expected - np.array([0.0, 2.0**-18, 0.0])]  # exact errors
-    atol = reference.tolerance(expected, naive)
-    assert atol == 2 * 2.0**-18 + reference.rounding_floor(expected)
-    assert reference.tolerance(expected, naive, 2.0**-10) == atol + 2.0**-10
+    atol = tolerance.tolerance(expected, naive)
+    assert atol == 2 * 2.0**-18 + tolerance.rounding_floor(expected)
+    assert tolerance.tolerance(expected, naive, 2.0**-10) == atol + 2.0**-10
 
 
 def test_rescalings_compound_with_the_largest_shift_a_row_makes():
@@ -286,10 +289,10 @@ def test_rescalings_compound_with_the_largest_shift_a_row_makes():
     shift = 2.0**-10
     values = [1.0, -2.0, 0.5]
     terms, p, o = _one_row([1.0, 1.0 + shift, 1.0 + 2 * shift], values)
-    e = reference.EXP_REL + U + U * shift
+    e = tolerance.EXP_REL + U + U * shift
     partial_1, partial_2 = p[0] * values[0], p[0] * values[0] + p[1] * values[1]
     mass_1, mass_2 = p[0], p[0] + p[1]
-    compound = 1 + reference.EXP_REL + 2 * U + U * shift
+    compound = 1 + tolerance.EXP_REL + 2 * U + U * shift
     assert terms.online_out == pytest.approx(
         compound * (e * (abs(partial_1) + abs(partial_2)) + abs(o) * e * (mass_1 + mass_2)), rel=1e-12, abs=0)
     assert terms.online_lse == pytest.approx(compound * e * (mass_1 + mass_2), rel=1e-12, abs=0)

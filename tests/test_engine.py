@@ -10,7 +10,7 @@ budget lowered, since at simulator sizes everything fits in 48 KB).
 import numpy as np
 import pytest
 
-from fa_numba import backend, iomodel, reference, tiled
+from fa_numba import backend, iomodel, tiled, tolerance
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.common import SHARED_BYTES_LIMIT, Config
 from fa_numba.kernels.layout import DEFAULTS, Layout, default_config, micro_for
@@ -137,12 +137,12 @@ def test_engine_at_the_micro_tile_edges(order, case: Case, aliased):
         d_out, d_lse, workspace = poisoned_outputs(q.shape)
         kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), d_out, d_lse, scale, workspace)
         out, lse = d_out.copy_to_host(), d_lse.copy_to_host()
-    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"engine {order}", order=order,
+    check = tolerance.check_attention(out, lse, q, k, v, causal=case.causal, name=f"engine {order}", order=order,
                                       block_q=case.block_q, block_k=case.block_k)
     spec_out, spec_lse, _ = tiled.attention(q, k, v, order=order, block_q=case.block_q, block_k=case.block_k,
                                             causal=case.causal, dtype=np.float32)
-    reference.assert_close(out, spec_out, check.atol_out, name=f"engine {order} vs tiled spec out")
-    reference.assert_close(lse, spec_lse, check.atol_lse, name=f"engine {order} vs tiled spec lse")
+    tolerance.assert_close(out, spec_out, check.atol_out, name=f"engine {order} vs tiled spec out")
+    tolerance.assert_close(lse, spec_lse, check.atol_lse, name=f"engine {order} vs tiled spec lse")
 
 
 # The layouts a launch actually gets (default_tiles and the shipped micro-tiles, 128 or 256 threads), run once
@@ -170,7 +170,7 @@ def test_the_shipped_layouts_run_and_pass_the_rule(order, case: Case):
 
     d_out, d_lse, workspace = poisoned_outputs(q.shape)
     kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), d_out, d_lse, 1 / np.sqrt(case.d), workspace)
-    reference.check_attention(d_out.copy_to_host(), d_lse.copy_to_host(), q, k, v, causal=case.causal,
+    tolerance.check_attention(d_out.copy_to_host(), d_lse.copy_to_host(), q, k, v, causal=case.causal,
                               name=f"engine {order} shipped d={case.d}", order=order, block_q=case.block_q,
                               block_k=case.block_k)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fa_numba import backend, iomodel, reference, tiled
+from fa_numba import backend, iomodel, tiled, tolerance
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from strategies import HARD_CASES, Case, kernel_cases, launch_blocks, with_hard_cases
 
@@ -45,15 +45,15 @@ def test_kernel_matches_reference_and_spec(name, case: Case, half: bool):
     dtype = np.float16 if half else np.float32
     q, k, v = inputs = case.inputs(dtype)
     out, lse = run_kernel(name, case, inputs=inputs)
-    check = reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",
+    check = tolerance.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",
                                       order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
     # The kernel follows the tiled spec of its order, computed in float32. Both round differently (the kernel's
     # loops against NumPy's matmul), and each is within the tolerance of the reference (the spec by
     # test_tiled), so they are within twice it of each other; nothing tighter is derived.
     spec_out, spec_lse, _ = tiled.attention(q, k, v, order=VARIANTS[name].order, block_q=case.block_q,
                                             block_k=case.block_k, causal=case.causal, dtype=np.float32)
-    reference.assert_close(out, spec_out, 2 * check.atol_out, name=f"{name} kernel vs tiled spec out")
-    reference.assert_close(lse, spec_lse, 2 * check.atol_lse, name=f"{name} kernel vs tiled spec lse")
+    tolerance.assert_close(out, spec_out, 2 * check.atol_out, name=f"{name} kernel vs tiled spec out")
+    tolerance.assert_close(lse, spec_lse, 2 * check.atol_lse, name=f"{name} kernel vs tiled spec lse")
 
 
 @pytest.mark.lemma("L4")
@@ -65,12 +65,12 @@ def test_v1_equals_v2(case: Case):
     out1, lse1 = run_kernel("v1", case)
     out2, lse2 = run_kernel("v2", case)
     q, k, v = case.inputs(np.float32)
-    base = reference.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k)
-    check1 = reference.judge(out1, lse1, base, name="v1 kernel", order="v1")
-    check2 = reference.judge(out2, lse2, base, name="v2 kernel", order="v2")
+    base = tolerance.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k)
+    check1 = tolerance.judge(out1, lse1, base, name="v1 kernel", order="v1")
+    check2 = tolerance.judge(out2, lse2, base, name="v2 kernel", order="v2")
     # Each is within its tolerance of the reference, so they are within the sum of both of each other.
-    reference.assert_close(out1, out2, check1.atol_out + check2.atol_out, name="v1 vs v2 out")
-    reference.assert_close(lse1, lse2, check1.atol_lse + check2.atol_lse, name="v1 vs v2 lse")
+    tolerance.assert_close(out1, out2, check1.atol_out + check2.atol_out, name="v1 vs v2 out")
+    tolerance.assert_close(lse1, lse2, check1.atol_lse + check2.atol_lse, name="v1 vs v2 lse")
 
 
 @pytest.mark.lemma("L3")
@@ -89,7 +89,7 @@ def test_huge_logits_stay_finite_and_exact(name):
     q, k, v = case.inputs(np.float32)
     out, lse = run_kernel(name, case, inputs=(q, k, v))
     assert np.isfinite(out).all() and np.isfinite(lse).all()
-    reference.check_attention(out, lse, q, k, v, name=f"{name} kernel", order=VARIANTS[name].order,
+    tolerance.check_attention(out, lse, q, k, v, name=f"{name} kernel", order=VARIANTS[name].order,
                               block_q=case.block_q, block_k=case.block_k)
 
 
@@ -109,7 +109,7 @@ def test_kernel_traffic_equals_iomodel(name, case: Case):
                             case.causal, batch=case.batch, heads=case.heads, heads_kv=case.heads_kv)
     assert ledger.reads == model.reads
     assert ledger.writes == model.writes
-    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} counted",
+    tolerance.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} counted",
                               order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
 
 
@@ -141,7 +141,7 @@ def test_gpu_larger_shapes(name, causal, d):
     for dtype in (np.float32, np.float16):
         q, k, v = inputs = case.inputs(dtype)
         out, lse = run_kernel(name, case, inputs=inputs)
-        reference.check_attention(out, lse, q, k, v, causal=causal, name=f"{name} {dtype.__name__}",
+        tolerance.check_attention(out, lse, q, k, v, causal=causal, name=f"{name} {dtype.__name__}",
                                   contractions=("matmul", "loop"), order=VARIANTS[name].order,
                                   block_q=case.block_q, block_k=case.block_k)
 

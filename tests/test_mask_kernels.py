@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from numba import cuda
 
 import fa_numba
-from fa_numba import backend, iomodel, masks, reference, tiled
+from fa_numba import backend, iomodel, masks, tiled, tolerance
 from fa_numba.kernels import VARIANTS, backward, poisoned_outputs
 from fa_numba.kernels.common import kernel_mask
 from strategies import HARD_MASK_CASES, MaskCase, mask_kernel_cases, with_hard_mask_cases
@@ -121,13 +121,13 @@ def test_the_pinned_cases_cover_what_they_claim():
 def test_forward_kernels_with_a_mask_match_the_reference(name, mc: MaskCase):
     q, k, v = inputs = mc.case.inputs(np.float32)
     out, lse = run_forward(name, mc, inputs)
-    check = reference.check_attention(out, lse, q, k, v, mask=mc.mask, name=f"{name} kernel",
+    check = tolerance.check_attention(out, lse, q, k, v, mask=mc.mask, name=f"{name} kernel",
                                       order=VARIANTS[name].order, block_q=mc.case.block_q, block_k=mc.case.block_k)
     # The kernel follows the float32 spec of its order with the same mask: same tolerance.
     spec_out, spec_lse, _ = tiled.attention(q, k, v, order=VARIANTS[name].order, block_q=mc.case.block_q,
                                             block_k=mc.case.block_k, mask=mc.mask, dtype=np.float32)
-    reference.assert_close(out, spec_out, check.atol_out, name=f"{name} kernel vs tiled spec out")
-    reference.assert_close(lse, spec_lse, check.atol_lse, name=f"{name} kernel vs tiled spec lse")
+    tolerance.assert_close(out, spec_out, check.atol_out, name=f"{name} kernel vs tiled spec out")
+    tolerance.assert_close(lse, spec_lse, check.atol_lse, name=f"{name} kernel vs tiled spec lse")
     dead = _dead(mc)
     assert (out[..., dead, :] == 0).all() and np.isneginf(lse[..., dead]).all()
 
@@ -182,7 +182,7 @@ def test_backward_kernels_with_a_mask_match_the_reference(order, deterministic, 
     dout = mc.case.grad_output(np.float32)
     forward = _kernel_forward(mc, (q, k, v))
     dq, dk, dv = run_backward(mc, order, deterministic, (q, k, v, dout), forward)
-    reference.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mc.mask,
+    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mc.mask,
                                        name=f"{order}{' deterministic' if deterministic else ''} kernel")
     assert (dq[..., _dead(mc), :] == 0).all()  # zero gradient, decided by the mask
 
@@ -223,7 +223,7 @@ def test_builtins_and_from_dense_give_the_same_counts_in_every_kernel(mc: MaskCa
         for mask in (mc.mask, dense):
             kernel, blocks = _forward_kernel(name, mc, mask)
             out, lse, ledger = run_counted(kernel, q, k, v, 1 / np.sqrt(c.d), mask=blocks)
-            reference.check_attention(out, lse, q, k, v, mask=mask, name=f"{name} {mask!r}",
+            tolerance.check_attention(out, lse, q, k, v, mask=mask, name=f"{name} {mask!r}",
                                       order=VARIANTS[name].order, block_q=c.block_q, block_k=c.block_k)
             ledgers.append(ledger)
         assert ledgers[0] == ledgers[1], name
@@ -232,7 +232,7 @@ def test_builtins_and_from_dense_give_the_same_counts_in_every_kernel(mc: MaskCa
         ledgers = []
         for mask in (mc.mask, dense):
             *grads, ledger = _counted_backward(mc, order, deterministic, (q, k, v, dout), forward, mask=mask)
-            reference.check_attention_backward(*grads, q, k, v, dout, mask=mask, name=f"{order} {mask!r}")
+            tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mask, name=f"{order} {mask!r}")
             ledgers.append(ledger)
         assert ledgers[0] == ledgers[1] == _backward_model(mc, order, deterministic), (order, deterministic)
 

@@ -13,7 +13,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from scipy.special import logsumexp, softmax
 
-from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling
+from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling, tolerance
 from fa_numba.tiling import FULL, PARTIAL, SKIP
 from strategies import (HARD_MASK_CASES, Case, MaskCase, Stripes, cases, mask_cases, with_hard_cases,
                         with_hard_mask_cases)
@@ -344,7 +344,7 @@ def test_reference_with_a_mask_matches_explicit_masked_scores(mc: MaskCase):
     empty = ~visible.any(axis=1)
     assert (out[..., empty, :] == 0).all() and (out32[..., empty, :] == 0).all()
     # The float32 baseline passes its own rule with the mask passed through.
-    check = reference.check_attention(out32, lse32, q, k, v, mask=mc.mask, contractions=("matmul",))
+    check = tolerance.check_attention(out32, lse32, q, k, v, mask=mc.mask, contractions=("matmul",))
     assert check.err_out <= check.atol_out
 
 
@@ -566,9 +566,9 @@ def test_causal_and_a_mask_together_is_an_error_naming_both():
         lambda: reference.visible_mask(4, 4, True, mask),
         lambda: reference.attention(q, k, v, causal=True, mask=mask),
         lambda: reference.attention_naive_f32(q, k, v, causal=True, mask=mask),
-        lambda: reference.check_attention(q, q[..., 0], q, k, v, causal=True, mask=mask),
+        lambda: tolerance.check_attention(q, q[..., 0], q, k, v, causal=True, mask=mask),
         lambda: reference.attention_backward(q, k, v, q, causal=True, mask=mask),
-        lambda: reference.check_attention_backward(q, k, v, q, k, v, q, causal=True, mask=mask),
+        lambda: tolerance.check_attention_backward(q, k, v, q, k, v, q, causal=True, mask=mask),
         lambda: tiled.attention(q, k, v, order="v2", block_q=2, block_k=2, causal=True, mask=mask),
         lambda: tiled.attention_backward(q, k, v, q, q[..., 0], q, order="kv", block_q=2, block_k=2, causal=True,
                                          mask=mask),

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fa_numba import online_softmax as osm
-from fa_numba import reference, tiled
+from fa_numba import reference, tiled, tolerance
 from fa_numba.kernels import VARIANTS
 from strategies import Case, cases, kernel_cases
 from test_kernels import run_kernel
@@ -107,7 +107,7 @@ def test_a_nan_poisons_exactly_the_rows_that_see_it_in_every_kernel(name, poison
     q, k, v = _poison(case, tensor, index, np.nan, np.float32)
     out, lse = run_kernel(name, case, inputs=(q, k, v))
     _check_nan_pattern(out, lse, case, tensor, index, None, None, f"{name} kernel")
-    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",  # the rest, by the rule
+    tolerance.check_attention(out, lse, q, k, v, causal=case.causal, name=f"{name} kernel",  # the rest, by the rule
                               order=VARIANTS[name].order, block_q=case.block_q, block_k=case.block_k)
 
 
@@ -134,7 +134,7 @@ def test_an_infinity_gives_the_reference_non_finite_entries_in_every_layer(name,
     assert np.array_equal(np.isfinite(out), np.isfinite(ref_out)) and np.array_equal(np.isfinite(lse),
                                                                                       np.isfinite(ref_lse))
     order = name[-2:] if name.startswith("tiled") else VARIANTS[name].order
-    reference.check_attention(out, lse, q, k, v, causal=case.causal, name=name, order=order, block_q=case.block_q,
+    tolerance.check_attention(out, lse, q, k, v, causal=case.causal, name=name, order=order, block_q=case.block_q,
                               block_k=case.block_k)
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from scipy.special import softmax
 
 from bounds import assert_within, attention_bound, dense_counts
-from fa_numba import reference, tiling
+from fa_numba import reference, tiling, tolerance
 from strategies import Case, cases, with_hard_cases
 from test_masks import explicit_attention
 
@@ -100,7 +100,7 @@ def test_naive_f32_computes_in_float32():
     out, lse = reference.attention_naive_f32(q, k, v)
     assert out.dtype == np.float32 and lse.dtype == np.float32
     ref, _ = reference.attention(q, k, v)
-    err = reference.max_error(out, ref)
+    err = tolerance.max_error(out, ref)
     assert 0 < err < 1e-5  # rounded, but only at float32 precision
 
 
@@ -109,21 +109,21 @@ def test_naive_f32_computes_in_float32():
 
 @pytest.mark.lemma("L6")
 def test_rounding_floor_is_float32_step_at_the_data_magnitude():
-    assert reference.rounding_floor(np.array([0.0])) == float(np.spacing(np.float32(0.3)))
+    assert tolerance.rounding_floor(np.array([0.0])) == float(np.spacing(np.float32(0.3)))
     # The bound is never below the DESIGN.md sample formula 2 max |fl32(ref + 0.3) - 0.3 - ref|.
     sample = np.random.default_rng(0).standard_normal(1000)
     realised = 2 * np.max(np.abs((sample + 0.3).astype(np.float32).astype(np.float64) - 0.3 - sample))
-    assert realised <= reference.rounding_floor(sample) <= 2.5 * realised  # top values sit one binade up
-    big = reference.rounding_floor(np.array([1e4]))
+    assert realised <= tolerance.rounding_floor(sample) <= 2.5 * realised  # top values sit one binade up
+    big = tolerance.rounding_floor(np.array([1e4]))
     assert 1e-4 < big < 2e-3  # float32 spacing near 1e4 is 2**-10 ~ 1e-3
-    assert reference.rounding_floor(np.array([-np.inf])) == 0.0
+    assert tolerance.rounding_floor(np.array([-np.inf])) == 0.0
 
 
 def test_assert_close_accepts_within_and_rejects_beyond_atol():
     expected = np.array([1.0, 2.0, -np.inf])
-    assert reference.assert_close(np.array([1.0 + 1e-7, 2.0, -np.inf]), expected, 1e-6) == pytest.approx(1e-7)
+    assert tolerance.assert_close(np.array([1.0 + 1e-7, 2.0, -np.inf]), expected, 1e-6) == pytest.approx(1e-7)
     with pytest.raises(AssertionError, match=r"1 entries beyond atol \(first: \(1,\)"):
-        reference.assert_close(np.array([1.0, 2.1, -np.inf]), expected, 1e-6, name="x")
+        tolerance.assert_close(np.array([1.0, 2.1, -np.inf]), expected, 1e-6, name="x")
 
 
 @pytest.mark.lemma("L6")
@@ -139,12 +139,12 @@ def test_assert_close_accepts_within_and_rejects_beyond_atol():
 )
 def test_assert_close_never_lets_nonfinite_pass(actual, what):
     with pytest.raises(AssertionError, match=what):
-        reference.assert_close(np.array(actual), np.array([1.0, 2.0, -np.inf]), atol=1.0)
+        tolerance.assert_close(np.array(actual), np.array([1.0, 2.0, -np.inf]), atol=1.0)
 
 
 def test_assert_close_rejects_shape_mismatch():
     with pytest.raises(AssertionError, match="shape"):
-        reference.assert_close(np.zeros(3), np.zeros(4), 1.0)
+        tolerance.assert_close(np.zeros(3), np.zeros(4), 1.0)
 
 
 def _rows(q, k, v, causal):
@@ -180,7 +180,7 @@ def test_tolerance_is_the_documented_rule():
     finite = np.isfinite(ref_lse)
     expected_lse = (2 * max(np.abs(n[1][finite] - ref_lse[finite]).max() for n in naive)
                     + np.spacing(np.float32(np.abs(ref_lse[finite]).max() + 0.3)) + score_lse)
-    check = reference.check_attention(*naive[0], q, k, v, causal=True)
+    check = tolerance.check_attention(*naive[0], q, k, v, causal=True)
     assert check.atol_out == pytest.approx(expected_out, rel=1e-12, abs=0)
     assert check.atol_lse == pytest.approx(expected_lse, rel=1e-12, abs=0)
     assert len({float(np.abs(n[0] - ref_out).max()) for n in naive}) > 1  # the orders really differ
@@ -222,30 +222,30 @@ def test_tolerance_is_the_documented_rule():
         rescales = max(rescales, count)
     compound = (1 + exp_rel + 2 * u + u * max_shift) ** (rescales - 1)
     round_trip = 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
-    v1 = reference.check_attention(*naive[0], q, k, v, causal=True, order="v1", block_q=case.block_q,
+    v1 = tolerance.check_attention(*naive[0], q, k, v, causal=True, order="v1", block_q=case.block_q,
                                    block_k=case.block_k)
     assert trips == 4 and sums > 0 and rescales >= 2 and online_out > 0 and online_lse > 0
     assert v1.atol_out == pytest.approx(expected_out + round_trip * (1 + round_trip) ** (trips - 1) * sums
                                         + compound * online_out, rel=1e-12, abs=0)
     assert v1.atol_lse == pytest.approx(expected_lse + compound * online_lse, rel=1e-12, abs=0)  # no round trip
-    v2 = reference.check_attention(*naive[0], q, k, v, causal=True, order="v2", block_q=case.block_q,
+    v2 = tolerance.check_attention(*naive[0], q, k, v, causal=True, order="v2", block_q=case.block_q,
                                    block_k=case.block_k)
     assert v2.atol_out == pytest.approx(expected_out + compound * online_out, rel=1e-12, abs=0)
     assert v2.atol_lse == v1.atol_lse
     for order in ("v1", "v2"):
         with pytest.raises(ValueError, match="needs the tiles"):
-            reference.check_attention(*naive[0], q, k, v, causal=True, order=order)
+            tolerance.check_attention(*naive[0], q, k, v, causal=True, order=order)
 
 
 @pytest.mark.lemma("L6")
 @pytest.mark.parametrize("causal", [False, True])
 def test_visits_are_the_v1_schedule(causal):
-    """reference.visits (what the round-trip term counts) equals the key tiles the v1 schedule visits per row."""
+    """tolerance.visits (what the round-trip term counts) equals the key tiles the v1 schedule visits per row."""
     for n_q, n_k, block_q, block_k in [(7, 9, 3, 2), (12, 5, 4, 2), (5, 13, 2, 4), (1, 1, 1, 1), (9, 9, 4, 4)]:
         sched = tiling.schedule("v1", n_q, n_k, block_q, block_k, causal)
         per_tile = [sum(1 for i, _, _ in sched.visits if i == t) for t in range(sched.grid.t_r)]
         expected = [per_tile[row // block_q] for row in range(n_q)]
-        assert reference.visits(n_q, n_k, block_q, block_k, causal).tolist() == expected
+        assert tolerance.visits(n_q, n_k, block_q, block_k, causal).tolist() == expected
 
 
 @pytest.mark.lemma("L6")
@@ -269,12 +269,12 @@ def test_round_trip_term_follows_any_mask(spec):
         trips = max(trips, len(tiles) - 1)
         total = sum((np.abs(p[i, :(t + 1) * block_k] @ v[0, 0, :(t + 1) * block_k]) for t in tiles[:-1]), np.zeros(d))
         sums = max(sums, float(total.max()))
-    base = reference.baseline(q, k, v, mask=mask, block_q=block_q, block_k=block_k)
+    base = tolerance.baseline(q, k, v, mask=mask, block_q=block_q, block_k=block_k)
     round_trip = 2 * 2.0**-24 / (1 - 2 * 2.0**-24)
     assert trips >= 1 and sums > 0
     assert base.terms.v1_out == pytest.approx(round_trip * (1 + round_trip) ** (trips - 1) * sums, rel=1e-12, abs=0)
     if spec == "causal":
-        causal = reference.baseline(q, k, v, causal=True, block_q=block_q, block_k=block_k)
+        causal = tolerance.baseline(q, k, v, causal=True, block_q=block_q, block_k=block_k)
         assert causal.terms == base.terms
 
 
@@ -282,10 +282,10 @@ def test_round_trip_term_follows_any_mask(spec):
 def test_check_attention_rejects_a_wrong_answer():
     q, k, v = Case(n_q=6, n_k=6, d=4, block_q=1, block_k=1, causal=True).inputs()
     out, lse = reference.attention_naive_f32(q, k, v, causal=True)
-    check = reference.check_attention(out, lse, q, k, v, causal=True)
+    check = tolerance.check_attention(out, lse, q, k, v, causal=True)
     assert check.err_out <= check.atol_out / 2  # naive itself passes with room
     wrong, _ = reference.attention_naive_f32(q, k, v, causal=False)  # forgot the mask
     with pytest.raises(AssertionError, match="kernel out"):
-        reference.check_attention(wrong, lse, q, k, v, causal=True)
+        tolerance.check_attention(wrong, lse, q, k, v, causal=True)
     with pytest.raises(AssertionError, match="kernel lse"):
-        reference.check_attention(out, lse + 1e-3, q, k, v, causal=True)
+        tolerance.check_attention(out, lse + 1e-3, q, k, v, causal=True)

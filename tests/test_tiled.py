@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 
 from bounds import assert_within, attention_bound, dense_counts, tiled_counts
-from fa_numba import masks, reference, tiled, tiling
+from fa_numba import masks, reference, tiled, tiling, tolerance
 from strategies import Case, MaskCase, cases, mask_cases, with_hard_cases, with_hard_mask_cases
 from test_masks import definition
 
@@ -37,13 +37,13 @@ def test_rescaling_terms_bound_an_inexact_alpha(case: Case):
     each rescaling gain weight against the later ones. O and LSE then stay within the rescaling terms, plus
     float64 rounding."""
     q, k, v = inputs = case.inputs()
-    base = reference.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k,
+    base = tolerance.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k,
                               contractions=("matmul",))
     real_exp = tiled.osm._exp_nonpositive
 
     def inexact_alpha(x):  # update's exps: alpha of a vector of rows, the weights p of a (rows, cols) tile
         y = real_exp(x)
-        return np.where(x < 0, y * (1 + reference.EXP_REL), y) if x.ndim == 1 else y
+        return np.where(x < 0, y * (1 + tolerance.EXP_REL), y) if x.ndim == 1 else y
 
     bounds = [attention_bound(*inputs, causal=case.causal, counts=c)
               for c in (tiled_counts(case.n_k, case.block_k), dense_counts(case.n_k))]
@@ -78,12 +78,12 @@ def test_float64_spec_of_both_orders_equals_the_reference(case: Case):
 @example(case=Case(n_q=3, n_k=4, d=1, block_q=1, block_k=1, causal=False, seed=0))
 def test_float32_spec_of_both_orders_passes_the_tolerance_rule(case: Case):
     q, k, v = inputs = case.inputs(np.float32)
-    base = reference.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k)
+    base = tolerance.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k)
     lses = {}
     for order in ("v1", "v2"):
         out, lses[order], _ = _run(case, order, np.float32, inputs=inputs)
         assert out.dtype == np.float32
-        reference.judge(out, lses[order], base, name=f"tiled {order} float32", order=order)
+        tolerance.judge(out, lses[order], base, name=f"tiled {order} float32", order=order)
     # The premise of v1's term: only O makes the round trip; l and m, hence LSE, are v2's to the bit.
     np.testing.assert_array_equal(lses["v1"], lses["v2"])
 
@@ -96,7 +96,7 @@ def test_v1_round_trip_term_bounds_float32_stores_of_o(case: Case):
     The error is then within v1's round-trip term, plus the final store's u |O|, plus float64 rounding
     (tests/bounds.py). Measured: the round trips use at most a quarter of their term (signs vary)."""
     q, k, v = inputs = case.inputs()
-    base = reference.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k,
+    base = tolerance.baseline(q, k, v, causal=case.causal, block_q=case.block_q, block_k=case.block_k,
                               contractions=("matmul",))
     real_encode = tiled._encode  # v1's HBM form of O, written after every visit
 
@@ -111,7 +111,7 @@ def test_v1_round_trip_term_bounds_float32_stores_of_o(case: Case):
     trips = base.terms.v1_out
     assert trips is not None
     # the final store rounds the computed O, which the round trips and float64 rounding moved off the exact one
-    assert_within(out, base.out, trips + reference.U32 * (np.abs(base.out) + float64 + trips) + float64, name="out")
+    assert_within(out, base.out, trips + tolerance.U32 * (np.abs(base.out) + float64 + trips) + float64, name="out")
 
 
 @pytest.mark.lemma("L4")
@@ -131,7 +131,7 @@ def test_float16_inputs_are_checked_against_the_reference_of_the_same_inputs():
     q, k, v = case.inputs(np.float16)
     for order in ("v1", "v2"):
         out, lse, _ = tiled.attention(q, k, v, order=order, block_q=4, block_k=4, causal=True, dtype=np.float32)
-        reference.check_attention(out, lse, q, k, v, causal=True, name=f"tiled {order} from float16",
+        tolerance.check_attention(out, lse, q, k, v, causal=True, name=f"tiled {order} from float16",
                                   order=order, block_q=4, block_k=4)
 
 
@@ -189,11 +189,11 @@ def test_float32_spec_with_a_mask_passes_the_tolerance_rule(mc: MaskCase):
     floor covers the near ties that made the 2x rule fail a correct spec on a few dozen entries (L6 part 4).
     Measured on 1500 random mask cases: the worst error was 0.51 of its tolerance."""
     q, k, v = inputs = mc.case.inputs(np.float32)
-    base = reference.baseline(q, k, v, mask=mc.mask, block_q=mc.case.block_q, block_k=mc.case.block_k)
+    base = tolerance.baseline(q, k, v, mask=mc.mask, block_q=mc.case.block_q, block_k=mc.case.block_k)
     for order in ("v1", "v2"):
         out, lse, _ = _run_mask(mc, order, np.float32, inputs=inputs)
         assert out.dtype == np.float32
-        reference.judge(out, lse, base, name=f"tiled {order} float32", order=order)
+        tolerance.judge(out, lse, base, name=f"tiled {order} float32", order=order)
 
 
 @pytest.mark.lemma("L8")

@@ -7,8 +7,8 @@
     python tools/mutation.py --report [MODULE ...] the per-module table and every survivor, from the results
     python tools/mutation.py --renumber            refresh the line numbers shown in the equivalents file
 
-MODULE is a key of MODULES below (shapes, reference, online_softmax, tiling, masks, tiled, iomodel,
-profile). Exit status: 0 when every mutant of the modules asked for has a result and every survivor is
+MODULE is a key of MODULES below (shapes, reference, tolerance, online_softmax, tiling, masks, tiled,
+iomodel, profile). Exit status: 0 when every mutant of the modules asked for has a result and every survivor is
 listed in tests/mutation_equivalents.md, 1 otherwise (2: a baseline run failed, nothing was mutated).
 
 Why a small tool of our own rather than mutmut: mutmut 3 rewrites every function of a module into a
@@ -78,6 +78,7 @@ TEST_SUPPORT = ("tests/conftest.py", "tests/strategies.py", "tests/bounds.py", "
 # stops at the first failure). A test id may name one test; `deselect` drops the kernel tests of a file.
 
 NONFINITE_KERNELS = "tests/test_nonfinite.py::test_a_nan_poisons_exactly_the_rows_that_see_it_in_every_kernel"
+BACKWARD_FLOORS = "tests/test_backward_nonfinite.py::test_the_reference_floors_do_not_see_what_the_mask_hides"
 
 
 def _doctests(module: str) -> str:
@@ -110,6 +111,9 @@ MODULES = {
         "reference", "contracts_reference", "backward_reference", "contracts_defaults", "contracts_tiled",
         _doctests("reference"), "nonfinite", "inputs", "masks", "tiled", "backward_tiled", "online_softmax"),
         (NONFINITE_KERNELS,)),
+    "tolerance": Target("fa_numba/tolerance.py", _files(
+        "reference", "contracts_reference", "backward_reference", "contracts_defaults", _doctests("tolerance"),
+        "nonfinite", BACKWARD_FLOORS, "masks", "tiled", "backward_tiled"), (NONFINITE_KERNELS,)),
     "online_softmax": Target("fa_numba/online_softmax.py", _files(
         "online_softmax", "seeds", "contracts_online_softmax", "contracts_tiled", "contracts_reference", "nonfinite",
         "tiled", "tiling", "masks", "backward_tiled"), (NONFINITE_KERNELS,)),
