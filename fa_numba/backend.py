@@ -100,8 +100,8 @@ def shared_allocator(original, make):
 
 
 def patch_simulator() -> None:
-    """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race), and its
-    atomic add read its element once.
+    """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race), its
+    atomic add read its element once, and give it the warp collectives (fa_numba.warp.emulation).
 
     numba-cuda's FakeCUDAShared.array looks up the array for its call site and creates it if missing,
     without a lock. The simulator runs every CUDA thread of a block as a Python thread, so two threads can
@@ -116,6 +116,9 @@ def patch_simulator() -> None:
     import numpy as np
     from numba.cuda.simulator import kernelapi
 
+    from fa_numba.warp import emulation
+
+    emulation.install()  # syncwarp, shfl_*_sync, activemask: the warp collectives the simulator lacks
     if getattr(kernelapi.FakeCUDAShared.array, "_fa_numba_locked", False):
         return
     kernelapi.FakeCUDAShared.array = shared_allocator(kernelapi.FakeCUDAShared.array,
