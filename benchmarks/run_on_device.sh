@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The whole device session in one command, for a lent GPU (about 15 minutes of device time in all):
+#   0. mma_gpu: the warp-primitive and tensor-core tests with the simulator off, then v2-mma checked and timed
+#      beside torch SDPA (float16, bfloat16), within 150 s;
 #   1. compare_gpu: the fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32: every variant
 #      checked, then timed, beside torch SDPA), then the other sizes, within 200 s;
 #   2. gpu_check: the GPU test tier (kernels, engine, backward, API, array libraries), the checks and
@@ -12,6 +14,7 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 start=$(date +%s)
+timeout 150 python3 benchmarks/mma_gpu.py --out "$out" 2>&1 | tee "$out/mma_gpu.log"
 python3 benchmarks/compare_gpu.py --out "$out" --budget-s 200 --n 4096,1024,8192 2>&1 | tee "$out/compare_gpu.log"
 left=$(( 540 - ($(date +%s) - start) ))
 if [ "$left" -gt 60 ]; then

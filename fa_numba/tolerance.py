@@ -35,6 +35,11 @@ float64 reference materialises (`reference.dense`):
   relative, reweight the keys seen so far against the later ones: O moves by at most
   e(t) (|Pi(t)| + |O| mass(t)) and LSE = m + log l by e(t) mass(t), Pi(t) and mass(t) the partial output and
   weight before the rescaling. Judged with order="v1" or "v2" and the tiles.
+- P rounded to 16 bits (the tensor-core kernels, proofs/L6 part 7): P V takes each weight e = exp(s - m(t))
+  in [0, 1] rounded to the input's 16-bit type, |fl16(e) - e| <= u16 e + eta16, while l sums the float32
+  weights. O moves by at most u16 sum_j P_ij |V_jx| + eta16 (max_j P_ij) sum_j |V_jx| (sum over the row's
+  visible keys; e / l = P exp(m_final - m(t)) <= P and 1 / l = max_j P_ij); LSE does not move. u16 = 2^-11,
+  eta16 = 2^-25 (half the smallest subnormal) for float16; 2^-8 and 2^-134 for bfloat16. `p_dtype=`.
 
 The gradients' rule (proofs/L7_backward.md): `baseline_backward` / `judge_backward` /
 `check_attention_backward` judge (dq, dk, dv) by err <= 3 err(naive float32) + floor, err(naive) from
@@ -55,6 +60,8 @@ from fa_numba import reference, shapes
 
 
 U32 = 2.0**-24  # unit roundoff of float32, the kernels' arithmetic: |fl(x) - x| <= U32 |x|
+# A 16-bit type P is rounded to before P V: (unit roundoff, largest absolute error below its normal range)
+P_ROUNDING = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
 
 
 def gamma(n: int, u: float = U32) -> float:
@@ -98,6 +105,7 @@ class Terms:
     T_i = visits(...)_i, R = max_i T_i - 1: what v1's round trips of O through HBM can move O by. online_out and
     online_lse: what the online softmax's rescalings (acc and l times alpha = exp(m_old - m_new), both
     orders) can move O and LSE by (proofs/L6, part 6). The tiled terms are None when the tiles were not given.
+    p_out: what rounding P to a 16-bit type before P V can move O by (`p_rounding_term`, proofs/L6 part 7).
     """
 
     score_out: float
@@ -105,6 +113,7 @@ class Terms:
     v1_out: float | None = None
     online_out: float | None = None
     online_lse: float | None = None
+    p_out: float = 0.0  # P rounded to a 16-bit type before P V (p_rounding_term); 0 for float32 P
 
 
 @dataclass(frozen=True)
@@ -176,13 +185,30 @@ def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
                      int(rescales.max(initial=0)), max_shift)
 
 
-def _terms(dense: reference.Dense, tiles) -> Terms:
-    """The derived terms from the float64 reference's S, P and O (`reference.dense`); the tiled ones with `tiles`.
+def p_rounding_term(p: np.ndarray, v4: np.ndarray, visible: np.ndarray, p_dtype: str) -> float:
+    """max_{i,x} u16 sum_j P_ij |V_jx| + eta16 (max_j P_ij) sum_j |V_jx|, sums over the visible keys: how far
+    rounding every weight of P V to `p_dtype` can move O (proofs/L6, part 7)."""
+    if p_dtype not in P_ROUNDING:
+        raise ValueError(f"p_dtype must be one of {sorted(P_ROUNDING)} (or None for float32 P), got {p_dtype!r}")
+    u16, eta16 = P_ROUNDING[p_dtype]
+    abs_v = np.abs(v4)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weighted = reference.visible_matmul(p, abs_v, visible)
+        ones = np.broadcast_to(visible, p.shape).astype(np.float64)
+        total = reference.visible_matmul(ones, abs_v, visible)
+        term = u16 * weighted + eta16 * p.max(axis=-1, initial=0.0)[..., None] * total
+    return _finite_max(term)
+
+
+def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None) -> Terms:
+    """The derived terms from the float64 reference's S, P and O (`reference.dense`); the tiled ones with `tiles`,
+    the P-rounding one with `p_dtype`.
 
     Consumes `dense`: S's memory is reused for W (its S holds W afterwards).
     """
     p, v4, s, visible, out = dense.p, dense.v, dense.s, dense.visible, dense.out
     v1_out = online_out = online_lse = None
+    p_out = 0.0 if p_dtype is None else p_rounding_term(p, v4, visible, p_dtype)
     if tiles is not None:
         sums = _tile_sums(p, v4, s, visible, out, tiles)
         v1_out = ROUND_TRIP * (1 + ROUND_TRIP) ** max(sums.max_trips - 1, 0) * _finite_max(sums.trips)
@@ -197,7 +223,7 @@ def _terms(dense: reference.Dense, tiles) -> Terms:
         w *= U32
         w_sum = w.sum(axis=-1)
         score_out = reference.visible_matmul(w, np.abs(v4), visible) + np.abs(out) * w_sum[..., None]
-    return Terms(_finite_max(score_out), _finite_max(w_sum), v1_out, online_out, online_lse)
+    return Terms(_finite_max(score_out), _finite_max(w_sum), v1_out, online_out, online_lse, p_out)
 
 
 def _finite_max(x: np.ndarray) -> float:
@@ -310,28 +336,31 @@ class Baseline:
         """(atol_out, atol_lse) for an implementation of `order`: None for a dense one; "v2" adds the online
         softmax's rescaling terms, "v1" those and its round-trip term (all need the tiles)."""
         if order is None:
-            return self.atol_out, self.atol_lse
+            return self.atol_out + self.terms.p_out, self.atol_lse
         if order not in ("v1", "v2"):
             raise ValueError(f"order must be 'v1', 'v2' or None, got {order!r}")
         if self.terms.online_out is None:
             raise ValueError(f"judging order {order!r} needs the tiles: build the baseline with block_q= and block_k=")
-        atol_out = self.atol_out + self.terms.online_out + (self.terms.v1_out if order == "v1" else 0.0)
+        atol_out = (self.atol_out + self.terms.online_out + (self.terms.v1_out if order == "v1" else 0.0)
+                    + self.terms.p_out)
         return atol_out, self.atol_lse + self.terms.online_lse
 
 
 def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contractions=reference.CONTRACTIONS,
-             mask=None, block_q: int | None = None, block_k: int | None = None) -> Baseline:
+             mask=None, block_q: int | None = None, block_k: int | None = None,
+             p_dtype: str | None = None) -> Baseline:
     """Reference and tolerances, computed once per problem and shared by every implementation checked.
 
     The naive float32 baseline is evaluated once per contraction order; pass contractions=("matmul",) on
     large tensors, where one evaluation already samples the rounding noise well and the loops are slow.
     Give the tiles (block_q and block_k) to judge a v1 implementation: its round-trip term depends on them.
+    p_dtype ("float16" or "bfloat16"): the implementation rounds P to that type before P V (tensor cores).
     """
     if (block_q is None) != (block_k is None):
         raise ValueError("give both block_q and block_k, or neither")
     tiles = None if block_q is None else (block_q, block_k)
     dense = reference.dense(q, k, v, causal=causal, scale=scale, mask=mask)
-    (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles)
+    (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles, p_dtype)
     del dense  # its S and P (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c, mask=mask)
              for c in contractions]
@@ -349,13 +378,14 @@ def judge(out, lse, base: Baseline, *, name: str = "kernel", order: str | None =
 
 def check_attention(out, lse, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "kernel",
                     contractions=reference.CONTRACTIONS, mask=None, order: str | None = None,
-                    block_q: int | None = None, block_k: int | None = None) -> Check:
+                    block_q: int | None = None, block_k: int | None = None, p_dtype: str | None = None) -> Check:
     """Check (out, lse) from any implementation against the float64 reference with the derived rule.
 
-    For a v1 implementation pass order="v1" and its tiles, so that its round-trip term is allowed for.
+    For a v1 implementation pass order="v1" and its tiles, so that its round-trip term is allowed for; for a
+    tensor-core one p_dtype, the 16-bit type its P V takes P in.
     """
     base = baseline(q, k, v, causal=causal, scale=scale, contractions=contractions, mask=mask, block_q=block_q,
-                    block_k=block_k)
+                    block_k=block_k, p_dtype=p_dtype)
     return judge(out, lse, base, name=name, order=order)
 
 

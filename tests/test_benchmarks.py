@@ -31,3 +31,15 @@ def test_device_scripts_run_in_smoke_mode(tmp_path, script, report):
         assert {"bwd-kv", "bwd-kv-deterministic", "bwd-q"} <= variants
     else:
         assert "Targets at N=" in (tmp_path / "compare_gpu.md").read_text()
+
+
+@SIMULATOR_ONLY
+@pytest.mark.slow
+def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mma_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "mma_gpu.json").read_text())["rows"]
+    assert {(r["kind"], r["causal"]) for r in rows} == {(k, c) for k in ("float16", "bfloat16") for c in (False, True)}
+    assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)

@@ -1,0 +1,155 @@
+"""The tensor-core kernels on a lent GPU, first in benchmarks/run_on_device.sh:
+
+    python benchmarks/mma_gpu.py [--out DIR] [--smoke]
+
+1. the warp-primitive and tensor-core tests with the simulator off (tests/test_warp.py, test_fragments.py,
+   test_mma_forward.py, the slow ones included): the hardware against the host-side reading of the PTX ISA;
+2. v2-mma (float16 and bfloat16) checked against the float64 reference with the derived rule (proofs/L6 part 7)
+   at B=1, H=2, N=1024, d in {64, 128}, causal and not;
+3. each configuration that passed timed at B=4, H=16, N=4096 (CUDA events, 3 warm-up calls, median of 20)
+   beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal.
+
+Writes mma_gpu.json and prints one line per configuration. --smoke: tiny shapes, no tests, no timing (runs
+in the simulator, so the script itself is tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import fa_numba  # noqa: F401  (first: it chooses the backend before numba.cuda is imported)
+from fa_numba import tolerance
+from fa_numba.kernels.mma.engine_v2 import make_v2_mma
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = [(64, 64), (128, 32)]  # (d, block_k) with 4 warps: block_q 64, under 48 KB of shared memory
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bits_of(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float16":
+        return x.astype(np.float16).view(np.uint16)
+    u = x.astype(np.float32).view(np.uint32)  # bfloat16: round to nearest even
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def values_of(bits: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def launch(kernel, bits, d):
+    from numba import cuda
+
+    q, k, v = (cuda.to_device(b) for b in bits)
+    o = cuda.device_array(bits[0].shape, np.float32)
+    lse = cuda.device_array(bits[0].shape[:-1], np.float32)
+    return (lambda: kernel(q, k, v, o, lse, 1 / np.sqrt(d))), o, lse
+
+
+def check(kind, d, block_k, causal, n, heads=2) -> dict:
+    rng = np.random.default_rng(0)
+    bits = [bits_of(rng.standard_normal((1, heads, n, d)), kind) for _ in range(3)]
+    kernel = make_v2_mma(kind, 4, block_k, d, causal)
+    run, o, lse = launch(kernel, bits, d)
+    run()
+    q, k, v = (values_of(b, kind) for b in bits)
+    try:
+        c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order="v2",
+                                      block_q=64, block_k=block_k, p_dtype=kind, contractions=("matmul",))
+        return {"passed": True, "err_out": c.err_out, "atol_out": c.atol_out}
+    except AssertionError as err:
+        return {"passed": False, "error": str(err)[:400]}
+
+
+def time_it(fn, repeats=20) -> float:
+    from numba import cuda
+
+    for _ in range(3):
+        fn()
+    cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = cuda.event(), cuda.event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cuda.event_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def sdpa_ms(kind, b, h, n, d, causal):
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dtype = getattr(torch, kind)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    fn = torch.nn.functional.scaled_dot_product_attention
+    for _ in range(3):
+        fn(q, k, v, is_causal=causal)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(q, k, v, is_causal=causal)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "benchmarks", "results")),
+                    help="folder for mma_gpu.json (default: $OUT, else benchmarks/results)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, no tests, no timing (default: off)")
+    args = ap.parse_args(argv)
+    results = {"date": time.strftime("%Y-%m-%d"), "backend": fa_numba.backend.name(), "rows": []}
+    if not args.smoke:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
+                               "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py"],
+                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
+        results["tests"] = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        log(f"[tests] {results['tests']}")
+        if done.returncode:
+            log(done.stdout[-6000:] + done.stderr[-2000:])
+    n_check, shape = (32, None) if args.smoke else (1024, (4, 16, 4096))
+    for kind in ("float16", "bfloat16"):
+        for d, block_k in ([(16, 16)] if args.smoke else CONFIGS):
+            for causal in (False, True):
+                row = {"kind": kind, "d": d, "block_k": block_k, "causal": causal,
+                       **check(kind, d, block_k, causal, n_check, heads=1 if args.smoke else 2)}
+                if row["passed"] and shape is not None:
+                    b, h, n = shape
+                    rng = np.random.default_rng(1)
+                    bits = [bits_of(rng.standard_normal((b, h, n, d)), kind) for _ in range(3)]
+                    run, _, _ = launch(make_v2_mma(kind, 4, block_k, d, causal), bits, d)
+                    ms = time_it(run)
+                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                    row.update(ms=ms, tflops=flops / ms / 1e9, sdpa_ms=sdpa_ms(kind, b, h, n, d, causal))
+                log(json.dumps(row))
+                results["rows"].append(row)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "mma_gpu.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0 if all(r["passed"] for r in results["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
