@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, masks, shapes
+from fa_numba import arrays, backend, engines, masks, shapes
 from fa_numba.kernels import VARIANTS, default_tiles
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence, kernel_mask
 
@@ -61,7 +61,8 @@ def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
-              block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None):
+              block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None,
+              engine: str = "auto"):
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
     q: (N_q, d), (H, N_q, d) or (B, H, N_q, d); k, v: same number of axes with N_k keys and H_kv heads
@@ -80,7 +81,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     (CPU or CUDA; read through .detach(), so without autograd history), a CuPy array for CuPy, a Numba
     device array for a Numba device array or another `__cuda_array_interface__` object. A CUDA tensor or
     CuPy call is launched on that library's current stream, so work queued before and after it on that
-    stream stays ordered.
+    stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
+    bfloat16 inputs, order "v2", causal or no mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
+    of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (today: "simt";
+    `fa_numba.engines` says why).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
@@ -96,6 +100,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in VARIANTS:
         raise ValueError(f"order must be one of {tuple(VARIANTS)}, got {order!r}")
+    kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
+    if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
+        return _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -115,6 +122,25 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k) if mask is not None else None
         kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks)
+        out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
+    return (out, lse) if return_lse else out
+
+
+def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind):
+    """attention(..., engine="mma"): the tensor-core v2 kernel on the inputs' 16-bit bits."""
+    from fa_numba.kernels.mma.engine_v2 import make_v2_mma
+
+    warps, block_k = engines.mma_tiles(prob.d, block_q, block_k)
+    kernel = make_v2_mma(kind, warps, block_k, prob.d, causal)
+    check_sequence(prob.n_q, prob.n_k)
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
+    layout = tuple(q.shape[:-1])
+    with backend.explain_driver_errors(), backend.serialised(), call.context():
+        bits = [_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v))]
+        bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]  # float16: the same 16 bits
+        out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
+        lse = call.empty((prob.batch, prob.heads, prob.n_q))
+        kernel(*bits, out, lse, scale, stream=call.stream)
         out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
     return (out, lse) if return_lse else out
 
@@ -167,7 +193,7 @@ def _saved_inputs(call, q, named: dict) -> tuple:
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                        order: str = "kv", deterministic: bool = False, block_q: int | None = None,
-                       block_k: int | None = None, mask=None):
+                       block_k: int | None = None, mask=None, engine: str = "auto"):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
     q, k, v as for `attention`; out and lse are that forward's outputs (out like q, float32 or q's dtype;
@@ -184,6 +210,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     bit for bit the one without it (on a GPU, up to the order of the atomic adds: dq for order "kv", dk and
     dv for order "q"), and wherever the dense formula's gradient is NaN, so is this one.
 
+    engine: "auto" or "simt" (the CUDA-core backward); "mma" is a NotImplementedError until the
+    tensor-core backward exists.
+
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
     >>> out, lse = fa_numba.attention(q, q, q, causal=True, return_lse=True)
@@ -191,6 +220,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     >>> dq.shape, dk.dtype
     ((2, 8, 4), dtype('float32'))
     """
+    engines.backward(engine)
     from fa_numba.kernels import backward
 
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)

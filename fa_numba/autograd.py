@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from fa_numba import api, masks, shapes
+from fa_numba import api, engines, masks, shapes
 
 
 class _Attention(torch.autograd.Function):
@@ -44,11 +44,14 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
-              backward_order: str = "kv", deterministic: bool = False, mask=None):
+              backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto"):
     """softmax(scale Q K^T) V for torch tensors, differentiable in q, k and v (see the module docstring).
 
     Arguments as `fa_numba.attention` (layouts, GQA, bottom-right causal alignment, masks) and, for the backward,
-    as `fa_numba.attention_backward` (backward_order "kv" or "q", deterministic). Returns O (float32)."""
+    as `fa_numba.attention_backward` (backward_order "kv" or "q", deterministic). Returns O (float32).
+    engine: "auto" or "simt"; "mma" is a NotImplementedError until the tensor-core backward exists (for the
+    tensor-core forward alone, call fa_numba.attention(..., engine="mma"))."""
+    engines.backward(engine)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (use fa_numba.attention "

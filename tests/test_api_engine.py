@@ -1,0 +1,62 @@
+"""fa_numba.attention(..., engine=): "simt" the CUDA-core kernels, "mma" the tensor-core forward, "auto" (today
+"simt", fa_numba.engines says why); what the tensor-core engine does not take is refused by name."""
+
+import numpy as np
+import pytest
+
+import fa_numba
+from fa_numba import masks, tolerance
+
+ml_dtypes = pytest.importorskip("ml_dtypes")  # a test dependency (setup.cfg): bfloat16 NumPy arrays
+
+
+def _inputs(dtype, n_q=24, n_k=40, d=16, heads=2, heads_kv=1, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = ((heads, n_q), (heads_kv, n_k), (heads_kv, n_k))
+    return [rng.standard_normal((1, h, n, d)).astype(dtype) for h, n in sizes]
+
+
+@pytest.mark.parametrize("dtype,kind", [(np.float16, "float16"), (ml_dtypes.bfloat16, "bfloat16")])
+def test_engine_mma_runs_the_tensor_core_forward_within_its_rule(dtype, kind):
+    q, k, v = _inputs(dtype)
+    out, lse = fa_numba.attention(q, k, v, causal=True, engine="mma", block_q=16, block_k=16, return_lse=True)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    tolerance.check_attention(out, lse, q64, k64, v64, causal=True, name=f"attention(engine='mma') {kind}",
+                              order="v2", block_q=16, block_k=16, p_dtype=kind)
+
+
+def test_engine_auto_is_simt_today():
+    q, k, v = _inputs(np.float16)
+    auto = fa_numba.attention(q, k, v, causal=True, block_q=16, block_k=16)
+    simt = fa_numba.attention(q, k, v, causal=True, block_q=16, block_k=16, engine="simt")
+    np.testing.assert_array_equal(auto, simt)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype=np.float32), "engine='mma' takes float16 or bfloat16 inputs"),
+    (dict(order="v1"), "runs order 'v2' only"),
+    (dict(mask=masks.sliding_window(4, 0)), "block-mask lists are not built yet"),
+    (dict(block_q=24), "block_q must be 16, 32, 64 or 128 for engine='mma'"),
+    (dict(block_k=24), "block_k must be a positive multiple of 16 for engine='mma'"),
+    (dict(engine="tensor"), "engine must be one of"),
+])
+def test_engine_mma_refuses_what_it_does_not_take(kwargs, message):
+    kwargs = dict(kwargs)
+    q, k, v = _inputs(kwargs.pop("dtype", np.float16))
+    kwargs.setdefault("engine", "mma")
+    with pytest.raises(ValueError, match=message):
+        fa_numba.attention(q, k, v, **kwargs)
+
+
+def test_the_backward_says_it_has_no_tensor_core_engine_yet():
+    q, k, v = _inputs(np.float32, n_q=8, n_k=8, heads=1)
+    out, lse = fa_numba.attention(q, k, v, return_lse=True, block_q=8, block_k=8)
+    with pytest.raises(NotImplementedError, match="tensor-core backward is not built yet"):
+        fa_numba.attention_backward(q, k, v, out, lse, np.ones_like(q), engine="mma")
+    torch = pytest.importorskip("torch")
+    from fa_numba import autograd
+
+    t = torch.from_numpy(q)
+    with pytest.raises(NotImplementedError, match="tensor-core backward is not built yet"):
+        autograd.attention(t, t, t, engine="mma")
