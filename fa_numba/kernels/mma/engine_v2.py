@@ -227,15 +227,19 @@ def kernel_source(config: MmaConfig):
                 stage(k, b, h_kv, c0, n_k, sk, BC)
                 bad_v = stage(v, b, h_kv, c0, n_k, sv, BC)
             guard = cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
+            masked = partial or c0 + BC > n_k  # only a PARTIAL or the last, short tile hides keys
             for nt in range(NT):
                 d4 = (ZERO, ZERO, ZERO, ZERO)
                 for ks in range(KS):
                     bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
                     d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
                 for e in range(4):
-                    key = c0 + 8 * nt + 2 * t + (e & 1)
-                    row = row0 + 8 * (e >> 1)
-                    s[nt, e] = scale * d4[e] if visible(row, key, n_k, delta) else NEG_INF
+                    if masked:
+                        key = c0 + 8 * nt + 2 * t + (e & 1)
+                        row = row0 + 8 * (e >> 1)
+                        s[nt, e] = scale * d4[e] if visible(row, key, n_k, delta) else NEG_INF
+                    else:
+                        s[nt, e] = scale * d4[e]
             # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
             t0, t1 = NEG_INF, NEG_INF
             for nt in range(NT):
