@@ -4,8 +4,8 @@
 
 1. the warp-primitive and tensor-core tests with the simulator off (tests/test_warp.py, test_fragments.py,
    test_mma_forward.py, the slow ones included): the hardware against the host-side reading of the PTX ISA;
-2. v2-mma (float16 and bfloat16) checked against the float64 reference with the derived rule (proofs/L6 part 7)
-   at B=1, H=2, N=1024, d in {64, 128}, causal and not;
+2. v2-mma (float16 and bfloat16) and v1-mma (float16) checked against the float64 reference with the derived
+   rule (proofs/L6 part 7) at B=1, H=2, N=1024, d in {64, 128}, causal and not;
 3. each configuration that passed timed at B=4, H=16, N=4096 (CUDA events, 3 warm-up calls, median of 20)
    beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal.
 
@@ -26,10 +26,12 @@ import numpy as np
 
 import fa_numba  # noqa: F401  (first: it chooses the backend before numba.cuda is imported)
 from fa_numba import tolerance
+from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [(64, 64), (128, 32)]  # (d, block_k) with 4 warps: block_q 64, under 48 KB of shared memory
+MAKE = {"v2": make_v2_mma, "v1": make_v1_mma}
 
 
 def log(msg: str) -> None:
@@ -58,15 +60,15 @@ def launch(kernel, bits, d):
     return (lambda: kernel(q, k, v, o, lse, 1 / np.sqrt(d))), o, lse
 
 
-def check(kind, d, block_k, causal, n, heads=2) -> dict:
+def check(order, kind, d, block_k, causal, n, heads=2) -> dict:
     rng = np.random.default_rng(0)
     bits = [bits_of(rng.standard_normal((1, heads, n, d)), kind) for _ in range(3)]
-    kernel = make_v2_mma(kind, 4, block_k, d, causal)
+    kernel = MAKE[order](kind, 4, block_k, d, causal)
     run, o, lse = launch(kernel, bits, d)
     run()
     q, k, v = (values_of(b, kind) for b in bits)
     try:
-        c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order="v2",
+        c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order=order,
                                       block_q=64, block_k=block_k, p_dtype=kind, contractions=("matmul",))
         return {"passed": True, "err_out": c.err_out, "atol_out": c.atol_out}
     except AssertionError as err:
@@ -130,16 +132,16 @@ def main(argv=None) -> int:
         if done.returncode:
             log(done.stdout[-6000:] + done.stderr[-2000:])
     n_check, shape = (32, None) if args.smoke else (1024, (4, 16, 4096))
-    for kind in ("float16", "bfloat16"):
+    for order, kind in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16")):
         for d, block_k in ([(16, 16)] if args.smoke else CONFIGS):
             for causal in (False, True):
-                row = {"kind": kind, "d": d, "block_k": block_k, "causal": causal,
-                       **check(kind, d, block_k, causal, n_check, heads=1 if args.smoke else 2)}
+                row = {"order": order, "kind": kind, "d": d, "block_k": block_k, "causal": causal,
+                       **check(order, kind, d, block_k, causal, n_check, heads=1 if args.smoke else 2)}
                 if row["passed"] and shape is not None:
                     b, h, n = shape
                     rng = np.random.default_rng(1)
                     bits = [bits_of(rng.standard_normal((b, h, n, d)), kind) for _ in range(3)]
-                    run, _, _ = launch(make_v2_mma(kind, 4, block_k, d, causal), bits, d)
+                    run, _, _ = launch(MAKE[order](kind, 4, block_k, d, causal), bits, d)
                     ms = time_it(run)
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
                     row.update(ms=ms, tflops=flops / ms / 1e9, sdpa_ms=sdpa_ms(kind, b, h, n, d, causal))

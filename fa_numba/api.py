@@ -82,7 +82,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     device array for a Numba device array or another `__cuda_array_interface__` object. A CUDA tensor or
     CuPy call is launched on that library's current stream, so work queued before and after it on that
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
-    bfloat16 inputs, order "v2", causal or no mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
+    bfloat16 inputs, order "v1" or "v2", causal or no mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
     of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (today: "simt";
     `fa_numba.engines` says why).
 
@@ -102,7 +102,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         raise ValueError(f"order must be one of {tuple(VARIANTS)}, got {order!r}")
     kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
     if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
-        return _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind)
+        return _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind, order)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -126,12 +126,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     return (out, lse) if return_lse else out
 
 
-def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind):
-    """attention(..., engine="mma"): the tensor-core v2 kernel on the inputs' 16-bit bits."""
+def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind, order):
+    """attention(..., engine="mma"): the tensor-core kernel of `order` on the inputs' 16-bit bits."""
+    from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
     warps, block_k = engines.mma_tiles(prob.d, block_q, block_k)
-    kernel = make_v2_mma(kind, warps, block_k, prob.d, causal)
+    kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal)
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     layout = tuple(q.shape[:-1])

@@ -2,7 +2,7 @@
 `engine="mma"` (the tensor-core kernels, `kernels.mma`) or `engine="auto"`.
 
 `auto` takes the CUDA-core kernels today for every input: the tensor-core forward does not yet cover what
-the registry's kernels do (the v1 order, block-mask lists, float32 by 3xTF32, the backward), and its results
+the registry's kernels do (block-mask lists, float32 by 3xTF32, the backward), and its results
 carry one more rounding (P in 16 bits, proofs/L6 part 7), so a silent switch would change what existing
 callers get. Ask for `engine="mma"` to run it; an input or option it does not take is a ValueError that says
 which, never a quiet fallback.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 ENGINES = ("auto", "simt", "mma")
 MMA_KINDS = ("float16", "bfloat16")
-MMA_ORDERS = ("v2",)
+MMA_ORDERS = ("v1", "v2")
 MMA_MAX_HEAD_DIM = 128
 
 
@@ -26,7 +26,7 @@ def resolve(engine: str, *, kind: str, order: str, form: str, head_dim: int) -> 
         raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
                          f"not built yet), got {kind}; use engine='simt' for {kind}")
     if order not in MMA_ORDERS:
-        raise ValueError(f"engine='mma' runs order 'v2' only (the v1 tensor-core kernel is not built yet), got "
+        raise ValueError(f"engine='mma' runs orders {MMA_ORDERS} (not the one-thread-per-row kernels), got "
                          f"order={order!r}")
     if form not in ("none", "causal"):
         raise ValueError("engine='mma' takes causal=True or no mask (block-mask lists are not built yet for "

@@ -1,4 +1,4 @@
-"""Compile the tensor-core v2 kernel's shipped-size configurations for sm_90a through the launch path and print,
+"""Compile the tensor-core kernels' shipped-size configurations for sm_90a through the launch path and print,
 as JSON, what test_mma_forward's SASS test checks: resources, and per tile-loop iteration the HMMA, LDSM and
 copy instructions. Run with the real numba.cuda (NUMBA_ENABLE_CUDASIM=0); no GPU needed.
 """
@@ -10,9 +10,13 @@ import sys
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 
 from fa_numba import profile, sass  # noqa: E402  (first: fa_numba chooses the backend before numba.cuda)
-from fa_numba.kernels.mma.engine_v2 import MmaConfig, MmaV2Kernel, kernel_source  # noqa: E402
+from fa_numba.kernels.mma import engine_v1, engine_v2  # noqa: E402
+from fa_numba.kernels.mma.engine import MmaConfig  # noqa: E402
 
-CONFIGS = [("float16", 4, 64, 64), ("float16", 4, 32, 128), ("bfloat16", 4, 64, 64)]  # kind, warps, B_c, d
+CONFIGS = [("v2", "float16", 4, 64, 64), ("v2", "float16", 4, 32, 128), ("v2", "bfloat16", 4, 64, 64),
+           ("v1", "float16", 4, 64, 64)]  # order, kind, warps, B_c, d
+ORDERS = {"v1": (engine_v1.kernel_source, engine_v1.MmaV1Kernel),
+          "v2": (engine_v2.kernel_source, engine_v2.MmaV2Kernel)}
 
 
 def _count(instructions, prefix):
@@ -21,15 +25,15 @@ def _count(instructions, prefix):
 
 def main() -> int:
     found = []
-    for kind, warps, block_k, d in CONFIGS:
+    for order, kind, warps, block_k, d in CONFIGS:
         for causal in (False, True):
             config = MmaConfig(kind, warps, block_k, d, causal, async_copy=True).check()
-            argtypes = MmaV2Kernel.argtypes()
-            p = profile.profile_kernel(kernel_source(config), argtypes, 32 * warps, name=f"v2-mma {kind} d={d}")
+            source, kernel = ORDERS[order]
+            p = profile.profile_kernel(source(config), kernel.argtypes(), 32 * warps, name=f"{order}-mma {kind} d={d}")
             instructions, _, _ = sass.parse_sass(p.sass)
             tiles = [n for n in sass.loop_tree(p.sass) if _count(n.instructions, "HMMA")]
             tile = min(tiles, key=lambda n: len(n.instructions))  # the smallest loop holding the products
-            found.append({"kind": kind, "warps": warps, "block_k": block_k, "d": d, "causal": causal,
+            found.append({"order": order, "kind": kind, "warps": warps, "block_k": block_k, "d": d, "causal": causal,
                           "registers": p.registers, "spill_stores": p.spill_stores, "spill_loads": p.spill_loads,
                           "smem": p.smem, "local": _count(instructions, "LDL") + _count(instructions, "STL"),
                           "tile_issued": tile.issued, "tile_hmma": _count(tile.instructions, "HMMA"),

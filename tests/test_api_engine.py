@@ -16,14 +16,16 @@ def _inputs(dtype, n_q=24, n_k=40, d=16, heads=2, heads_kv=1, seed=0):
     return [rng.standard_normal((1, h, n, d)).astype(dtype) for h, n in sizes]
 
 
-@pytest.mark.parametrize("dtype,kind", [(np.float16, "float16"), (ml_dtypes.bfloat16, "bfloat16")])
-def test_engine_mma_runs_the_tensor_core_forward_within_its_rule(dtype, kind):
+@pytest.mark.parametrize("dtype,kind,order", [(np.float16, "float16", "v2"), (ml_dtypes.bfloat16, "bfloat16", "v2"),
+                                              (np.float16, "float16", "v1")])
+def test_engine_mma_runs_the_tensor_core_forward_within_its_rule(dtype, kind, order):
     q, k, v = _inputs(dtype)
-    out, lse = fa_numba.attention(q, k, v, causal=True, engine="mma", block_q=16, block_k=16, return_lse=True)
+    out, lse = fa_numba.attention(q, k, v, causal=True, engine="mma", block_q=16, block_k=16, return_lse=True,
+                                  order=order)
     assert out.dtype == np.float32 and out.shape == q.shape
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     tolerance.check_attention(out, lse, q64, k64, v64, causal=True, name=f"attention(engine='mma') {kind}",
-                              order="v2", block_q=16, block_k=16, p_dtype=kind)
+                              order=order, block_q=16, block_k=16, p_dtype=kind)
 
 
 def test_engine_auto_is_simt_today():
@@ -35,7 +37,7 @@ def test_engine_auto_is_simt_today():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dtype=np.float32), "engine='mma' takes float16 or bfloat16 inputs"),
-    (dict(order="v1"), "runs order 'v2' only"),
+    (dict(order="v2-rowwise"), "engine='mma' runs orders"),
     (dict(mask=masks.sliding_window(4, 0)), "block-mask lists are not built yet"),
     (dict(block_q=24), "block_q must be 16, 32, 64 or 128 for engine='mma'"),
     (dict(block_k=24), "block_k must be a positive multiple of 16 for engine='mma'"),

@@ -41,5 +41,6 @@ def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "mma_gpu.json").read_text())["rows"]
-    assert {(r["kind"], r["causal"]) for r in rows} == {(k, c) for k in ("float16", "bfloat16") for c in (False, True)}
+    assert {(r["order"], r["kind"], r["causal"]) for r in rows} == {
+        (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16")) for c in (False, True)}
     assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)

@@ -1,180 +1,30 @@
-"""FlashAttention-2 forward (Q outer) on tensor cores: mma.sync m16n8k16, float16 or bfloat16 inputs.
+"""FlashAttention-2's order on tensor cores (Q outer): one block of W warps per query tile, (m, l, acc) in
+registers across the key tiles; the engine (mma.sync products, online softmax on the fragments, staging,
+masking) is `kernels.mma.engine`.
 
-Math (per query row i, proofs/L2 and L4), as the CUDA-core v2: fold the visible key tiles j into
-(m, l, acc) with the online softmax, then O_i = acc / l, LSE_i = m + log l; a row that sees no key (by the
-mask) gets 0 and -inf. What is new is where the products happen and one rounding (proofs/L6, part 7):
-
-- S = Q K_j^T and acc += P V_j are warp-wide mma.sync products (fa_numba.warp); a 16-bit product is exact in
-  float32 and the accumulation is float32 (the tensor core's own order and rounding).
-- P enters P V rounded to the input's 16-bit type (one rounding per weight: the term tolerance.p_rounding);
-  l sums the float32 weights, as FlashAttention-2 does.
-
-Layout (proofs/L10): a block of W warps owns B_r = 16 W query rows, warp w the rows 16 w .. 16 w + 15. In
-every fragment lane (g, t) = (lane >> 2, lane & 3) holds rows g and g + 8 and, per 8-column block, columns 2t
-and 2t + 1, so a row's statistics live in the 4 lanes of a quad and its max and sum are two shfl_xor each.
-Q_i, K_j and V_j are staged in shared memory as 16-bit bits, rows DP + 8 elements apart (DP: d rounded up
-to 16, zeros past d; the 16-byte pad puts the 8 rows of an ldmatrix on 8 distinct 4-bank groups); Q's A
-fragments are read once (ldmatrix x4), K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans, and the
-S accumulator becomes P's A fragment in the lane that holds it (L10, claim 5): no data moves between lanes.
-
-Masking: causal (bottom-right) by SKIP / FULL / PARTIAL tiles, keys past N_k zero-filled and given weight 0.
-A masked key's value row must never be multiplied (a NaN or inf there would turn 0 into NaN): in a PARTIAL
-tile whose V holds a non-finite value the warp computes P V on the CUDA cores over the visible keys only
-(`exact_pv`), which the tensor core cannot (it multiplies every key of the tile).
-
-Staging: where d % 8 == 0 (and the inputs are 16-byte aligned) each tile is copied by cp.async, 16 bytes a
-copy with the rows past N zero-filled, so no element passes through a register; otherwise by plain loads.
-
-Limits of this first engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet),
-causal and unmasked only (no block-mask lists), d <= 128, v2 order only, forward only.
+HBM traffic per (batch, head), in elements: that of the CUDA-core v2 (iomodel.traffic("v2", ...)): Q read once
+per query tile, K and V once per visited (query tile, key tile), O written N_q d, LSE N_q; the staging reads
+whole padded rows of 16 bytes, never a key past N.
+Launch: grid (ceil(N_q / B_r), B H), 32 W threads.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 
-import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from fa_numba import backend, warp
-from fa_numba.kernels.common import NEG_INF, ZERO, check_grid, check_sequence, log_sum_exp, output
-
-KINDS = ("float16", "bfloat16")
-MAX_HEAD_DIM = 128
-SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
-_EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # a 16-bit value is inf or NaN iff these bits are all set
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    """A compile-time configuration of the tensor-core v2 kernel."""
-
-    kind: str  # "float16" or "bfloat16": how the 16-bit inputs are read
-    warps: int  # W: the block has 32 W threads and B_r = 16 W query rows
-    block_k: int  # B_c: keys per tile, a multiple of 16
-    head_dim: int
-    causal: bool
-    async_copy: bool = False  # stage tiles by cp.async (needs d % 8 == 0 and 16-byte aligned inputs)
-
-    @property
-    def block_q(self) -> int:
-        return 16 * self.warps
-
-    @property
-    def padded_dim(self) -> int:
-        return -(-self.head_dim // 16) * 16
-
-    @property
-    def row_stride(self) -> int:
-        return self.padded_dim + 8
-
-    @property
-    def shared_bytes(self) -> int:
-        return 2 * self.row_stride * (self.block_q + 2 * self.block_k)
-
-    def check(self) -> "MmaConfig":
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS} for the tensor-core kernel, got {self.kind!r}")
-        if self.warps not in (1, 2, 4, 8):
-            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
-        if self.block_k <= 0 or self.block_k % 16:
-            raise ValueError(f"block_k must be a positive multiple of 16 (the k of m16n8k16), got {self.block_k}")
-        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim d must be in 1..{MAX_HEAD_DIM} for the tensor-core kernel, got "
-                             f"{self.head_dim}")
-        if self.async_copy and self.head_dim % 8:
-            raise ValueError(f"async_copy needs the head dim d to be a multiple of 8 (16-byte rows), got "
-                             f"{self.head_dim}")
-        if self.shared_bytes > SHARED_LIMIT:
-            raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
-                             f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
-        return self
+from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
+from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, MmaKernel, make_ops
 
 
 def kernel_source(config: MmaConfig):
     """The Python function of the kernel (cuda.jit compiles it for a launch, fa_numba.profile for sm_90a)."""
-    W, BR, BC, D = config.warps, config.block_q, config.block_k, config.head_dim
-    DP, SQ, CAUSAL = config.padded_dim, config.row_stride, config.causal
-    KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16  # k-steps of Q K^T, key blocks, O blocks, k-steps of P V
-    THREADS = 32 * W
-    ASYNC, CHUNKS = config.async_copy, DP // 8  # cp.async staging, in chunks of 8 elements per row
-    Q_SIZE, KV_SIZE = BR * SQ, BC * SQ  # shared array sizes: Python ints, so Numba sees constants
-    EXP_MASK = _EXP_MASK[config.kind]
-    mma = warp.mma_f16 if config.kind == "float16" else warp.mma_bf16
-    pack = warp.pack_f16x2 if config.kind == "float16" else warp.pack_bf16x2
-    to_f32 = _to_f32_function(config.kind)
-    ZERO16 = uint16(0)
-
-    @cuda.jit(device=True, inline=True)
-    def stage(src, b, h, r0, n, tile, rows):
-        """tile[r SQ + x] = src[b, h, r0 + r, x] for r < rows, x < DP; zeros past N and past d. Returns whether
-        a staged element is inf or NaN (its exponent bits all set)."""
-        bad = False
-        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
-            r = idx // DP
-            x = idx - r * DP
-            bits = ZERO16
-            if r0 + r < n and x < D:
-                bits = src[b, h, r0 + r, x]
-            tile[r * SQ + x] = bits
-            bad = bad or (bits & EXP_MASK) == EXP_MASK
-        return bad
-
-    @cuda.jit(device=True, inline=True)
-    def stage_async(src, b, h, r0, n, tile, rows):
-        """The same tile by cp.async, 16 bytes (8 elements) a copy, rows past N zero-filled (d % 8 == 0 here,
-        so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes through a
-        register. Waits for its own copies; the caller's barrier makes them visible to the block."""
-        base = (b * src.shape[1] + h) * src.shape[2]
-        for idx in range(cuda.threadIdx.x, rows * CHUNKS, THREADS):
-            r = idx // CHUNKS
-            x = 8 * (idx - r * CHUNKS)
-            row = min(r0 + r, n - 1)  # a valid address even where nothing is read
-            nbytes = 16 if (r0 + r < n and x < D) else 0
-            warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - 8), nbytes)
-        warp.cp_async_commit()
-        warp.cp_async_wait_all()
-
-    @cuda.jit(device=True, inline=True)
-    def any_bad(tile, rows):
-        """Whether a staged element (this thread's share of them) is inf or NaN."""
-        bad = False
-        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
-            r = idx // DP
-            bad = bad or (tile[r * SQ + idx - r * DP] & EXP_MASK) == EXP_MASK
-        return bad
-
-    @cuda.jit(device=True, inline=True)
-    def visible(row, key, n_k, delta):
-        return key < n_k and (not CAUSAL or key <= row + delta)
-
-    @cuda.jit(device=True, inline=True)
-    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t):
-        """acc += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a masked key's
-        value row never read. Each lane recomputes its two rows' weights from Q_i and K_j in shared memory
-        (K_j is still staged) rather than index its S fragment at a run-time key, which would move the whole
-        fragment to local memory; the weights' own rounding differs from the mma's by a score perturbation,
-        which the rule's score terms bound."""
-        for c in range(BC):
-            see0 = visible(row0, c0 + c, n_k, delta)
-            see1 = visible(row0 + 8, c0 + c, n_k, delta)
-            if see0 or see1:
-                dot0, dot1 = ZERO, ZERO
-                for x in range(DP):
-                    kx = to_f32(sk[c * SQ + x])
-                    dot0 += to_f32(sq[qrow0 * SQ + x]) * kx
-                    dot1 += to_f32(sq[(qrow0 + 8) * SQ + x]) * kx
-                p0 = math.exp(scale * dot0 - shift0) if see0 else ZERO
-                p1 = math.exp(scale * dot1 - shift1) if see1 else ZERO
-                for dn in range(DN):
-                    for e in range(2):
-                        vx = to_f32(sv[c * SQ + 8 * dn + 2 * t + e])
-                        if see0:
-                            acc[dn, e] += p0 * vx
-                        if see1:
-                            acc[dn, 2 + e] += p1 * vx
+    E = make_ops(config)
+    stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
+    Z = E.sizes
+    BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
+    CAUSAL = config.causal
 
     def flash_v2_mma(q, k, v, o, lse, scale):
         sq = cuda.shared.array(Q_SIZE, uint16)
@@ -201,15 +51,7 @@ def kernel_source(config: MmaConfig):
         if CAUSAL:
             n_tiles = min(n_tiles, (last + BC) // BC) if last >= 0 else 0
 
-        if ASYNC:
-            stage_async(q, b, h, r0, n_q, sq, BR)
-        else:
-            stage(q, b, h, r0, n_q, sq, BR)
-        cuda.syncthreads()  # Q_i staged: every thread reaches this barrier
-        for ks in range(KS):
-            a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
-            for e in range(4):
-                qf[ks, e] = a[e]
+        stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
         for dn in range(DN):
             for e in range(4):
                 acc[dn, e] = ZERO
@@ -218,66 +60,11 @@ def kernel_source(config: MmaConfig):
             c0 = j * BC
             cuda.syncthreads()  # the previous tile's K_j and V_j are no longer read: every thread comes here
             partial = CAUSAL and c0 + BC - 1 > r0 + delta  # some key of the tile is hidden from some row
-            if ASYNC:
-                stage_async(k, b, h_kv, c0, n_k, sk, BC)
-                stage_async(v, b, h_kv, c0, n_k, sv, BC)
-                cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
-                bad_v = partial and any_bad(sv, BC)
-            else:
-                stage(k, b, h_kv, c0, n_k, sk, BC)
-                bad_v = stage(v, b, h_kv, c0, n_k, sv, BC)
-            guard = cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
+            guard = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial)
             masked = partial or c0 + BC > n_k  # only a PARTIAL or the last, short tile hides keys
-            for nt in range(NT):
-                d4 = (ZERO, ZERO, ZERO, ZERO)
-                for ks in range(KS):
-                    bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
-                    d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
-                for e in range(4):
-                    if masked:
-                        key = c0 + 8 * nt + 2 * t + (e & 1)
-                        row = row0 + 8 * (e >> 1)
-                        s[nt, e] = scale * d4[e] if visible(row, key, n_k, delta) else NEG_INF
-                    else:
-                        s[nt, e] = scale * d4[e]
-            # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
-            t0, t1 = NEG_INF, NEG_INF
-            for nt in range(NT):
-                t0 = max(t0, max(s[nt, 0], s[nt, 1]))
-                t1 = max(t1, max(s[nt, 2], s[nt, 3]))
-            for mask in (1, 2):
-                t0 = max(t0, cuda.shfl_xor_sync(0xFFFFFFFF, t0, mask))
-                t1 = max(t1, cuda.shfl_xor_sync(0xFFFFFFFF, t1, mask))
-            n0, n1 = max(m0, t0), max(m1, t1)
-            shift0 = n0 if n0 != NEG_INF else ZERO  # nothing visible yet: exp(-inf - 0) = 0
-            shift1 = n1 if n1 != NEG_INF else ZERO
-            alpha0, alpha1 = math.exp(m0 - shift0), math.exp(m1 - shift1)
-            m0, m1 = n0, n1
-            p0, p1 = ZERO, ZERO
-            for nt in range(NT):
-                for e in range(2):
-                    s[nt, e] = math.exp(s[nt, e] - shift0)
-                    s[nt, 2 + e] = math.exp(s[nt, 2 + e] - shift1)
-                    p0 += s[nt, e]
-                    p1 += s[nt, 2 + e]
-            l0, l1 = alpha0 * l0 + p0, alpha1 * l1 + p1  # this lane's part of l: the quad sums at the end
-            for dn in range(DN):
-                acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
-                acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
-            if guard:
-                exact_pv(sq, sk, sv, acc, row0, 16 * wid + g, c0, n_k, delta, scale, shift0, shift1, t)
-            else:
-                for kk in range(PK):  # P's A fragment for keys 16 kk .. 16 kk + 15 (L10, claim 5)
-                    pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
-                          pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
-                    for dn in range(DN):
-                        bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
-                        d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, bv)
-                        for e in range(4):
-                            acc[dn, e] = d4[e]
-        for mask in (1, 2):
-            l0 += cuda.shfl_xor_sync(0xFFFFFFFF, l0, mask)
-            l1 += cuda.shfl_xor_sync(0xFFFFFFFF, l1, mask)
+            m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
+                                  scale, t, mrow, mat, guard, masked)
+        l0, l1 = quad_sum(l0), quad_sum(l1)
         for half in range(2):
             row = row0 + 8 * half
             if row < n_q:
@@ -294,76 +81,24 @@ def kernel_source(config: MmaConfig):
     return flash_v2_mma
 
 
-def _to_f32_function(kind: str):
-    """A 16-bit input's bits as float32, for the exact fallback (float16: through the half type)."""
-    from fa_numba.kernels.common import to_f32
-
-    if kind == "bfloat16":
-        return to_f32
-    if backend.name() == "simulator":
-        return lambda bits: np.float32(np.uint16(bits).view(np.float16))
-    return _f16_bits_to_f32
-
-
-def _make_f16_bits_to_f32():
-    from llvmlite import ir
-    from numba import types
-    from numba.core.extending import intrinsic
-
-    @intrinsic
-    def f16_bits_to_f32(typingctx, bits):
-        def codegen(context, builder, sig, args):
-            half = builder.bitcast(args[0], ir.HalfType())
-            return builder.fpext(half, ir.FloatType())
-
-        return types.float32(types.uint16), codegen
-
-    return f16_bits_to_f32
-
-
-_f16_bits_to_f32 = None if backend.name() == "simulator" else _make_f16_bits_to_f32()
-
-
-class MmaV2Kernel:
-    """A compiled tensor-core v2 kernel: kernel(q, k, v, o, lse, scale) on device arrays, q, k, v (B, H, N, d)
-    uint16 bits of float16 or bfloat16 values (config.kind), o float32 (B, H, N_q, d), lse float32 (B, H, N_q)."""
+class MmaV2Kernel(MmaKernel):
+    """The tensor-core v2 kernel's launch: grid (T_r, B H)."""
 
     GRID_AXES = ("ceil(N_q / block_q)", "batch * heads")
+    ORDER = "v2"
 
-    def __init__(self, config: MmaConfig):
-        self.config = config.check()
-        self.source = kernel_source(config)
-        self.kernel = cuda.jit(self.source)
+    def grid(self, batch, heads, n_q):
+        return (-(-n_q // self.config.block_q), batch * heads)
+
+    def without_async(self):
+        c = self.config
+        return make_v2_mma(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False)
 
     @staticmethod
-    def argtypes(_=None):
+    def argtypes():
         """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a)."""
-        from numba import types
-
-        bits = types.Array(types.uint16, 4, "C")
-        return (bits, bits, bits, types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"), float32)
-
-    def __call__(self, q, k, v, o, lse, scale, stream=0):
-        if q.shape[3] != self.config.head_dim:
-            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
-        check_sequence(q.shape[2], k.shape[2])
-        grid = (-(-q.shape[2] // self.config.block_q), q.shape[0] * q.shape[1])
-        check_grid(grid, self.GRID_AXES, "v2-mma")
-        if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
-            fallback = make_v2_mma(self.config.kind, self.config.warps, self.config.block_k, self.config.head_dim,
-                                   self.config.causal, async_copy=False)
-            return fallback(q, k, v, o, lse, scale, stream)
-        threads = 32 * self.config.warps
-        with backend.serialised(threads):
-            self.kernel[grid, threads, stream](q, k, v, o, lse, float32(scale))
-
-
-def _aligned16(x) -> bool:
-    """A device array whose data starts on a 16-byte boundary (its rows then do too when d % 8 == 0)."""
-    face = getattr(x, "__cuda_array_interface__", None)
-    if face is not None:
-        return face["data"][0] % 16 == 0
-    return np.asarray(getattr(x, "_ary", x)).ctypes.data % 16 == 0
+        bits, out, stat = MmaKernel.array_types()
+        return (bits, bits, bits, out, stat, float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -375,7 +110,7 @@ def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool
     takes the plain-load kernel."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
-    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy)))
+    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy)), kernel_source)
 
 
-__all__ = ["KINDS", "MAX_HEAD_DIM", "MmaConfig", "MmaV2Kernel", "make_v2_mma"]
+__all__ = ["KINDS", "MAX_HEAD_DIM", "MmaConfig", "MmaV2Kernel", "kernel_source", "make_v2_mma"]

@@ -1,0 +1,356 @@
+"""The tensor-core engine: what both orders of the tensor-core forward are made of (mma.sync m16n8k16,
+float16 or bfloat16 inputs). The orders themselves are thin: engine_v2 (Q outer) and engine_v1 (K/V outer).
+
+Math (per query row i, proofs/L2 and L4), as on the CUDA cores: fold the visible key tiles j into
+(m, l, acc) with the online softmax, then O_i = acc / l, LSE_i = m + log l; a row that sees no key (by the
+mask) gets 0 and -inf. What is new is where the products happen and one rounding (proofs/L6, part 7):
+
+- S = Q K_j^T and acc += P V_j are warp-wide mma.sync products (fa_numba.warp); a 16-bit product is exact in
+  float32 and the accumulation is float32 (the tensor core's own order and rounding).
+- P enters P V rounded to the input's 16-bit type (one rounding per weight: the term tolerance.p_rounding_term);
+  l sums the float32 weights, as FlashAttention-2 does.
+
+Layout (proofs/L10): a block of W warps owns B_r = 16 W query rows, warp w the rows 16 w .. 16 w + 15. In
+every fragment lane (g, t) = (lane >> 2, lane & 3) holds rows g and g + 8 and, per 8-column block, columns 2t
+and 2t + 1, so a row's statistics live in the 4 lanes of a quad and its max and sum are two shfl_xor each.
+Q_i, K_j and V_j are staged in shared memory as 16-bit bits, rows DP + 8 elements apart (DP: d rounded up
+to 16, zeros past d; the 16-byte pad puts the 8 rows of an ldmatrix on 8 distinct 4-bank groups); Q's A
+fragments are read once per staging (ldmatrix x4), K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans,
+and the S accumulator becomes P's A fragment in the lane that holds it (L10, claim 5): no data moves between
+lanes.
+
+Staging: where d % 8 == 0 (and the inputs are 16-byte aligned) each tile is copied by cp.async, 16 bytes a
+copy with the rows past N zero-filled, so no element passes through a register; otherwise by plain loads.
+
+Masking: causal (bottom-right) by SKIP / FULL / PARTIAL tiles, keys past N_k zero-filled and given weight 0.
+A masked key's value row must never be multiplied (a NaN or inf there would turn 0 into NaN): in a PARTIAL
+tile whose V holds a non-finite value the warp computes P V on the CUDA cores over the visible keys only
+(`exact_pv`), which the tensor core cannot (it multiplies every key of the tile).
+
+Limits of this first engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet),
+causal and unmasked only (no block-mask lists), d <= 128, forward only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda, float32, uint16
+
+from fa_numba import backend, warp
+from fa_numba.kernels.common import NEG_INF, ZERO
+
+KINDS = ("float16", "bfloat16")
+MAX_HEAD_DIM = 128
+SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
+_EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # a 16-bit value is inf or NaN iff these bits are all set
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """A compile-time configuration of a tensor-core forward kernel (either order)."""
+
+    kind: str  # "float16" or "bfloat16": how the 16-bit inputs are read
+    warps: int  # W: the block has 32 W threads and B_r = 16 W query rows
+    block_k: int  # B_c: keys per tile, a multiple of 16
+    head_dim: int
+    causal: bool
+    async_copy: bool = False  # stage tiles by cp.async (needs d % 8 == 0 and 16-byte aligned inputs)
+
+    @property
+    def block_q(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def padded_dim(self) -> int:
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def row_stride(self) -> int:
+        return self.padded_dim + 8
+
+    @property
+    def shared_bytes(self) -> int:
+        return 2 * self.row_stride * (self.block_q + 2 * self.block_k)
+
+    def check(self) -> "MmaConfig":
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS} for the tensor-core kernel, got {self.kind!r}")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
+        if self.block_k <= 0 or self.block_k % 16:
+            raise ValueError(f"block_k must be a positive multiple of 16 (the k of m16n8k16), got {self.block_k}")
+        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim d must be in 1..{MAX_HEAD_DIM} for the tensor-core kernel, got "
+                             f"{self.head_dim}")
+        if self.async_copy and self.head_dim % 8:
+            raise ValueError(f"async_copy needs the head dim d to be a multiple of 8 (16-byte rows), got "
+                             f"{self.head_dim}")
+        if self.shared_bytes > SHARED_LIMIT:
+            raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
+                             f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
+        return self
+
+
+def make_ops(config: MmaConfig) -> SimpleNamespace:
+    """The device functions both orders are built from, bound to the configuration's compile-time sizes (a
+    kernel can call only globals and closures: each order's kernel_source takes them from here)."""
+    W, BR, BC, D = config.warps, config.block_q, config.block_k, config.head_dim
+    DP, SQ, CAUSAL = config.padded_dim, config.row_stride, config.causal
+    KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16  # k-steps of Q K^T, key blocks, O blocks, k-steps of P V
+    THREADS = 32 * W
+    ASYNC, CHUNKS = config.async_copy, DP // 8  # cp.async staging, in chunks of 8 elements per row
+    Q_SIZE, KV_SIZE = BR * SQ, BC * SQ  # shared array sizes: Python ints, so Numba sees constants
+    EXP_MASK = _EXP_MASK[config.kind]
+    mma = warp.mma_f16 if config.kind == "float16" else warp.mma_bf16
+    pack = warp.pack_f16x2 if config.kind == "float16" else warp.pack_bf16x2
+    to_f32 = _to_f32_function(config.kind)
+    ZERO16 = uint16(0)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(src, b, h, r0, n, tile, rows):
+        """tile[r SQ + x] = src[b, h, r0 + r, x] for r < rows, x < DP; zeros past N and past d. Returns whether
+        a staged element is inf or NaN (its exponent bits all set)."""
+        bad = False
+        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
+            r = idx // DP
+            x = idx - r * DP
+            bits = ZERO16
+            if r0 + r < n and x < D:
+                bits = src[b, h, r0 + r, x]
+            tile[r * SQ + x] = bits
+            bad = bad or (bits & EXP_MASK) == EXP_MASK
+        return bad
+
+    @cuda.jit(device=True, inline=True)
+    def stage_async(src, b, h, r0, n, tile, rows):
+        """The same tile by cp.async, 16 bytes (8 elements) a copy, rows past N zero-filled (d % 8 == 0 here,
+        so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes through a
+        register. Waits for its own copies; the caller's barrier makes them visible to the block."""
+        base = (b * src.shape[1] + h) * src.shape[2]
+        for idx in range(cuda.threadIdx.x, rows * CHUNKS, THREADS):
+            r = idx // CHUNKS
+            x = 8 * (idx - r * CHUNKS)
+            row = min(r0 + r, n - 1)  # a valid address even where nothing is read
+            nbytes = 16 if (r0 + r < n and x < D) else 0
+            warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - 8), nbytes)
+        warp.cp_async_commit()
+        warp.cp_async_wait_all()
+
+    @cuda.jit(device=True, inline=True)
+    def any_bad(tile, rows):
+        """Whether a staged element (this thread's share of them) is inf or NaN."""
+        bad = False
+        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
+            r = idx // DP
+            bad = bad or (tile[r * SQ + idx - r * DP] & EXP_MASK) == EXP_MASK
+        return bad
+
+    @cuda.jit(device=True, inline=True)
+    def visible(row, key, n_k, delta):
+        return key < n_k and (not CAUSAL or key <= row + delta)
+
+    @cuda.jit(device=True, inline=True)
+    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t):
+        """acc += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a masked key's
+        value row never read. Each lane recomputes its two rows' weights from Q_i and K_j in shared memory
+        (K_j is still staged) rather than index its S fragment at a run-time key, which would move the whole
+        fragment to local memory; the weights' own rounding differs from the mma's by a score perturbation,
+        which the rule's score terms bound."""
+        for c in range(BC):
+            see0 = visible(row0, c0 + c, n_k, delta)
+            see1 = visible(row0 + 8, c0 + c, n_k, delta)
+            if see0 or see1:
+                dot0, dot1 = ZERO, ZERO
+                for x in range(DP):
+                    kx = to_f32(sk[c * SQ + x])
+                    dot0 += to_f32(sq[qrow0 * SQ + x]) * kx
+                    dot1 += to_f32(sq[(qrow0 + 8) * SQ + x]) * kx
+                p0 = math.exp(scale * dot0 - shift0) if see0 else ZERO
+                p1 = math.exp(scale * dot1 - shift1) if see1 else ZERO
+                for dn in range(DN):
+                    for e in range(2):
+                        vx = to_f32(sv[c * SQ + 8 * dn + 2 * t + e])
+                        if see0:
+                            acc[dn, e] += p0 * vx
+                        if see1:
+                            acc[dn, 2 + e] += p1 * vx
+
+    @cuda.jit(device=True, inline=True)
+    def stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat):
+        """Stage Q_i (all threads, then a barrier every thread reaches) and read this lane's A fragments."""
+        if ASYNC:
+            stage_async(q, b, h, r0, n_q, sq, BR)
+        else:
+            stage(q, b, h, r0, n_q, sq, BR)
+        cuda.syncthreads()  # Q_i staged: every thread reaches this barrier
+        for ks in range(KS):
+            a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
+            for e in range(4):
+                qf[ks, e] = a[e]
+
+    @cuda.jit(device=True, inline=True)
+    def stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial):
+        """Stage K_j and V_j (all threads, barriers every thread reaches); True where the tile is PARTIAL and
+        its V holds an inf or NaN (then P V takes the exact path)."""
+        if ASYNC:
+            stage_async(k, b, h_kv, c0, n_k, sk, BC)
+            stage_async(v, b, h_kv, c0, n_k, sv, BC)
+            cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
+            bad_v = partial and any_bad(sv, BC)
+        else:
+            stage(k, b, h_kv, c0, n_k, sk, BC)
+            bad_v = stage(v, b, h_kv, c0, n_k, sv, BC)
+        return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(x):
+        for mask in (1, 2):
+            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, mask))
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(x):
+        for mask in (1, 2):
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
+             masked):
+        """Fold the staged K_j, V_j into this lane's (m, l, acc) of rows row0 and row0 + 8 (l: the lane's part,
+        the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole warp calls it together."""
+        for nt in range(NT):
+            d4 = (ZERO, ZERO, ZERO, ZERO)
+            for ks in range(KS):
+                bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
+                d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
+            for e in range(4):
+                if masked:
+                    key = c0 + 8 * nt + 2 * t + (e & 1)
+                    row = row0 + 8 * (e >> 1)
+                    s[nt, e] = scale * d4[e] if visible(row, key, n_k, delta) else NEG_INF
+                else:
+                    s[nt, e] = scale * d4[e]
+        # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
+        t0, t1 = NEG_INF, NEG_INF
+        for nt in range(NT):
+            t0 = max(t0, max(s[nt, 0], s[nt, 1]))
+            t1 = max(t1, max(s[nt, 2], s[nt, 3]))
+        n0, n1 = max(m0, quad_max(t0)), max(m1, quad_max(t1))
+        shift0 = n0 if n0 != NEG_INF else ZERO  # nothing visible yet: exp(-inf - 0) = 0
+        shift1 = n1 if n1 != NEG_INF else ZERO
+        alpha0, alpha1 = math.exp(m0 - shift0), math.exp(m1 - shift1)
+        p0, p1 = ZERO, ZERO
+        for nt in range(NT):
+            for e in range(2):
+                s[nt, e] = math.exp(s[nt, e] - shift0)
+                s[nt, 2 + e] = math.exp(s[nt, 2 + e] - shift1)
+                p0 += s[nt, e]
+                p1 += s[nt, 2 + e]
+        for dn in range(DN):
+            acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
+            acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
+        if guard:
+            exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t)
+        else:
+            for kk in range(PK):  # P's A fragment for keys 16 kk .. 16 kk + 15 (L10, claim 5)
+                pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
+                      pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
+                for dn in range(DN):
+                    bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
+                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, bv)
+                    for e in range(4):
+                        acc[dn, e] = d4[e]
+        return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
+
+    return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=visible,
+                           sizes=SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN,
+                                                 Q_SIZE=Q_SIZE, KV_SIZE=KV_SIZE))
+
+
+def _to_f32_function(kind: str):
+    """A 16-bit input's bits as float32, for the exact fallback (float16: through the half type)."""
+    from fa_numba.kernels.common import to_f32
+
+    if kind == "bfloat16":
+        return to_f32
+    if backend.name() == "simulator":
+        return lambda bits: np.float32(np.uint16(bits).view(np.float16))
+    return _f16_bits_to_f32
+
+
+def _make_f16_bits_to_f32():
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def f16_bits_to_f32(typingctx, bits):
+        def codegen(context, builder, sig, args):
+            half = builder.bitcast(args[0], ir.HalfType())
+            return builder.fpext(half, ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    return f16_bits_to_f32
+
+
+_f16_bits_to_f32 = None if backend.name() == "simulator" else _make_f16_bits_to_f32()
+
+
+def _aligned16(x) -> bool:
+    """A device array whose data starts on a 16-byte boundary (its rows then do too when d % 8 == 0)."""
+    face = getattr(x, "__cuda_array_interface__", None)
+    if face is not None:
+        return face["data"][0] % 16 == 0
+    return np.asarray(getattr(x, "_ary", x)).ctypes.data % 16 == 0
+
+
+class MmaKernel:
+    """A compiled tensor-core forward kernel: kernel(q, k, v, o, lse, scale) on device arrays, q, k, v
+    (B, H, N, d) uint16 bits of float16 or bfloat16 values (config.kind), o float32 (B, H, N_q, d), lse float32
+    (B, H, N_q). Subclasses give the order's grid and arguments."""
+
+    GRID_AXES: tuple = ()
+    ORDER = ""
+
+    def __init__(self, config: MmaConfig, kernel_source):
+        self.config = config.check()
+        self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
+        self.kernel = cuda.jit(self.source)
+
+    def grid(self, batch: int, heads: int, n_q: int) -> tuple:
+        raise NotImplementedError
+
+    def without_async(self) -> "MmaKernel":
+        """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
+        raise NotImplementedError
+
+    def arguments(self, q, k, v, o, lse, scale) -> tuple:
+        return (q, k, v, o, lse, scale)
+
+    def __call__(self, q, k, v, o, lse, scale, stream=0):
+        from fa_numba.kernels.common import check_grid, check_sequence
+
+        if q.shape[3] != self.config.head_dim:
+            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        check_sequence(q.shape[2], k.shape[2])
+        grid = self.grid(q.shape[0], q.shape[1], q.shape[2])
+        check_grid(grid, self.GRID_AXES, f"{self.ORDER}-mma")
+        if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
+            return self.without_async()(q, k, v, o, lse, scale, stream)
+        threads = 32 * self.config.warps
+        with backend.serialised(threads):
+            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)))
+
+    @staticmethod
+    def array_types():
+        """The Numba types of the inputs (uint16 bits), the float32 output and the float32 statistics."""
+        from numba import types
+
+        return (types.Array(types.uint16, 4, "C"), types.Array(types.float32, 4, "C"),
+                types.Array(types.float32, 3, "C"))

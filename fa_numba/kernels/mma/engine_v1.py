@@ -1,0 +1,160 @@
+"""FlashAttention's Algorithm 1 on tensor cores (K/V outer): one block of W warps per (batch, head); for
+each key tile K_j, V_j (staged once) every query tile that sees it is visited, its (O, l, m) read back from
+HBM, folded with the tile and written again, as the paper's loop order has it. The engine (mma.sync
+products, online softmax on the fragments, staging, masking) is `kernels.mma.engine`; this file is the order.
+
+The round trip (proofs/L4, L6 part 3): O is kept in HBM as acc / l, so a visit rebuilds acc = O l (two
+roundings, the rule's v1 term; while a row has seen nothing, l = 0 and acc itself is kept); l and m are kept
+as they are (m, and the quad's whole l: on the way back in
+the lane t = 0 of the quad holds it, the others 0, so the quad's sum is l again). Each lane reads back the O
+entries it wrote itself; m and l, written by every lane of the quad, are read after the block's barriers of
+the next staging, so no other barrier is needed.
+HBM traffic per (batch, head), in elements: K and V read once (N_k d each), Q, O, l and m once per visit,
+O and m, l written once per visit, LSE N_q: iomodel.traffic("v1", ...) plus the first zero-fill of O.
+Launch: grid (B H,), 32 W threads: B H blocks, fewer than an H200's 132 SMs hold at small B H.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, float32, uint16, uint32
+
+from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
+from fa_numba.kernels.mma.engine import MmaConfig, MmaKernel, make_ops
+
+
+def kernel_source(config: MmaConfig):
+    """The Python function of the kernel (cuda.jit compiles it for a launch, fa_numba.profile for sm_90a)."""
+    E = make_ops(config)
+    stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
+    Z = E.sizes
+    BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
+    CAUSAL = config.causal
+
+    def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale):
+        sq = cuda.shared.array(Q_SIZE, uint16)
+        sk = cuda.shared.array(KV_SIZE, uint16)
+        sv = cuda.shared.array(KV_SIZE, uint16)
+        qf = cuda.local.array((KS, 4), uint32)
+        s = cuda.local.array((NT, 4), float32)
+        acc = cuda.local.array((DN, 4), float32)
+        bh = cuda.blockIdx.x
+        lane = cuda.threadIdx.x & 31
+        wid = cuda.threadIdx.x >> 5
+        g, t = lane >> 2, lane & 3
+        mrow, mat = lane & 7, lane >> 3
+        heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])
+        delta = n_k - n_q
+        n_row_tiles = (n_q + BR - 1) // BR
+        n_key_tiles = (n_k + BC - 1) // BC
+        # O = 0, l = 0, m = -inf, LSE = -inf for every row (a row no tile visits keeps them: it sees no key);
+        # each lane initialises the entries it will own
+        for i in range(n_row_tiles):
+            for half in range(2):
+                row = i * BR + 16 * wid + g + 8 * half
+                if row < n_q:
+                    for dn in range(DN):
+                        for e in range(2):
+                            x = 8 * dn + 2 * t + e
+                            if x < D:
+                                o[b, h, row, x] = ZERO
+                    if t == 0:
+                        l_hbm[b, h, row] = ZERO
+                        m_hbm[b, h, row] = NEG_INF
+                        lse[b, h, row] = NEG_INF
+        for j in range(n_key_tiles):
+            c0 = j * BC
+            cuda.syncthreads()  # the previous K_j, V_j, Q_i and the state writes are done: every thread comes
+            guard_any = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, CAUSAL)  # PARTIAL for some tile: checked below
+            for i in range(n_row_tiles):
+                r0 = i * BR
+                last = min(r0 + BR, n_q) - 1 + delta  # the last key the tile's last row sees
+                if CAUSAL and c0 > last:
+                    continue  # a SKIP tile: the whole block skips it together
+                n_tiles = n_key_tiles if not CAUSAL else min(n_key_tiles, (last + BC) // BC)
+                partial = CAUSAL and c0 + BC - 1 > r0 + delta
+                guard = guard_any and partial
+                masked = partial or c0 + BC > n_k
+                row0 = r0 + 16 * wid + g
+                cuda.syncthreads()  # the previous visit's Q_i is no longer read: every thread comes here
+                stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
+                m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO
+                for half in range(2):  # the state back from HBM: acc = O l, this quad's l in lane t = 0
+                    row = row0 + 8 * half
+                    m_row, l_row = NEG_INF, ZERO
+                    if row < n_q:
+                        m_row, l_row = m_hbm[b, h, row], l_hbm[b, h, row]
+                    for dn in range(DN):
+                        for e in range(2):
+                            x = 8 * dn + 2 * t + e
+                            acc[dn, 2 * half + e] = o[b, h, row, x] * l_row if (row < n_q and x < D) else ZERO
+                    if half == 0:
+                        m0, l0 = m_row, l_row if t == 0 else ZERO
+                    else:
+                        m1, l1 = m_row, l_row if t == 0 else ZERO
+                m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
+                                      scale, t, mrow, mat, guard, masked)
+                l0, l1 = quad_sum(l0), quad_sum(l1)
+                final = j == n_tiles - 1
+                for half in range(2):
+                    row = row0 + 8 * half
+                    if row < n_q:
+                        alive = (not CAUSAL or row + delta >= 0) and n_k > 0
+                        l_row = l0 if half == 0 else l1
+                        m_row = m0 if half == 0 else m1
+                        for dn in range(DN):
+                            for e in range(2):
+                                x = 8 * dn + 2 * t + e
+                                if x < D:
+                                    a = acc[dn, 2 * half + e]
+                                    if final:
+                                        o[b, h, row, x] = output(a, l_row, alive)
+                                    else:  # acc / l, or acc itself while l = 0 (nothing seen yet: 0, or NaN)
+                                        o[b, h, row, x] = a / l_row if l_row > ZERO else a
+                        if t == 0:
+                            l_hbm[b, h, row] = l_row
+                            m_hbm[b, h, row] = m_row
+                            if final:
+                                lse[b, h, row] = log_sum_exp(m_row, l_row, alive)
+
+    return flash_v1_mma
+
+
+class MmaV1Kernel(MmaKernel):
+    """The tensor-core v1 kernel's launch: grid (B H,), the l and m workspaces allocated per call."""
+
+    GRID_AXES = ("batch * heads",)
+    ORDER = "v1"
+
+    def grid(self, batch, heads, n_q):
+        return (batch * heads,)
+
+    def without_async(self):
+        c = self.config
+        return make_v1_mma(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False)
+
+    def arguments(self, q, k, v, o, lse, scale):
+        l_hbm = cuda.device_array(lse.shape, dtype="float32")
+        m_hbm = cuda.device_array(lse.shape, dtype="float32")
+        return (q, k, v, o, lse, l_hbm, m_hbm, scale)
+
+    @staticmethod
+    def argtypes():
+        bits, out, stat = MmaKernel.array_types()
+        return (bits, bits, bits, out, stat, stat, stat, float32)
+
+
+@functools.lru_cache(maxsize=None)
+def make_v1_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
+                async_copy: bool | None = None) -> MmaV1Kernel:
+    """The tensor-core v1 kernel (arguments as make_v2_mma); cached."""
+    if async_copy is None:
+        async_copy = head_dim % 8 == 0
+    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy)), kernel_source)
+
+
+__all__ = ["MmaV1Kernel", "kernel_source", "make_v1_mma"]
