@@ -20,28 +20,21 @@ from numba import cuda, types, uint16  # noqa: E402
 SMEM = 1024  # 16-bit elements of the probes' shared memory (2 KB)
 
 
-def mma_f16_probe(a, b, c, out):
-    lane = cuda.threadIdx.x
-    d = warp.mma_f16((c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3]),
-                     (a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3]), (b[lane, 0], b[lane, 1]))
-    for i in range(4):
-        out[lane, i] = d[i]
+def _mma_probe(product):
+    """A probe of one mma: lane l's fragments a[l], b[l], c[l] in, its D fragment out[l]."""
+    def probe(a, b, c, out):
+        lane = cuda.threadIdx.x
+        d = product((c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3]),
+                    (a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3]), (b[lane, 0], b[lane, 1]))
+        for i in range(4):
+            out[lane, i] = d[i]
+
+    return probe
 
 
-def mma_bf16_probe(a, b, c, out):
-    lane = cuda.threadIdx.x
-    d = warp.mma_bf16((c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3]),
-                      (a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3]), (b[lane, 0], b[lane, 1]))
-    for i in range(4):
-        out[lane, i] = d[i]
-
-
-def mma_tf32_probe(a, b, c, out):
-    lane = cuda.threadIdx.x
-    d = warp.mma_tf32((c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3]),
-                      (a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3]), (b[lane, 0], b[lane, 1]))
-    for i in range(4):
-        out[lane, i] = d[i]
+mma_f16_probe = _mma_probe(warp.mma_f16)
+mma_bf16_probe = _mma_probe(warp.mma_bf16)
+mma_tf32_probe = _mma_probe(warp.mma_tf32)
 
 
 @cuda.jit(device=True, inline=True)
@@ -52,36 +45,23 @@ def _stage(mem, sm):
     cuda.syncthreads()
 
 
-def ldmatrix_x4_probe(mem, addr, out):
-    sm = cuda.shared.array(SMEM, uint16)
-    _stage(mem, sm)
-    r = warp.ldmatrix_x4(sm, addr[cuda.threadIdx.x])
-    for i in range(4):
-        out[cuda.threadIdx.x, i] = r[i]
+def _ldmatrix_probe(load, num):
+    """A probe of one ldmatrix: mem staged in shared memory, lane l gives the address addr[l], out[l] its
+    `num` registers."""
+    def probe(mem, addr, out):
+        sm = cuda.shared.array(SMEM, uint16)
+        _stage(mem, sm)
+        r = load(sm, addr[cuda.threadIdx.x])
+        for i in range(num):
+            out[cuda.threadIdx.x, i] = r[i]
+
+    return probe
 
 
-def ldmatrix_x4_trans_probe(mem, addr, out):
-    sm = cuda.shared.array(SMEM, uint16)
-    _stage(mem, sm)
-    r = warp.ldmatrix_x4_trans(sm, addr[cuda.threadIdx.x])
-    for i in range(4):
-        out[cuda.threadIdx.x, i] = r[i]
-
-
-def ldmatrix_x2_probe(mem, addr, out):
-    sm = cuda.shared.array(SMEM, uint16)
-    _stage(mem, sm)
-    r = warp.ldmatrix_x2(sm, addr[cuda.threadIdx.x])
-    for i in range(2):
-        out[cuda.threadIdx.x, i] = r[i]
-
-
-def ldmatrix_x2_trans_probe(mem, addr, out):
-    sm = cuda.shared.array(SMEM, uint16)
-    _stage(mem, sm)
-    r = warp.ldmatrix_x2_trans(sm, addr[cuda.threadIdx.x])
-    for i in range(2):
-        out[cuda.threadIdx.x, i] = r[i]
+ldmatrix_x4_probe = _ldmatrix_probe(warp.ldmatrix_x4, 4)
+ldmatrix_x4_trans_probe = _ldmatrix_probe(warp.ldmatrix_x4_trans, 4)
+ldmatrix_x2_probe = _ldmatrix_probe(warp.ldmatrix_x2, 2)
+ldmatrix_x2_trans_probe = _ldmatrix_probe(warp.ldmatrix_x2_trans, 2)
 
 
 Q_AT, K_AT, V_AT, STRIDE = 0, 384, 576, 24  # qk_pv_probe's tiles in shared memory (16-bit elements)

@@ -28,7 +28,6 @@ import numpy as np
 
 TIMEOUT = 300.0  # seconds a lane waits for slow warp mates before giving up (the simulator can be slow)
 _POLL = 0.05  # seconds between checks for a lane that will never come
-_STUCK = 1.0  # seconds a warp mate must stay at cuda.syncthreads() to count as never coming
 
 
 class WarpDivergence(RuntimeError):
@@ -46,26 +45,27 @@ class _Warp:
         self.arrived = 0
         self.generation = 0
         self.result = None
-        self.blocked_since: dict[int, float] = {}  # thread id -> when it was first seen at syncthreads
+        self.broken = ""  # why the warp diverged, once it has: every later exchange raises it
 
     def _absent_lanes(self) -> list[int]:
         return [lane for lane in range(self.size) if self.slots[lane] is None]
 
     def _check_absent(self, op: str, started: float) -> None:
-        """Raise if a lane that has not arrived never will."""
+        """Raise if a lane that has not arrived never will: it has finished its kernel, or it waits at a
+        cuda.syncthreads() that this (waiting) lane has not reached, which cannot be released while this lane
+        waits here. (A lane still flagged at a barrier this lane has passed is being released: the simulator
+        clears the flags one thread at a time.)"""
         absent = set(self._absent_lanes())
+        passed = getattr(threading.current_thread(), "_fa_numba_barriers", 0)
         for th in list(getattr(self.manager, "_fa_numba_threads", ())):
             tid = th.thread_id
             if tid // 32 != self.warp or tid % 32 not in absent:
                 continue
-            if th.ident is not None and not th.is_alive():  # started, and finished
+            if getattr(th, "_fa_numba_done", False):
                 why = "exited"
-            elif th.syncthreads_blocked and time.monotonic() - self.blocked_since.setdefault(tid, time.monotonic()) \
-                    > _STUCK:  # the simulator clears the flag of released threads one by one: not at once
+            elif th.syncthreads_blocked and getattr(th, "_fa_numba_barriers", 0) > passed:
                 why = "waits at cuda.syncthreads()"
             else:
-                if not th.syncthreads_blocked:
-                    self.blocked_since.pop(tid, None)
                 continue
             raise WarpDivergence(f"{op}: lane {tid % 32} of warp {self.warp} {why} while lanes "
                                  f"{sorted(set(range(self.size)) - absent)} wait at {op}; a warp operation must "
@@ -78,13 +78,17 @@ class _Warp:
         """Deposit `value` for `lane`; once all lanes have, return every lane's value, or what
         combine(every lane's value) returns (computed once, by the lane that arrives last)."""
         with self.cond:
+            if self.broken:
+                raise WarpDivergence(self.broken)
             if self.arrived == 0:
                 self.op = op
                 self.slots = [None] * self.size
             elif op != self.op:
-                raise WarpDivergence(f"lane {lane} of warp {self.warp} called {op} while lanes "
-                                     f"{[i for i in range(self.size) if self.slots[i] is not None]} wait at "
-                                     f"{self.op}: the lanes of a warp diverged")
+                self.broken = (f"lane {lane} of warp {self.warp} called {op} while lanes "
+                               f"{[i for i in range(self.size) if self.slots[i] is not None]} wait at "
+                               f"{self.op}: the lanes of a warp diverged")
+                self.cond.notify_all()  # the waiting lanes raise the same error, not a later symptom of it
+                raise WarpDivergence(self.broken)
             self.slots[lane] = value
             self.arrived += 1
             if self.arrived == self.size:
@@ -96,6 +100,8 @@ class _Warp:
             generation, started = self.generation, time.monotonic()
             while self.generation == generation:
                 self.cond.wait(_POLL)
+                if self.broken:
+                    raise WarpDivergence(self.broken)
                 if self.generation == generation:
                     self._check_absent(op, started)
             return self.result  # not replaced yet: the next exchange needs this lane too
@@ -187,13 +193,28 @@ def install() -> None:
     for name, fn in COLLECTIVES.items():
         if not hasattr(fake, name):
             setattr(fake, name, staticmethod(fn))
-    init = kernel.BlockThread.__init__
-    if not getattr(init, "_fa_numba_registers", False):
-        def registering_init(self, f, manager, *args, **kwargs):
-            """The simulator's own, then the thread listed on its block, so a warp exchange can tell a lane
-            that exited from one that is still on its way."""
-            init(self, f, manager, *args, **kwargs)
-            manager.__dict__.setdefault("_fa_numba_threads", []).append(self)
+    thread = kernel.BlockThread
+    if getattr(thread.__init__, "_fa_numba_registers", False):
+        return
+    init, run, syncthreads = thread.__init__, thread.run, thread.syncthreads
 
-        registering_init._fa_numba_registers = True
-        kernel.BlockThread.__init__ = registering_init
+    def registering_init(self, f, manager, *args, **kwargs):
+        """The simulator's own, then the thread listed on its block, so that a warp exchange can tell a lane
+        that will never come from one still on its way."""
+        init(self, f, manager, *args, **kwargs)
+        self._fa_numba_barriers = 0  # the cuda.syncthreads() calls it has entered
+        self._fa_numba_done = False  # it has left its kernel
+        manager.__dict__.setdefault("_fa_numba_threads", []).append(self)
+
+    def recording_run(self):
+        try:
+            run(self)
+        finally:
+            self._fa_numba_done = True
+
+    def counting_syncthreads(self):
+        self._fa_numba_barriers += 1
+        return syncthreads(self)
+
+    registering_init._fa_numba_registers = True
+    thread.__init__, thread.run, thread.syncthreads = registering_init, recording_run, counting_syncthreads
