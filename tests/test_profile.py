@@ -307,6 +307,7 @@ def test_the_representatives_cover_every_kernel_and_setting():
         assert {c[key] for c in chosen} == {c[key] for c in configs}, f"no representative has every {key}"
 
 
+@pytest.mark.slow  # about 60 s of sm_90a compiles: the default run was over its 8-minute budget (docs/testing.md)
 @NEEDS_NVDISASM
 def test_representative_configurations_compile_without_spills_or_float64(representatives):
     configs, profiles = representatives
