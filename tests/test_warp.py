@@ -8,6 +8,7 @@ The SASS test (slow tier) compiles every probe for sm_90a: each primitive is the
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -245,7 +246,7 @@ def test_mma_in_a_partial_warp_is_refused():
                                           np.zeros((32, 4), np.float32), np.zeros((32, 4), np.float32))
 
 
-REAL_CUDA = {**__import__("os").environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": str(HERE.parent)}
+REAL_CUDA = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": str(HERE.parent)}
 EXPECTED_SASS = {  # probe -> opcodes its SASS must hold (the instruction each primitive claims to be)
     "mma_f16_probe": ["HMMA.16816.F32"],
     "mma_bf16_probe": ["HMMA.16816.F32.BF16"],

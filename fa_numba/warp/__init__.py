@@ -12,10 +12,6 @@ proofs/L10_fragments.md says which lane holds which element of every fragment.
 
 from fa_numba import backend
 
-NAMES = ("mma_f16", "mma_bf16", "mma_tf32", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2", "ldmatrix_x2_trans",
-         "cp_async16", "cp_async_commit", "cp_async_wait_all", "cp_async_wait_1", "pack_f16x2", "pack_bf16x2",
-         "to_tf32", "tf32_value", "ex2")
-
 if backend.name() == "simulator":
     from fa_numba.warp import emulated_tc as implementation
 else:

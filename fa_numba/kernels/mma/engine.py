@@ -326,9 +326,15 @@ class MmaKernel:
     def grid(self, batch: int, heads: int, n_q: int) -> tuple:
         raise NotImplementedError
 
+    @staticmethod
+    def make(kind, warps, block_k, head_dim, causal, async_copy=None) -> "MmaKernel":
+        """The order's cached factory (make_v1_mma / make_v2_mma)."""
+        raise NotImplementedError
+
     def without_async(self) -> "MmaKernel":
         """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
-        raise NotImplementedError
+        c = self.config
+        return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False)
 
     def arguments(self, q, k, v, o, lse, scale) -> tuple:
         return (q, k, v, o, lse, scale)
