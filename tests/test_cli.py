@@ -104,6 +104,7 @@ def test_readme_numbers_for_a_shape_too_large_for_the_simulator():
     assert cmp.Shape(n_q=100_000, head_dim=64).resolved().block_q == 64
 
 
+@pytest.mark.slow  # ~15-30 s in the simulator: the slow tier
 @pytest.mark.skipif(cmp.backend.name() != "simulator", reason="the simulator's small default tiles")
 def test_simulator_runs_small_shapes_with_small_tiles_and_says_so(capsys):
     shape = cmp.Shape().resolved()  # compare's default in the simulator: N = 64, d = 16
@@ -116,6 +117,7 @@ def test_simulator_runs_small_shapes_with_small_tiles_and_says_so(capsys):
     assert f"\ntiles: 16x16 ({shape.tiles})\n" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~15-30 s in the simulator: the slow tier
 def test_sweep_keeps_one_tile_size_when_the_simulator_runs_only_some_sizes(tmp_path):
     path = tmp_path / "s.csv"
     assert cli.main(["sweep", "--n", "16,4096", "--head-dims", "16", "--no-count", "--csv", str(path)]) == 0

@@ -173,7 +173,8 @@ def test_rows_a_mask_shows_no_key_are_zero_and_minus_inf_in_every_kernel(name, m
 
 
 @pytest.mark.lemma("L8")
-@pytest.mark.parametrize("order, deterministic", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("order, deterministic", [
+    ("kv", False), ("kv", True), pytest.param("q", False, marks=pytest.mark.slow)])  # q (~11 s): the slow tier
 @settings(max_examples=8)
 @given(mc=mask_kernel_cases())
 @with_hard_mask_cases
@@ -189,7 +190,8 @@ def test_backward_kernels_with_a_mask_match_the_reference(order, deterministic, 
 
 @pytest.mark.lemma("L8")
 @pytest.mark.skipif(not SIMULATOR, reason="element counts are taken with counting arrays in the CUDA simulator")
-@pytest.mark.parametrize("order, deterministic", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("order, deterministic", [  # kv-True and q (~10 s each): the slow tier
+    ("kv", False), pytest.param("kv", True, marks=pytest.mark.slow), pytest.param("q", False, marks=pytest.mark.slow)])
 @settings(max_examples=8)
 @given(mc=mask_kernel_cases())
 @with_hard_mask_cases
