@@ -22,7 +22,7 @@ def _prepare(name: str, x, on_device: bool):
     if on_device:
         if not x.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
-        return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+        return x.reshape(shapes.batch_shape(x.shape))
     return cuda.to_device(np.ascontiguousarray(shapes.as_4d(x)))
 
 
@@ -62,12 +62,15 @@ def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None,
-              engine: str = "auto"):
+              engine: str = "auto", out_dtype=None):
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
-    q: (N_q, d), (H, N_q, d) or (B, H, N_q, d); k, v: same number of axes with N_k keys and H_kv heads
-    dividing H (GQA/MQA). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same
-    dtype; arithmetic and outputs are float32.
+    q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
+    and H_kv heads dividing H (GQA/MQA). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy
+    arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
+    bfloat16, or float32: None) asks for O in another (NumPy, torch and CuPy results; fa_numba.autograd and
+    the drop-ins return the input dtype, as SDPA does). N_q = 0 or B = 0 gives empty results and N_k = 0
+    O = 0, LSE = -inf (every query sees no key), without a launch, as torch SDPA gives for empty inputs.
     causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); mask is any fa_numba.masks
     mask (sliding_window, documents, prefix_lm, from_function, from_dense; causal=True is the short form of
     mask=masks.causal(), and passing both is an error), whose SKIP tiles are never touched; a from_function
@@ -92,17 +95,30 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     >>> out.shape, out.dtype
     ((2, 8, 16), dtype('float32'))
     """
+    out_dtype = arrays.dtype_name("out_dtype", out_dtype)
+    call, out, lse = _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine)
+    out = arrays.cast(call, out, out_dtype)
+    return (out, lse) if return_lse else out
+
+
+def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine):
+    """(call, O, LSE) for `attention`, O and LSE float32 in the caller's layout and library."""
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES,
-                          names=arrays.accepted(INPUT_DTYPES, bfloat16=True))
-    causal, mask, form = _resolve_mask(causal, mask, prob)
+                          names=arrays.accepted(INPUT_DTYPES, bfloat16=True), empty=True)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in VARIANTS:
         raise ValueError(f"order must be one of {tuple(VARIANTS)}, got {order!r}")
     kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
+    if 0 in (prob.batch, prob.n_q, prob.n_k):
+        causal, mask = shapes.check_mask(causal, mask)
+        form = "causal" if causal else "none" if mask is None else mask.kernel_form()
+        engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d)  # its errors, as for any size
+        return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
+    causal, mask, form = _resolve_mask(causal, mask, prob)
     if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
-        return _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind, order)
+        return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -122,11 +138,21 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k) if mask is not None else None
         kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks)
-        out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
-    return (out, lse) if return_lse else out
+        return call, call.output(out, layout + (prob.d,)), call.output(lse, layout)
 
 
-def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_lse, kind, order):
+def _without_launch(call, shape, value: float):
+    """A float32 result filled with `value`, in the caller's library, for an empty problem (N_q = 0,
+    N_k = 0 or B = 0): no kernel runs. With N_k = 0 every query sees no key, so O = 0 and LSE = -inf (the
+    rule for a row without a visible key); an empty array has nothing to fill."""
+    host = np.full(tuple(shape), value, dtype=np.float32)
+    if not call.on_device:
+        return call.output(cuda.to_device(host), shape)
+    with call.context():
+        return call.output(cuda.to_device(host, stream=call.stream), shape)
+
+
+def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order):
     """attention(..., engine="mma"): the tensor-core kernel of `order` on the inputs' 16-bit bits."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
@@ -142,8 +168,7 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, return_
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         kernel(*bits, out, lse, scale, stream=call.stream)
-        out, lse = call.output(out, layout + (prob.d,)), call.output(lse, layout)
-    return (out, lse) if return_lse else out
+        return call.output(out, layout + (prob.d,)), call.output(lse, layout)
 
 
 BACKWARD_ORDERS = ("kv", "q")
@@ -154,9 +179,9 @@ def _prepare_stats(name: str, x, on_device: bool, ndim: int):
     if on_device:
         if not x.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
-        return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
+        return x.reshape(shapes.batch_shape(tuple(x.shape) + (1,))[:3])
     x = np.ascontiguousarray(x, dtype=np.float32)
-    return cuda.to_device(x.reshape((1,) * (3 - x.ndim) + x.shape))
+    return cuda.to_device(x.reshape(shapes.batch_shape(x.shape + (1,))[:3]))
 
 
 def _saved_inputs(call, q, named: dict) -> tuple:
@@ -227,8 +252,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
     accepted = arrays.accepted(INPUT_DTYPES, bfloat16=True)
-    prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted)
+    prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted, empty=True)
     out, lse, dout = _saved_inputs(call, q, {"out": out, "lse": lse, "dout": dout})
+    if 0 in (prob.batch, prob.n_q, prob.n_k):  # every gradient is a sum over no pair: zero (or empty)
+        shapes.check_mask(causal, mask)
+        return tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
     causal, mask, form = _resolve_mask(causal, mask, prob)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in BACKWARD_ORDERS:

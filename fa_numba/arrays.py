@@ -243,3 +243,50 @@ def adopt(named: dict, allowed=None, bfloat16: bool = False) -> Call:
                             for x, k in zip(values, kinds))
         call.stream = _launch_stream(first, call.arrays[0], devices[0])
     return call
+
+
+OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def dtype_name(name: str, dtype) -> str:
+    """An out_dtype argument (None, a NumPy or ml_dtypes dtype, a torch dtype, or its name) as one of
+    OUT_DTYPES; None is float32, the kernels' arithmetic."""
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, str):
+        text = dtype
+    elif type(dtype).__module__.partition(".")[0] == "torch":
+        text = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            text = np.dtype(dtype).name
+        except TypeError:
+            raise TypeError(f"{name} must be a dtype or None, got {type(dtype).__name__} {dtype!r}") from None
+    if text not in OUT_DTYPES:
+        raise ValueError(f"{name} must be one of {OUT_DTYPES} (or None: float32), got {dtype!r}")
+    return text
+
+
+def cast(call: Call, result, name: str):
+    """A float32 result of `call.output` in the dtype `name` (one of OUT_DTYPES): torch and CuPy results
+    by their library, on their device and stream; NumPy results by NumPy (bfloat16 by ml_dtypes). A Numba
+    device array has no cast here and must stay float32."""
+    if name == "float32":
+        return result
+    if call.kind == "torch":
+        import torch
+
+        return result.to(getattr(torch, name))
+    if call.on_device:
+        if call.kind == "cupy" and name != "bfloat16":
+            return result.astype(name)
+        raise ValueError(f"out_dtype={name!r} is taken for NumPy, torch and CuPy (float16) results; a "
+                         f"{call.kind} result comes back float32")
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError("out_dtype='bfloat16' needs ml_dtypes for a NumPy result (NumPy has no bfloat16): "
+                             "pip install ml_dtypes") from None
+        return result.astype(ml_dtypes.bfloat16)
+    return result.astype(np.float16)

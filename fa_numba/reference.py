@@ -120,8 +120,8 @@ class Dense:
 
     s: (B, H, N_q, N_k) the scores S, -inf on masked pairs; p: the same shape, P = exp(S - m) / l, 0 on masked
     pairs and on rows with no visible key; v: (B, H, N_k, d) the values as each query head reads them;
-    visible: (N_q, N_k) bool, the visible pairs; out: (B, H, N_q, d) O; lse: (B, H, N_q) LSE; ndim: the
-    number of axes of q, which `result` gives back.
+    visible: (N_q, N_k) bool, the visible pairs; out: (B, H, N_q, d) O; lse: (B, H, N_q) LSE; lead: q's axes
+    before N (q.shape[:-2]), which `result` gives back.
     """
 
     s: np.ndarray
@@ -130,11 +130,11 @@ class Dense:
     visible: np.ndarray
     out: np.ndarray
     lse: np.ndarray
-    ndim: int
+    lead: tuple
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(out, lse) in the caller's layout: out like q, lse like q without its last axis."""
-        return shapes.drop_lead(self.out, self.ndim), shapes.drop_lead(self.lse, self.ndim)
+        return shapes.drop_lead(self.out, self.lead), shapes.drop_lead(self.lse, self.lead)
 
 
 def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, dtype=np.float64,
@@ -166,7 +166,7 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
         lse = np.where(alive, shift + np.log(l), dtype(-np.inf))
         p = np.where(alive[:, None], p / l[..., None], dtype(0))
     out = visible_matmul(p, v4, visible, contraction)
-    return Dense(s, p, v4, visible, out, lse, q.ndim)
+    return Dense(s, p, v4, visible, out, lse, tuple(np.shape(q)[:-2]))
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None):
@@ -278,7 +278,8 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
     dk = dk.reshape(grouped).sum(axis=2)
     dv = dv.reshape(grouped).sum(axis=2)
-    return DenseBackward(shapes.drop_lead(dq, q.ndim), shapes.drop_lead(dk, k.ndim), shapes.drop_lead(dv, v.ndim),
+    dq, dk, dv = (shapes.drop_lead(g, x.shape[:-2]) for g, x in ((dq, q), (dk, k), (dv, v)))
+    return DenseBackward(dq, dk, dv,
                          q4, k4, v4, do4, out4, shift, p, dp, d_row, visible, scale, prob)
 
 

@@ -1,6 +1,8 @@
 """Input conventions shared by every layer: layout, GQA head mapping, scale, tile sizes.
 
-Layout is (B, H, N, d) like torch SDPA; (N, d) and (H, N, d) are accepted and mean B = 1 (and H = 1).
+Layout is (B, H, N, d) like torch SDPA; (N, d) and (H, N, d) are accepted and mean B = 1 (and H = 1), and
+(B1, ..., Bm, H, N, d) any number of leading batch axes, which q, k, v share and which count as one batch
+B = B1 ... Bm.
 K and V may have fewer heads than Q (GQA/MQA): query head h reads K/V head h // (H_q // H_kv).
 
 Every check raises before any work is done, with a message that names the argument and what was expected.
@@ -48,15 +50,25 @@ def _check_dtype(name: str, x, allowed: tuple[np.dtype, ...], names: str | None 
 
 def _check_array(name: str, x, allowed: tuple[np.dtype, ...], names: str | None = None) -> None:
     _check_dtype(name, x, allowed, names)
-    if len(x.shape) not in (2, 3, 4):
+    if len(x.shape) < 2:
         raise ValueError(
-            f"{name} must have shape (N, d), (H, N, d) or (B, H, N, d), got {len(x.shape)}-D shape {tuple(x.shape)}"
+            f"{name} must have shape (N, d), (H, N, d), (B, H, N, d) or (B1, ..., Bm, H, N, d), got "
+            f"{len(x.shape)}-D shape {tuple(x.shape)}"
         )
 
 
-def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | None = None) -> Problem:
+def batch_shape(shape) -> tuple[int, int, int, int]:
+    """(B, H, N, d) of a (N, d), (H, N, d), (B, H, N, d) or (B1, ..., Bm, H, N, d) shape, B = B1 ... Bm."""
+    shape = tuple(shape)
+    lead = shape[:-3]
+    return (math.prod(lead) if len(shape) > 3 else 1,) + ((1,) * (3 - len(shape)) + shape)[-3:]
+
+
+def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | None = None,
+            empty: bool = False) -> Problem:
     """Validate q, k, v against the layout convention and return their sizes (`names`: the accepted dtypes
-    as an error message should name them, if not the allowed dtypes themselves)."""
+    as an error message should name them, if not the allowed dtypes themselves). With empty=True, N_q,
+    N_k and B may be 0 (the caller returns an empty, or for N_k = 0 a dead-row, result without a launch)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, allowed, names)
     if not (len(q.shape) == len(k.shape) == len(v.shape)):
@@ -68,20 +80,20 @@ def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | 
         raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    qs = (1,) * (4 - len(q.shape)) + tuple(q.shape)
-    ks = (1,) * (4 - len(k.shape)) + tuple(k.shape)
-    batch, heads, n_q, d = qs
-    batch_kv, heads_kv, n_k, d_k = ks
+    batch, heads, n_q, d = batch_shape(q.shape)
+    batch_kv, heads_kv, n_k, d_k = batch_shape(k.shape)
     if d_k != d:
         raise ValueError(f"k must have head dim d = {d} (the last axis of q), got {d_k}")
     if batch_kv != batch:
         raise ValueError(f"k and v must have batch {batch} (as q), got {batch_kv}")
+    if tuple(k.shape[:-3]) != tuple(q.shape[:-3]):
+        raise ValueError(f"k and v must have the batch axes of q {tuple(q.shape[:-3])}, got {tuple(k.shape[:-3])}")
     for name, size in (("q", n_q), ("k", n_k)):
-        if size == 0:
+        if size == 0 and not empty:
             raise ValueError(f"{name} must have sequence length N >= 1 (axis -2), got 0")
     if d == 0:
         raise ValueError("q must have head dim d >= 1 (axis -1), got 0")
-    if batch == 0:
+    if batch == 0 and not empty:
         raise ValueError("q must have batch >= 1 (axis 0), got 0")
     if heads == 0 or heads_kv == 0:
         raise ValueError(f"q and k must have heads >= 1, got q {heads}, k {heads_kv}")
@@ -104,13 +116,14 @@ def check_like(name: str, x, shape: tuple[int, ...], like: str,
 
 
 def as_4d(x: np.ndarray) -> np.ndarray:
-    """View a (N, d), (H, N, d) or (B, H, N, d) array as (B, H, N, d)."""
-    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+    """View a (N, d), (H, N, d), (B, H, N, d) or (B1, ..., Bm, H, N, d) array as (B, H, N, d)."""
+    return x.reshape(batch_shape(x.shape))
 
 
-def drop_lead(x: np.ndarray, ndim: int) -> np.ndarray:
-    """Map a (B, H, N, ...) result back to the caller's layout: drop the 4 - ndim leading size-1 axes."""
-    return x.reshape(x.shape[4 - ndim :])
+def drop_lead(x: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """Map a (B, H, N, ...) result back to the caller's layout, whose axes before N are `lead` (q.shape[:-2]:
+    (), (H,), (B, H) or (B1, ..., Bm, H))."""
+    return x.reshape(tuple(lead) + tuple(x.shape[2:]))
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -222,7 +222,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
         for h in range(prob.heads):
             h_kv = h // prob.group
             out[b, h], lse[b, h] = run(q4[b, h], k4[b, h_kv], v4[b, h_kv], scale, sched, visible, ledger)
-    return shapes.drop_lead(out, q.ndim), shapes.drop_lead(lse, q.ndim), ledger
+    return shapes.drop_lead(out, q.shape[:-2]), shapes.drop_lead(lse, q.shape[:-2]), ledger
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,4 +402,5 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
             for h in range(prob.heads):
                 dq[b, h] = _backward_q(q4[b, h], k4[b, h // group], v4[b, h // group], lse4[b, h], D[b, h],
                                        do4[b, h], scale, sched, visible, ledger, dk[b, h // group], dv[b, h // group])
-    return (shapes.drop_lead(dq, q.ndim), shapes.drop_lead(dk, k.ndim), shapes.drop_lead(dv, v.ndim), ledger)
+    dq, dk, dv = (shapes.drop_lead(g, x.shape[:-2]) for g, x in ((dq, q), (dk, k), (dv, v)))
+    return dq, dk, dv, ledger
