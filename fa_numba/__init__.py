@@ -14,6 +14,9 @@ Layers, top to bottom (each imports only those above it):
     arrays          the caller's array library in and out: NumPy, Numba, PyTorch (CPU or CUDA), CuPy
     api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library
     compare, cli    v1 vs v2 side by side (`python -m fa_numba compare | sweep`); timing, plots
+    torch_ops       (torch) the kernels as operators fa_numba::attention and ::attention_backward
+    autograd        (torch) attention as a differentiable function on those operators
+    dropins         (torch) sdpa and flash_attn_func: the signatures of torch SDPA and flash-attn
 
 Without an NVIDIA driver, importing fa_numba selects Numba's CUDA simulator (see fa_numba.backend): import
 it before numba, or set NUMBA_ENABLE_CUDASIM=1 before numba is imported.
@@ -26,6 +29,17 @@ backend.select()  # before anything imports numba.cuda
 from fa_numba import iomodel, masks, online_softmax, reference, tiled, tiling, tolerance  # noqa: E402
 from fa_numba.api import attention, attention_backward  # noqa: E402
 
-__all__ = ["attention", "attention_backward", "backend", "iomodel", "masks", "online_softmax", "reference", "tiled",
-           "tiling", "tolerance"]
+
+def __getattr__(name):
+    """fa_numba.sdpa and fa_numba.flash_attn_func (fa_numba.dropins), imported on first use: they need
+    torch, which `import fa_numba` does not import."""
+    if name in ("sdpa", "flash_attn_func"):
+        from fa_numba import dropins
+
+        return getattr(dropins, name)
+    raise AttributeError(f"module 'fa_numba' has no attribute {name!r}")
+
+
+__all__ = ["attention", "attention_backward", "backend", "flash_attn_func", "iomodel", "masks", "online_softmax",
+           "reference", "sdpa", "tiled", "tiling", "tolerance"]
 __version__ = "0.1.0"

@@ -7,11 +7,19 @@
     >>> q.grad.shape
     torch.Size([1, 2, 8, 4])
 
-The forward runs `fa_numba.attention` (the `order` kernel) and saves O and LSE; the backward runs
-`fa_numba.attention_backward` (`backward_order`, `deterministic`), which recomputes P from LSE instead of
-storing it. Tensors stay where they are: CUDA tensors run on the GPU on torch's current stream, CPU tensors
-in Numba's CUDA simulator on a machine without a GPU (slowly: keep them small). Outputs and gradients come
-back as torch tensors on the inputs' device; gradients in the inputs' dtypes (computed in float32).
+It calls the operator `fa_numba::attention` (fa_numba.torch_ops), whose autograd formula runs
+`fa_numba::attention_backward`: the forward runs `fa_numba.attention` (the `order` kernel) and saves O and
+LSE; the backward runs `fa_numba.attention_backward` (`backward_order`, `deterministic`), which recomputes P
+from LSE instead of storing it. Being an operator with a fake implementation, it is traced by
+`torch.compile(model, fullgraph=True)` as one node (no graph break), and checked by `torch.library.opcheck`.
+Tensors stay where they are: CUDA tensors run on the GPU on torch's current stream, CPU tensors in Numba's
+CUDA simulator on a machine without a GPU (slowly: keep them small). Outputs and gradients come back as
+torch tensors on the inputs' device, in the inputs' dtype (computed in float32; out_dtype=torch.float32 keeps
+the float32 O).
+
+What still copies: a CUDA tensor whose layout is not C-contiguous (the (B, N, H, d) view of
+`x.view(B, N, H, d).transpose(1, 2)`) is made contiguous before the launch, since the kernels index
+(B, H, N, d) contiguously; CPU tensors are copied to the simulator's device arrays in any case.
 
 torch is an optional extra (`pip install "fa_numba[torch]"`); this module imports it, `import fa_numba`
 does not.
@@ -19,41 +27,76 @@ does not.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from fa_numba import api, engines, masks, shapes
+from fa_numba import engines, shapes, torch_ops
+
+BACKWARD_ORDERS = ("kv", "q")
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, order, backward_order, deterministic, mask):
-        if shapes.check_mask(causal, mask)[1] is not None and q.dim() >= 2 and k.dim() >= 2:
-            # evaluated once, here: the backward differentiates the mask this forward used, even if the
-            # state a from_function predicate reads changes in between (masks.fixed)
-            mask = masks.fixed(mask, q.shape[-2], k.shape[-2])
-        out, lse = api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True, mask=mask)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = dict(causal=causal, scale=scale, order=backward_order, deterministic=deterministic, mask=mask)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = api.attention_backward(q, k, v, out, lse, dout.contiguous(), **ctx.settings)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+def _flatten(name: str, x):
+    """(..., H, N, d) as (B, H, N, d), any number of leading batch axes (none: B = H = 1), contiguous."""
+    if x.dim() < 2:
+        raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got {x.dim()}-D shape "
+                         f"{tuple(x.shape)}")
+    lead = x.shape[:-3] if x.dim() > 3 else ()
+    x = x.reshape((math.prod(lead),) + tuple(x.shape[-3:])) if x.dim() > 4 else x
+    return x.contiguous()
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
-              backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto"):
+              backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto",
+              out_dtype=None, block_q: int | None = None, block_k: int | None = None,
+              backward_block: int | None = None):
     """softmax(scale Q K^T) V for torch tensors, differentiable in q, k and v (see the module docstring).
 
     Arguments as `fa_numba.attention` (layouts, GQA, bottom-right causal alignment, masks) and, for the backward,
-    as `fa_numba.attention_backward` (backward_order "kv" or "q", deterministic). Returns O (float32).
-    engine: "auto" or "simt"; "mma" is a NotImplementedError until the tensor-core backward exists (for the
-    tensor-core forward alone, call fa_numba.attention(..., engine="mma"))."""
+    as `fa_numba.attention_backward` (backward_order "kv" or "q", deterministic). q, k, v: (..., H, N, d) with
+    any number of leading batch axes, shared by all three. block_q, block_k: the forward's tiles, and
+    backward_block the backward's square tile (None: the defaults for the head dim; small tiles are what
+    keep the simulator fast). Returns O in q's dtype, or in out_dtype
+    (torch.float32 keeps the kernels' float32 result). engine: "auto" or "simt"; "mma" is a
+    NotImplementedError until the tensor-core backward exists (for the tensor-core forward alone, call
+    fa_numba.attention(..., engine="mma")). mask: as fa_numba.attention's, or a bool tensor broadcastable to
+    (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; one launch per distinct
+    (batch, head) slice of a mask that differs by batch or head)."""
+    out, _ = attention_with_lse(q, k, v, causal=causal, scale=scale, order=order, backward_order=backward_order,
+                                deterministic=deterministic, mask=mask, engine=engine, out_dtype=out_dtype,
+                                block_q=block_q, block_k=block_k, backward_block=backward_block)
+    return out
+
+
+def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
+                       backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto",
+                       out_dtype=None, block_q: int | None = None, block_k: int | None = None,
+                       backward_block: int | None = None):
+    """`attention`, and LSE (float32, q's shape without d, not differentiable: the backward takes no dLSE)."""
     engines.backward(engine)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (use fa_numba.attention "
                             "for other arrays)")
-    return _Attention.apply(q, k, v, causal, scale, order, backward_order, deterministic, mask)
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
+    if backward_order not in BACKWARD_ORDERS:
+        raise ValueError(f"backward_order must be one of {BACKWARD_ORDERS}, got {backward_order!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if not isinstance(mask, torch.Tensor):
+        causal, mask = shapes.check_mask(causal, mask)
+    elif causal:
+        raise ValueError("pass causal=True or mask=..., not both (got causal=True and a mask tensor)")
+    if q.dim() > 4 and not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        raise ValueError(f"q, k, v must share their leading batch axes, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    shape = q.shape
+    q4, k4, v4 = (_flatten(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    scale = shapes.resolve_scale(scale, q.shape[-1])
+    mask_spec, mask_dense = torch_ops.mask_arguments(mask, q.shape, k.shape[-2])
+    tiles = [0 if b is None else shapes.check_block(name, b)
+             for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]
+    out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
+                                      tiles[1], backward_order, deterministic, tiles[2])
+    return out.reshape(shape).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])

@@ -135,6 +135,15 @@ def test_doctests(module):
     assert failures == 0
 
 
+@pytest.mark.parametrize("name", ["fa_numba.autograd", "fa_numba.dropins"])
+def test_torch_doctests(name):
+    pytest.importorskip("torch", reason="these modules' examples use PyTorch (the optional 'torch' extra)")
+    import importlib
+
+    failures, tried = doctest.testmod(importlib.import_module(name), raise_on_error=False)
+    assert failures == 0 and tried > 0
+
+
 # slow tier: every kernel of both tables in the simulator, about 50 s on 2 cores (CI runs the tier too)
 @pytest.mark.slow
 @pytest.mark.skipif(fa_numba.backend.name() != "simulator",

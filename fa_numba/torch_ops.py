@@ -1,0 +1,199 @@
+"""fa_numba's kernels as PyTorch operators, so that torch.compile traces a model that calls them.
+
+Two operators, registered with `torch.library.custom_op`:
+
+    fa_numba::attention(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k,
+                        backward_order, deterministic, backward_block) -> (out, lse)
+    fa_numba::attention_backward(q, k, v, out, lse, dout, causal, scale, order, deterministic,
+                                 mask_spec, mask_dense, block) -> (dq, dk, dv)
+
+Tile sizes are ints, 0 for the default: the shipped tiles of the head dim on a GPU, 16 in the CUDA
+simulator (SIMULATOR_TILE), where the shipped tiles cost seconds (forward) to minutes (backward) per
+launch; any tile gives a result within the same rule.
+
+Each runs `fa_numba.attention` / `fa_numba.attention_backward` on real tensors (CUDA tensors on their device
+and torch's current stream, CPU tensors in Numba's CUDA simulator) and has a fake ("meta") implementation that
+gives shapes and dtypes only, which is what torch.compile, torch.export and FakeTensor tracing run. The
+forward's autograd formula (`register_autograd`) saves q, k, v, out, lse and calls the backward operator: the
+backward recomputes P from LSE, as the eager path does. Outputs are float32 (out, lse, dq, dk, dv), the
+kernels' arithmetic; `fa_numba.autograd.attention` casts them to the caller's dtype outside the operator, so
+the backward always reads the float32 O the forward computed (its D_i = rowsum(dO_i * O_i) is not rounded).
+LSE is not differentiable (mark_non_differentiable): the backward kernels take no dLSE.
+
+A mask crosses the operator boundary as plain data, since an operator takes tensors and scalars only:
+`mask_spec` is a built-in mask's text (`masks.parse` reads it back; "" for none) and `mask_dense` a bool
+tensor, True where the query sees the key: (N_q, N_k) for one mask (any mask without a text, such as
+from_function or from_dense, evaluated once by the caller), or (B_m, H_m, N_q, N_k) with B_m in {1, B} and
+H_m in {1, H} for masks that differ by batch or head (SDPA's attn_mask), run as one launch per distinct
+(batch, head) slice (`_mask_slices`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fa_numba import api, backend, masks
+
+SIMULATOR_TILE = 16  # the default tile in the simulator: 16 threads per block keep a launch to a second or so
+
+
+def _tile(block: int):
+    """A tile argument for api: block itself, or for 0 the default (None on a GPU, SIMULATOR_TILE in the
+    simulator)."""
+    if block:
+        return block
+    return SIMULATOR_TILE if backend.name() == "simulator" else None
+
+
+def _mask(mask_spec: str, mask_dense: Optional[Tensor]):
+    if mask_dense is not None:
+        return masks.from_dense(mask_dense.detach().cpu().numpy())
+    return masks.parse(mask_spec) if mask_spec else None
+
+
+def _part(x: Tensor, index) -> Tensor:
+    return x[index].contiguous()  # a (batch, head) slice, contiguous for the launch (a copy unless it is already)
+
+
+def _mask_slices(q: Tensor, k: Tensor, mask_dense: Tensor):
+    """(query index, K/V index, mask) per (batch, head) slice a 4-D (B_m, H_m, N_q, N_k) mask tells apart,
+    B_m in {1, B}, H_m in {1, H}: one launch each, since a kernel reads one tile list for all its batches
+    and heads. A per-head mask splits GQA groups: query head h reads K/V head h // (H / H_kv)."""
+    batch, heads = q.shape[0], q.shape[1]
+    group = heads // k.shape[1]
+    host = mask_dense.detach().cpu().numpy()
+    for b in range(host.shape[0]):
+        rows_b = slice(b, b + 1) if host.shape[0] > 1 else slice(0, batch)
+        for h in range(host.shape[1]):
+            if host.shape[1] > 1:
+                rows, keys = (rows_b, slice(h, h + 1)), (rows_b, slice(h // group, h // group + 1))
+            else:
+                rows, keys = (rows_b, slice(0, heads)), (rows_b, slice(0, k.shape[1]))
+            yield rows, keys, masks.from_dense(host[b, h])
+
+
+@torch.library.custom_op("fa_numba::attention", mutates_args=())
+def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, order: str, mask_spec: str,
+                 mask_dense: Optional[Tensor], engine: str, block_q: int, block_k: int, backward_order: str,
+                 deterministic: bool, backward_block: int) -> tuple[Tensor, Tensor]:
+    """O and LSE (float32) of softmax(scale Q K^T) V; arguments as fa_numba.attention. backward_order,
+    deterministic and backward_block are not the forward's: they say how its autograd formula runs the
+    backward."""
+    tiles = dict(block_q=_tile(block_q), block_k=_tile(block_k))
+    if mask_dense is None or mask_dense.dim() == 2:
+        return api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True,
+                             mask=_mask(mask_spec, mask_dense), engine=engine, **tiles)
+    out = q.new_empty(q.shape, dtype=torch.float32)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    for rows, keys, mask in _mask_slices(q, k, mask_dense):
+        out[rows], lse[rows] = api.attention(_part(q, rows), _part(k, keys), _part(v, keys), scale=scale,
+                                             order=order, return_lse=True, mask=mask, engine=engine, **tiles)
+    return out, lse
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order,
+                    deterministic, backward_block):
+    return (q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("fa_numba::attention_backward", mutates_args=())
+def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool,
+                          scale: float, order: str, deterministic: bool, mask_spec: str,
+                          mask_dense: Optional[Tensor], block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), float32, of sum(dout * attention(q, k, v)); arguments as fa_numba.attention_backward
+    (block: its square tile, block_q = block_k)."""
+    dout = dout.contiguous()
+    tiles = dict(block_q=_tile(block))
+    if mask_dense is None or mask_dense.dim() == 2:
+        return api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
+                                      deterministic=deterministic, mask=_mask(mask_spec, mask_dense), **tiles)
+    dq = q.new_empty(q.shape, dtype=torch.float32)
+    dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (k, v))
+    for rows, keys, mask in _mask_slices(q, k, mask_dense):  # query heads of one K/V head: their sum
+        dq[rows], dk_part, dv_part = api.attention_backward(
+            _part(q, rows), _part(k, keys), _part(v, keys), _part(out, rows), _part(lse, rows), _part(dout, rows),
+            scale=scale, order=order, deterministic=deterministic, mask=mask, **tiles)
+        dk[keys] += dk_part
+        dv[keys] += dv_part
+    return dq, dk, dv
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec, mask_dense,
+                             block):
+    return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order, deterministic,
+     backward_block) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask_dense)
+    ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask_dense = ctx.saved_tensors
+    causal, scale, order, deterministic, mask_spec, block = ctx.settings
+    dq, dk, dv = attention_backward_op(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec,
+                                       mask_dense, block)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 11
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def mask_arguments(mask, q_shape, n_k: int) -> tuple[str, Optional[Tensor]]:
+    """(mask_spec, mask_dense) for q of shape q_shape (..., H, N_q, d) and a mask: a built-in fa_numba.masks
+    mask by its text; a bool tensor (True: the query sees the key, SDPA's attn_mask) broadcastable to
+    (..., H, N_q, N_k) as (N_q, N_k) if it is one mask for all, else (B_m, H_m, N_q, N_k) (`_bool_mask`);
+    any other mask by its answers (`_evaluate`); None as ("", None)."""
+    if mask is None:
+        return "", None
+    if isinstance(mask, Tensor):
+        return "", _bool_mask(mask, tuple(q_shape[:-2]), q_shape[-2], n_k)
+    spec = mask.spec()
+    if spec is not None:
+        return spec, None
+    return "", _evaluate(mask, q_shape[-2], n_k)
+
+
+def _bool_mask(mask: Tensor, lead: tuple, n_q: int, n_k: int) -> Tensor:
+    """A bool mask broadcastable to lead + (N_q, N_k), lead = q.shape[:-2] (its batch axes, then H), as
+    (N_q, N_k) when no batch or head axis tells slices apart, else (B_m, H_m, N_q, N_k) with B_m in {1, B},
+    H_m in {1, H} (B: the product of the batch axes)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True: the query sees the key), got dtype {mask.dtype}; a "
+                        "float mask added to the scores is a score modification, not built yet")
+    full = tuple(lead) + (n_q, n_k)
+    try:
+        fits = mask.dim() <= len(full) and torch.broadcast_shapes(tuple(mask.shape), full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"mask must be broadcastable to {full} (q's axes before d, then N_k), got "
+                         f"{tuple(mask.shape)}")
+    aligned = mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
+    per_batch = any(n != 1 for n in aligned.shape[:-3])
+    per_head = len(lead) >= 1 and aligned.shape[-3] != 1
+    if not (per_batch or per_head):
+        return aligned.expand(full).reshape(full[-2:]) if len(full) == 2 else aligned.reshape(
+            aligned.shape[-2:]).expand(n_q, n_k)
+    heads = lead[-1] if per_head else 1
+    batch_axes = lead[:-1] if per_batch else (1,) * len(lead[:-1])
+    return aligned.expand(batch_axes + (heads, n_q, n_k)).reshape(math.prod(batch_axes), heads, n_q, n_k)
+
+
+@torch.compiler.disable
+def _evaluate(mask, n_q: int, n_k: int) -> Tensor:
+    """A from_function or from_dense mask's answers on every pair, in eager Python at every call: under
+    torch.compile this is a graph break (fullgraph=True refuses it), since tracing it would fix a predicate's
+    answers at trace time. Compiled code passes a built-in mask or a bool tensor instead."""
+    return torch.from_numpy(np.ascontiguousarray(masks.fixed(mask, n_q, n_k).dense(n_q, n_k), dtype=np.bool_))

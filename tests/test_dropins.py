@@ -1,0 +1,150 @@
+"""The drop-ins (fa_numba/dropins.py) against the originals' documented behaviour.
+
+`sdpa` is checked against torch's own scaled_dot_product_attention in float64 on the cases its semantics
+turn on (top-left causal for N_q <, =, > N_k, broadcast bool masks, GQA behind enable_gqa, scale, 3-D
+inputs). `flash_attn_func` is checked against masks written here from flash-attn's docstring (bottom-right
+windows: query i sees keys i + N_k - N_q - left <= j <= i + N_k - N_q + right, -1 unbounded), evaluated by
+torch SDPA in float64: flash-attn itself needs a CUDA build this machine does not have.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the drop-ins need torch (the torch extra)")
+
+import fa_numba  # noqa: E402
+from fa_numba import tolerance  # noqa: E402
+
+F = torch.nn.functional
+
+
+def _tensors(*shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def _judge(out, want, q, k, v, mask_dense, name):
+    """out against want (float64) with the forward rule of each (batch..., head) slice's mask."""
+    group = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
+    qf, kf, vf = (x.float().numpy() for x in (q, k, v))
+    kf, vf = (np.repeat(x, group, axis=-3) if x.ndim >= 3 else x for x in (kf, vf))
+    mask = None if mask_dense is None else fa_numba.masks.from_dense(mask_dense.numpy())
+    base = tolerance.baseline(qf, kf, vf, mask=mask)
+    tolerance.assert_close(out.float().numpy(), want.numpy(), base.atol_out, name=name)
+
+
+@pytest.mark.parametrize("n_q, n_k", [(6, 6), (7, 4), (4, 7)], ids=["square", "more-queries", "more-keys"])
+def test_sdpa_causal_is_top_left_like_torch(n_q, n_k):
+    q, k, v = _tensors((2, 2, n_q, 4), (2, 2, n_k, 4), (2, 2, n_k, 4))
+    out = fa_numba.sdpa(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    top_left = torch.ones(n_q, n_k, dtype=torch.bool).tril()  # torch's documented is_causal mask
+    _judge(out, want, q, k, v, top_left, f"sdpa causal {n_q}x{n_k}")
+
+
+def test_sdpa_takes_bool_masks_scale_gqa_and_3d_inputs_like_torch():
+    q, k, v = _tensors((2, 4, 5, 4), (2, 2, 6, 4), (2, 2, 6, 4), seed=1)
+    mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(2)) > 0.4
+    out = fa_numba.sdpa(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
+                                          enable_gqa=True)
+    qf, kf, vf = (x.numpy() for x in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
+    base = tolerance.baseline(qf, kf, vf, mask=fa_numba.masks.from_dense(mask.numpy()), scale=0.3)
+    tolerance.assert_close(out.numpy(), want.numpy(), base.atol_out, name="sdpa mask + scale + GQA")
+    q3, k3, v3 = _tensors((3, 5, 4), (3, 6, 4), (3, 6, 4), seed=3)  # (N, L, E): torch's batch, our heads
+    out = fa_numba.sdpa(q3, k3, v3)
+    _judge(out, F.scaled_dot_product_attention(q3.double(), k3.double(), v3.double()), q3, k3, v3, None, "sdpa 3-D")
+
+
+def test_sdpa_gradients_match_torch_and_the_dtype_comes_back():
+    q, k, v = (x.requires_grad_() for x in _tensors((1, 2, 6, 4), (1, 2, 6, 4), (1, 2, 6, 4), seed=4))
+    (dout,) = _tensors((1, 2, 6, 4), seed=7)
+    fa_numba.sdpa(q, k, v, is_causal=True).backward(dout)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).backward(dout.double())
+    base = tolerance.baseline_backward(*(x.detach().numpy() for x in (q, k, v)), dout.numpy(), causal=True)
+    for name, ours, theirs, atol in zip("qkv", (q, k, v), ref, (base.atol_dq, base.atol_dk, base.atol_dv)):
+        tolerance.assert_close(ours.grad.numpy(), theirs.grad.numpy(), atol, name=f"sdpa d{name}")
+    half = fa_numba.sdpa(*(x.detach().half() for x in (q, k, v)))
+    assert half.dtype == torch.float16
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0"),
+    (dict(is_causal=True, attn_mask=torch.ones(4, 4, dtype=torch.bool)), ValueError, "not both"),
+    (dict(attn_mask=torch.zeros(4, 4)), TypeError, "bool tensor.*score modification"),
+])
+def test_sdpa_refuses_what_it_does_not_do_by_name(kwargs, error, message):
+    q = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(error, match=message):
+        fa_numba.sdpa(q, q, q, **kwargs)
+
+
+def test_sdpa_asks_for_enable_gqa_and_refuses_another_value_head_dim():
+    q, k = torch.zeros(1, 4, 4, 4), torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fa_numba.sdpa(q, k, k)
+    with pytest.raises(ValueError, match=r"value must have q's head dim 4.*not built yet"):
+        fa_numba.sdpa(q, q, torch.zeros(1, 4, 4, 3))
+    with pytest.raises(TypeError, match="query must have dtype float32, float16 or bfloat16"):
+        fa_numba.sdpa(q.double(), q.double(), q.double())
+
+
+def _flash_mask(n_q, n_k, left, right, causal):
+    """flash-attn's documented visibility: bottom-right, window (left, right) with -1 unbounded; causal
+    sets right = 0."""
+    i = torch.arange(n_q)[:, None] + n_k - n_q
+    j = torch.arange(n_k)[None, :]
+    right = 0 if causal else right
+    visible = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    return visible
+
+
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (2, 1)), (True, (3, -1)), (False, (-1, -1))],
+                         ids=["causal", "window-2-1", "causal-window-3", "none"])
+def test_flash_attn_func_is_bottom_right_in_its_layout(causal, window):
+    q, k, v = _tensors((2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8), seed=5, dtype=torch.bfloat16)  # (B, N, H, d)
+    out, lse, probs = fa_numba.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous() and probs is None
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    mask = _flash_mask(5, 7, *window, causal)
+    th = [x.transpose(1, 2).double() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(th[0], th[1].repeat_interleave(2, 1), th[2].repeat_interleave(2, 1),
+                                          attn_mask=mask)
+    wide, wide_lse = fa_numba.autograd.attention_with_lse(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                          mask=fa_numba.masks.from_dense(mask.numpy()),
+                                                          out_dtype=torch.float32)
+    assert torch.equal(out, wide.transpose(1, 2).to(torch.bfloat16))  # O is the checked float32 O, rounded once
+    assert torch.equal(lse, wide_lse)
+    _judge(wide, want, *(x.transpose(1, 2) for x in (q, k, v)), mask, f"flash_attn_func {causal} {window}")
+    scores = th[0] @ th[1].repeat_interleave(2, 1).transpose(-1, -2) / np.sqrt(8)
+    want_lse = torch.logsumexp(scores.masked_fill(~mask, -np.inf), dim=-1)
+    np.testing.assert_allclose(lse.numpy(), want_lse.numpy(), atol=1e-5)
+
+
+def test_flash_attn_func_refuses_what_it_does_not_do_by_name():
+    q = torch.zeros(1, 4, 2, 4, dtype=torch.float16)
+    for kwargs, message in [(dict(dropout_p=0.5), "dropout_p"), (dict(softcap=1.0), "softcap"),
+                            (dict(alibi_slopes=torch.zeros(2)), "alibi_slopes")]:
+        with pytest.raises(ValueError, match=message):
+            fa_numba.flash_attn_func(q, q, q, **kwargs)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        fa_numba.flash_attn_func(q, q, q, window_size=3)
+    with pytest.raises(ValueError, match=r"q must have shape \(B, N, H, d\)"):
+        fa_numba.flash_attn_func(q[0], q[0], q[0])
+
+
+def test_the_drop_ins_compile_fullgraph():
+    q, k, v = _tensors((1, 2, 6, 4), (1, 2, 6, 4), (1, 2, 6, 4), seed=6)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fa_numba.sdpa(q, k, v, is_causal=True), fullgraph=True,
+                             backend="aot_eager")
+    assert torch.equal(compiled(q, k, v), fa_numba.sdpa(q, k, v, is_causal=True))
+    flash = torch.compile(lambda q, k, v: fa_numba.flash_attn_func(q, k, v, window_size=(2, 0)), fullgraph=True,
+                          backend="aot_eager")
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    assert torch.equal(flash(qt, kt, vt), fa_numba.flash_attn_func(qt, kt, vt, window_size=(2, 0)))
