@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py [--out DIR] [--smoke]
 
 1. runs the GPU test tier (the kernel, engine, backward, API and array-library tests, `gpu`-marked larger
-   shapes and the stream-order tests included);
+   shapes and the stream-order tests included, and the PyTorch operator, torch.compile and drop-in tests
+   where torch is installed);
 2. checks every registered kernel, forward and backward, against the float64 reference (derived tolerance
    rules) at B=2, H=8, N in {1024, 4096}, d in {64, 128}, causal and not, float32 inputs;
 3. times each variant that passed (CUDA events, 3 warm-up calls, median of 20) and prints ms, TFLOP/s
@@ -50,7 +51,7 @@ def run_tests() -> dict:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "", "tests/test_kernels.py",
                            "tests/test_engine.py", "tests/test_backward_kernels.py", "tests/test_backward_nonfinite.py",
                            "tests/test_mask_kernels.py", "tests/test_robustness.py", "tests/test_api.py",
-                           "tests/test_arrays.py"],
+                           "tests/test_arrays.py", "tests/test_torch_citizen.py", "tests/test_dropins.py"],
                           cwd=ROOT, capture_output=True, text=True)
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     log(f"[tests] {summary} ({time.perf_counter() - start:.0f} s)")

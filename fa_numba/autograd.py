@@ -60,8 +60,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     (torch.float32 keeps the kernels' float32 result). engine: "auto" or "simt"; "mma" is a
     NotImplementedError until the tensor-core backward exists (for the tensor-core forward alone, call
     fa_numba.attention(..., engine="mma")). mask: as fa_numba.attention's, or a bool tensor broadcastable to
-    (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; one launch per distinct
-    (batch, head) slice of a mask that differs by batch or head)."""
+    (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; a mask that differs by
+    batch or head runs one launch per slice of its batch and head axes)."""
     out, _ = attention_with_lse(q, k, v, causal=causal, scale=scale, order=order, backward_order=backward_order,
                                 deterministic=deterministic, mask=mask, engine=engine, out_dtype=out_dtype,
                                 block_q=block_q, block_k=block_k, backward_block=backward_block)

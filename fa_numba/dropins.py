@@ -57,7 +57,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
     query (..., H, L, d), key and value (..., H_kv, S, d), the same leading axes; attn_mask a bool tensor
     broadcastable to (..., H, L, S), True where the query takes part in attention with the key (a mask that
-    differs by batch or head runs one launch per distinct slice); is_causal the top-left causal mask (query
+    differs by batch or head runs one launch per slice of its batch and head axes); is_causal the top-left causal mask (query
     i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d); H_kv < H (GQA) only with
     enable_gqa=True, as SDPA. A row that sees no key gets O = 0 (so does torch SDPA's, since torch 2.5).
     Returns O, (..., H, L, d), in query's dtype. Differentiable and traced by torch.compile (see the module

@@ -24,8 +24,8 @@ A mask crosses the operator boundary as plain data, since an operator takes tens
 `mask_spec` is a built-in mask's text (`masks.parse` reads it back; "" for none) and `mask_dense` a bool
 tensor, True where the query sees the key: (N_q, N_k) for one mask (any mask without a text, such as
 from_function or from_dense, evaluated once by the caller), or (B_m, H_m, N_q, N_k) with B_m in {1, B} and
-H_m in {1, H} for masks that differ by batch or head (SDPA's attn_mask), run as one launch per distinct
-(batch, head) slice (`_mask_slices`).
+H_m in {1, H} for masks that differ by batch or head (SDPA's attn_mask), run as one launch per slice of
+the mask's own (B_m, H_m) axes (`_mask_slices`; slices with equal content are not merged).
 """
 
 from __future__ import annotations
@@ -184,8 +184,7 @@ def _bool_mask(mask: Tensor, lead: tuple, n_q: int, n_k: int) -> Tensor:
     per_batch = any(n != 1 for n in aligned.shape[:-3])
     per_head = len(lead) >= 1 and aligned.shape[-3] != 1
     if not (per_batch or per_head):
-        return aligned.expand(full).reshape(full[-2:]) if len(full) == 2 else aligned.reshape(
-            aligned.shape[-2:]).expand(n_q, n_k)
+        return aligned.reshape(aligned.shape[-2:]).expand(n_q, n_k)  # one mask for every slice
     heads = lead[-1] if per_head else 1
     batch_axes = lead[:-1] if per_batch else (1,) * len(lead[:-1])
     return aligned.expand(batch_axes + (heads, n_q, n_k)).reshape(math.prod(batch_axes), heads, n_q, n_k)
