@@ -259,3 +259,28 @@ def test_cuda_tensors_in_strided_views_run_on_their_device_like_host_tensors():
     bb = tolerance.baseline_backward(q, q, q, np.ones_like(q), causal=True)
     # each is within atol_dq of the exact gradient (the kv order adds dQ atomically, in any order): so within 2x
     tolerance.assert_close(device.grad.cpu().numpy(), host.grad.numpy(), 2 * bb.atol_dq, name="dq, device vs host")
+
+
+def test_torch_export_keeps_the_operator():
+    class Attend(torch.nn.Module):
+        def forward(self, q):
+            return _attention(q, q, q, causal=True)
+
+    q = torch.randn(1, 2, 8, 4)
+    program = torch.export.export(Attend(), (q,))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert "fa_numba.attention.default" in targets
+    assert torch.equal(program.module()(q), _attention(q, q, q, causal=True))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(backward_order="x"), ValueError, r"backward_order must be one of \('kv', 'q'\)"),
+    (dict(deterministic=1), TypeError, "deterministic must be a bool"),
+    (dict(block_q=0), ValueError, "block_q must be a positive int"),
+    (dict(backward_block=2.0), TypeError, "backward_block must be a positive int"),
+    (dict(engine="mma"), NotImplementedError, "tensor-core backward is not built yet"),
+])
+def test_bad_autograd_arguments_are_named(kwargs, error, message):
+    q = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(error, match=message):
+        fa_numba.autograd.attention(q, q, q, **kwargs)
