@@ -241,8 +241,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
-    >>> out, lse = fa_numba.attention(q, q, q, causal=True, return_lse=True)
-    >>> dq, dk, dv = fa_numba.attention_backward(q, q, q, out, lse, np.ones_like(q), causal=True)
+    >>> out, lse = fa_numba.attention(q, q, q, causal=True, return_lse=True, block_q=8, block_k=8)
+    >>> dq, dk, dv = fa_numba.attention_backward(q, q, q, out, lse, np.ones_like(q), causal=True, block_q=8)
     >>> dq.shape, dk.dtype
     ((2, 8, 4), dtype('float32'))
     """
