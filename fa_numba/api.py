@@ -146,8 +146,8 @@ def _without_launch(call, shape, value: float):
     N_k = 0 or B = 0): no kernel runs. With N_k = 0 every query sees no key, so O = 0 and LSE = -inf (the
     rule for a row without a visible key); an empty array has nothing to fill."""
     host = np.full(tuple(shape), value, dtype=np.float32)
-    if not call.on_device:
-        return call.output(cuda.to_device(host), shape)
+    if not call.on_device:  # a host call's result is this very array (a CPU tensor of it for torch)
+        return call.output_host(host)
     with call.context():
         return call.output(cuda.to_device(host, stream=call.stream), shape)
 
@@ -254,10 +254,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     accepted = arrays.accepted(INPUT_DTYPES, bfloat16=True)
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted, empty=True)
     out, lse, dout = _saved_inputs(call, q, {"out": out, "lse": lse, "dout": dout})
-    if 0 in (prob.batch, prob.n_q, prob.n_k):  # every gradient is a sum over no pair: zero (or empty)
-        shapes.check_mask(causal, mask)
-        return tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
-    causal, mask, form = _resolve_mask(causal, mask, prob)
+    empty = 0 in (prob.batch, prob.n_q, prob.n_k)
+    if empty:
+        shapes.check_mask(causal, mask)  # mask.check would refuse the zero sizes
+    else:
+        causal, mask, form = _resolve_mask(causal, mask, prob)
     scale = shapes.resolve_scale(scale, prob.d)
     if order not in BACKWARD_ORDERS:
         raise ValueError(f"order must be one of {BACKWARD_ORDERS}, got {order!r}")
@@ -265,6 +266,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if deterministic and order != "kv":
         raise ValueError("deterministic=True is the K/V-outer order's mode (a Q-outer pass for dQ): use order='kv'")
+    if empty:  # every gradient is a sum over no pair: zero (or empty)
+        return tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     block = backward.default_backward_tiles(prob.d)[0]

@@ -132,6 +132,14 @@ class Call:
         self._owners[id(view)] = (view, owner)
         return view
 
+    def output_host(self, host: np.ndarray):
+        """A host call's result in the caller's library: the NumPy array, or a CPU tensor sharing it."""
+        if self.kind == "torch":
+            import torch
+
+            return torch.from_numpy(host)
+        return host
+
     def output(self, array, shape):
         """A result (a Numba device array) reshaped to `shape`, in the caller's library: the library's own
         array for one from `empty`, a zero-copy wrap for any other, a host copy for a host call."""
@@ -139,12 +147,7 @@ class Call:
         if owned is not None and owned[0] is array:
             return owned[1].reshape(tuple(shape))
         if not self.on_device:
-            host = array.copy_to_host(stream=self.stream).reshape(tuple(shape))
-            if self.kind == "torch":
-                import torch
-
-                return torch.from_numpy(host)
-            return host
+            return self.output_host(array.copy_to_host(stream=self.stream).reshape(tuple(shape)))
         array = array.reshape(tuple(shape))
         if self.kind == "torch":
             import torch

@@ -27,8 +27,6 @@ does not.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fa_numba import engines, shapes, torch_ops
@@ -37,13 +35,12 @@ BACKWARD_ORDERS = ("kv", "q")
 
 
 def _flatten(name: str, x):
-    """(..., H, N, d) as (B, H, N, d), any number of leading batch axes (none: B = H = 1), contiguous."""
+    """(..., H, N, d) as (B, H, N, d) (shapes.batch_shape: leading batch axes as one, none as B = H = 1),
+    contiguous: the copy a strided tensor still costs."""
     if x.dim() < 2:
         raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got {x.dim()}-D shape "
                          f"{tuple(x.shape)}")
-    lead = x.shape[:-3] if x.dim() > 3 else ()
-    x = x.reshape((math.prod(lead),) + tuple(x.shape[-3:])) if x.dim() > 4 else x
-    return x.contiguous()
+    return x.reshape(shapes.batch_shape(x.shape)).contiguous()
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",

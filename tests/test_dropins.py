@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the drop-ins need torch (the torch extra)")
 
 import fa_numba  # noqa: E402
+import fa_numba.autograd  # noqa: E402
 from fa_numba import tolerance  # noqa: E402
 
 F = torch.nn.functional
@@ -37,9 +38,12 @@ def _judge(out, want, q, k, v, mask_dense, name):
 def test_sdpa_causal_is_top_left_like_torch(n_q, n_k):
     q, k, v = _tensors((2, 2, n_q, 4), (2, 2, n_k, 4), (2, 2, n_k, 4))
     out = fa_numba.sdpa(q, k, v, is_causal=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     top_left = torch.ones(n_q, n_k, dtype=torch.bool).tril()  # torch's documented is_causal mask
     _judge(out, want, q, k, v, top_left, f"sdpa causal {n_q}x{n_k}")
+    bottom_right = fa_numba.autograd.attention(q, k, v, causal=True)  # ours: j <= i + n_k - n_q
+    assert torch.equal(out, bottom_right) == (n_q == n_k)  # the alignments agree only for square problems
 
 
 def test_sdpa_takes_bool_masks_scale_gqa_and_3d_inputs_like_torch():

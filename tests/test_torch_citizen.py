@@ -185,6 +185,8 @@ def test_empty_problems_give_empty_or_dead_row_results_like_sdpa():
     assert torch.equal(q.grad, torch.zeros_like(q)) and k.grad.shape == (2, 0, 4)
     o, lse = fa_numba.attention(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), return_lse=True)
     assert lse.shape == (2, 3) and np.all(lse == -np.inf) and not o.any()
+    with pytest.raises(ValueError, match="order must be one of"):  # checked as for any size
+        fa_numba.attention_backward(*(x.detach().numpy() for x in (q, k, v)), o, lse, o, order="x")
     o = fa_numba.attention(np.zeros((0, 2, 4, 4), np.float32), np.zeros((0, 2, 4, 4), np.float32),
                            np.zeros((0, 2, 4, 4), np.float32))
     assert o.shape == (0, 2, 4, 4)
