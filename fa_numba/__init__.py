@@ -13,6 +13,8 @@ Layers, top to bottom (each imports only those above it):
     kernels         Numba CUDA kernels v1 and v2, and their registry
     arrays          the caller's array library in and out: NumPy, Numba, PyTorch (CPU or CUDA), CuPy
     api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library
+    split_kv        split-KV decoding on the host: the split rule, the combine's NumPy twin, its tolerance
+    decode          attention_with_kvcache: a few queries over a (paged) cache, split across the keys
     compare, cli    v1 vs v2 side by side (`python -m fa_numba compare | sweep`); timing, plots
     torch_ops       (torch) the kernels as operators fa_numba::attention and ::attention_backward
     autograd        (torch) attention as a differentiable function on those operators
@@ -28,6 +30,7 @@ backend.select()  # before anything imports numba.cuda
 
 from fa_numba import iomodel, masks, online_softmax, reference, tiled, tiling, tolerance  # noqa: E402
 from fa_numba.api import attention, attention_backward  # noqa: E402
+from fa_numba.decode import attention_with_kvcache  # noqa: E402
 
 
 def __getattr__(name):
@@ -40,6 +43,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'fa_numba' has no attribute {name!r}")
 
 
-__all__ = ["attention", "attention_backward", "backend", "flash_attn_func", "iomodel", "masks", "online_softmax",
+__all__ = ["attention", "attention_backward", "attention_with_kvcache", "backend", "flash_attn_func", "iomodel", "masks", "online_softmax",
            "reference", "sdpa", "tiled", "tiling", "tolerance"]
 __version__ = "0.1.0"

@@ -57,3 +57,13 @@ def backward(engine: str) -> None:
     if engine == "mma":
         raise NotImplementedError("engine='mma': the tensor-core backward is not built yet; use engine='simt' "
                                   "or 'auto' (both run the CUDA-core backward)")
+
+
+def decode(engine: str) -> None:
+    """The decode kernels' engine: the CUDA-core split and combine kernels; engine='mma' is refused until a
+    tensor-core split kernel exists (the split kernel is built on the CUDA-core tile engine)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "mma":
+        raise NotImplementedError("engine='mma': the tensor-core decode kernel is not built yet; use engine='simt' "
+                                  "or 'auto' (both run the CUDA-core split-KV kernels)")

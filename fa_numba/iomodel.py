@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_numba import shapes, tile_counts
+from fa_numba.split_kv import row_intervals
 from fa_numba.tiled import BACKWARD_TENSORS, Ledger
 from fa_numba.tiling import Grid, check_backward_order, check_order
 
@@ -255,3 +256,50 @@ def dense_traffic_elements(n_q: int, n_k: int, d: int, batch: int = 1, heads: in
 def materialized_scores_elements(n_q: int, n_k: int, batch: int = 1, heads: int = 1) -> int:
     """Size of S (and of P) that dense attention would materialise in HBM: B H N_q N_k."""
     return batch * heads * n_q * n_k
+
+
+# The decode kernels' HBM tensors: the inputs, the splits' partial O and LSE (float32), the combined O and LSE.
+DECODE_TENSORS = ("Q", "K", "V", "O_split", "LSE_split", "O", "LSE")
+
+
+def traffic_decode(lengths, n_q: int, d: int, block_q: int, block_k: int, tiles_per_split: int, splits: int,
+                   causal: bool = True, heads: int = 1, heads_kv: int = 1) -> Ledger:
+    """Elements read and written by one attention_with_kvcache call (kernels/decode.py), summed over the batch.
+
+    Per request b (n_b = lengths[b] keys) and K/V head, the g N_q rows of its g = heads / heads_kv query heads
+    are one problem of R = g N_q rows (row r = t N_q + i), tiled by block_q; row r sees keys [lo_r, hi_r)
+    (split_kv.row_intervals). Split s of query tile i visits the key tiles j of s T_s .. (s + 1) T_s - 1 within
+    [min lo, max hi) of the tile's rows: K and V are read c_j d each per visit (c_j = min(B_c, n_b - j B_c)),
+    Q r_i d once if the split visits any tile; O_split and LSE_split are written r_i d and r_i always. The
+    combine reads every LSE_split once per row and O_split's d features only for the splits the row sees a key
+    of (an empty split is skipped), and writes O (d) and LSE (1) per row. K and V are read once per (request,
+    K/V head, query tile, split): with R <= block_q, once per K/V head, which GQA packing buys.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    group = heads // heads_kv
+    rows = n_q * group
+    lohi = row_intervals(lengths, n_q, group, causal)
+    ledger = Ledger.empty(DECODE_TENSORS)
+    keys = tiles_per_split * block_k
+    for b, n_k in enumerate(lengths):
+        lo, hi = lohi[b, :, 0].astype(np.int64), lohi[b, :, 1].astype(np.int64)
+        for r0 in range(0, rows, block_q):
+            r = min(block_q, rows - r0)
+            lo_min, hi_max = lo[r0:r0 + r].min(), hi[r0:r0 + r].max()
+            for s in range(splits):
+                start = max(s * tiles_per_split, lo_min // block_k)
+                stop = min((s + 1) * tiles_per_split, -(-hi_max // block_k))
+                if stop > start:
+                    ledger.read("Q", r * d)
+                    seen = min(n_k, stop * block_k) - start * block_k
+                    ledger.read("K", seen * d)
+                    ledger.read("V", seen * d)
+                ledger.write("O_split", r * d)
+                ledger.write("LSE_split", r)
+        alive_splits = sum(((np.maximum(lo, s * keys) < np.minimum(hi, (s + 1) * keys)).sum())
+                           for s in range(splits))
+        ledger.read("LSE_split", rows * splits)
+        ledger.read("O_split", int(alive_splits) * d)
+        ledger.write("O", rows * d)
+        ledger.write("LSE", rows)
+    return ledger.scaled(heads_kv)

@@ -11,7 +11,7 @@ import shlex
 import pytest
 
 import fa_numba
-from fa_numba import api, iomodel, masks, online_softmax, reference, tiled, tiling, tolerance
+from fa_numba import api, decode, iomodel, masks, online_softmax, reference, split_kv, tiled, tiling, tolerance
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -128,8 +128,8 @@ def test_notebooks_extra_can_run_jupyter_nbconvert():
     assert "jupyter nbconvert --to notebook --execute notebooks_optional/" in (ROOT / "docs" / "testing.md").read_text()
 
 
-@pytest.mark.parametrize("module", [fa_numba, reference, tolerance, online_softmax, tiling, masks, tiled, iomodel, api],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [fa_numba, reference, tolerance, online_softmax, tiling, masks, tiled, iomodel, api,
+                                    split_kv, decode], ids=lambda m: m.__name__)
 def test_doctests(module):
     failures, _ = doctest.testmod(module, raise_on_error=False)
     assert failures == 0

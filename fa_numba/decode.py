@@ -1,0 +1,241 @@
+"""`fa_numba.attention_with_kvcache`: attention of a few new queries over a key/value cache, split across the
+keys (flash-decoding) and merged by the online-softmax monoid (proofs/L11_split_kv.md).
+
+flash-attn's `flash_attn_with_kvcache` in this project's conventions: (B, H, N, d) layout, bottom-right
+causal alignment, O and LSE in float32. The kernels are fa_numba/kernels/decode.py; the split rule and the
+tolerance of a split result are fa_numba/split_kv.py.
+
+Everything is checked before anything is written or launched. The lengths and the page table are read on the
+host for that (for device tensors, a small copy and a synchronisation per call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from fa_numba import arrays, backend, engines, machine, shapes, split_kv
+from fa_numba.kernels import decode as kernels
+from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, MAX_SEQUENCE
+
+
+def _host_ints(name: str, x, shape_text: str) -> np.ndarray:
+    """An integer array on the host (int64), from a NumPy array, a sequence, or a CPU or CUDA tensor."""
+    if type(x).__module__.partition(".")[0] == "torch":
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "copy_to_host"):
+        x = x.copy_to_host()
+    elif hasattr(x, "get") and type(x).__module__.partition(".")[0] == "cupy":
+        x = x.get()
+    value = np.asarray(x)
+    if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array {shape_text}, got dtype {value.dtype}")
+    return value.astype(np.int64)
+
+
+def _check_4d(name: str, x, what: str) -> tuple[int, int, int, int]:
+    if len(x.shape) != 4:
+        raise ValueError(f"{name} must be 4-D {what}, got shape {tuple(x.shape)}")
+    return tuple(int(n) for n in x.shape)
+
+
+def _resolve_splits(num_splits, split_size, blocks: int, key_tiles: int, block_k: int) -> split_kv.Splits:
+    """The split of this call: from split_size (fixed keys per split: batch-invariant), num_splits (an upper
+    bound on the splits of the longest request), or the wave-efficiency heuristic (split_kv.heuristic_splits)."""
+    if num_splits is not None and split_size is not None:
+        raise ValueError("give num_splits or split_size, not both")
+    tiles_needed = max(key_tiles, 1)
+    if split_size is not None:
+        if isinstance(split_size, bool) or not isinstance(split_size, (int, np.integer)) or split_size <= 0 \
+                or split_size % block_k:
+            raise ValueError(f"split_size must be a positive multiple of block_k = {block_k}, got {split_size!r}")
+        tiles = int(split_size) // block_k
+    else:
+        if num_splits is None:
+            sms = cuda.get_current_device().MULTIPROCESSOR_COUNT if backend.name() == "gpu" else machine.H200.sms
+            num_splits = split_kv.heuristic_splits(blocks, tiles_needed, sms, kernels.MAX_SPLITS)
+        if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
+                or not 1 <= num_splits <= kernels.MAX_SPLITS:
+            raise ValueError(f"num_splits must be an int in 1..{kernels.MAX_SPLITS}, got {num_splits!r}")
+        tiles = -(-tiles_needed // int(num_splits))
+    count = -(-tiles_needed // tiles)
+    if count > kernels.MAX_SPLITS:
+        raise ValueError(f"split_size = {tiles * block_k} gives {count} splits for {tiles_needed * block_k} keys, "
+                         f"over the {kernels.MAX_SPLITS} the combine takes: use split_size >= "
+                         f"{-(-tiles_needed // kernels.MAX_SPLITS) * block_k}")
+    return split_kv.Splits(count, tiles, block_k)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
+                           causal: bool = True, scale: float | None = None, num_splits: int | None = None,
+                           split_size: int | None = None, return_lse: bool = False, engine: str = "auto",
+                           block_k: int | None = None):
+    """Attention of q over the first cache_seqlens[b] keys of each request's cache (plus k, v if given).
+
+    q (B, H, N_q, d), N_q small (1 for a token at a time); float32, float16 or bfloat16, the caches' dtype.
+    k_cache, v_cache: (B, H_kv, N_max, d), or with block_table (B, max_pages) int32 a paged cache (num_pages,
+    H_kv, page_size, d) whose page table[b, p] holds request b's positions p page_size .. (p + 1) page_size - 1;
+    page_size a multiple of block_k. H_kv divides H (GQA: query head h reads K/V head h // (H / H_kv)).
+    cache_seqlens: (B,) ints, or one int for all, or None (a full cache); 0 is a dead row (O = 0, LSE = -inf).
+    k, v (B, H_kv, N_new, d): new keys and values, written into the caches in place at positions
+    cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before attending (cache_seqlens itself is not changed:
+    advance it yourself, as with flash-attn). causal (default True, as a decoding step wants): query i sees the
+    keys up to n_b - N_q + i, n_b = cache_seqlens[b] + N_new (bottom-right); causal=False: all n_b keys.
+
+    Splits: split_size (keys, a multiple of block_k) fixes which keys each split holds, so a request's result is
+    bitwise the same whatever else is in its batch; num_splits asks for at most that many splits of the
+    longest request (the split size then depends on the batch); neither: the wave-efficiency rule
+    (`split_kv.heuristic_splits`: splits until the grid fills the GPU's SMs), which also depends on the batch.
+    Results are float32: O (B, H, N_q, d), and LSE (B, H, N_q) with return_lse=True, in q's array library.
+    engine "auto" or "simt" (the CUDA-core kernels); "mma" is a NotImplementedError for now.
+
+    Checked before anything is written or launched, each error naming the argument: shapes and dtypes, the
+    lengths (0 <= cache_seqlens[b], cache_seqlens[b] + N_new <= the request's capacity), and every page-table
+    entry a request uses (0 <= entry < num_pages), so no kernel reads or writes outside the cache.
+
+    >>> import numpy as np, fa_numba
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    >>> cache = rng.standard_normal((1, 2, 64, 16)).astype(np.float32)
+    >>> out = fa_numba.attention_with_kvcache(q, cache, cache, [40], split_size=16, block_k=16)
+    >>> out.shape
+    (1, 4, 1, 16)
+    """
+    engines.decode(engine)
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("give both k and v (the new keys and values), or neither")
+    if k is not None:
+        named.update(k=k, v=v)
+    call = arrays.adopt(named, allowed=INPUT_DTYPES, bfloat16=True)
+    q_, kc, vc = call.arrays[:3]
+    new_k, new_v = call.arrays[3:] if k is not None else (None, None)
+    allowed = BF16_BITS if call.bfloat16 else INPUT_DTYPES
+    for name, x in zip(named, call.arrays):
+        shapes._check_dtype(name, x, allowed, arrays.accepted(INPUT_DTYPES, bfloat16=True))
+    if len({np.dtype(x.dtype) for x in call.arrays}) > 1:
+        raise TypeError("q, k_cache, v_cache (and k, v) must share one dtype, got "
+                        + ", ".join(f"{n} {x.dtype}" for n, x in named.items()))
+    batch, heads, n_q, d = _check_4d("q", q_, "(B, H, N_q, d)")
+    paged = block_table is not None
+    cache_text = "(num_pages, H_kv, page_size, d) with block_table" if paged else "(B, H_kv, N_max, d)"
+    pages, heads_kv, page, d_k = _check_4d("k_cache", kc, cache_text)
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(kc.shape)}, got {tuple(vc.shape)}")
+    if d_k != d:
+        raise ValueError(f"k_cache must have head dim d = {d} (q's last axis), got {d_k}")
+    if d == 0 or d > MAX_HEAD_DIM:
+        raise ValueError(f"q must have head dim 1 <= d <= {MAX_HEAD_DIM}, got {d}")
+    if heads_kv == 0 or heads % heads_kv:
+        raise ValueError(f"k_cache's heads ({heads_kv}) must divide q's heads ({heads}) for GQA/MQA")
+    if not paged and pages != batch:
+        raise ValueError(f"k_cache must have batch {batch} (as q), got {pages}; a paged cache needs block_table")
+    n_new = 0
+    if new_k is not None:
+        n_new = _check_4d("k", new_k, "(B, H_kv, N_new, d)")[2]
+        want = (batch, heads_kv, n_new, d)
+        for name, x in (("k", new_k), ("v", new_v)):
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name} must have shape {want} (B and d of q, H_kv of the cache), got "
+                                 f"{tuple(x.shape)}")
+    if paged:
+        table = _host_ints("block_table", block_table, "(B, max_pages)")
+        if table.ndim != 2 or table.shape[0] != batch or table.shape[1] == 0:
+            raise ValueError(f"block_table must have shape (B, max_pages) = ({batch}, >= 1), got {table.shape}")
+        capacity = table.shape[1] * page
+    else:
+        table = np.arange(batch, dtype=np.int64)[:, None]
+        capacity = page
+    if cache_seqlens is None:
+        starts = np.full(batch, capacity - n_new, np.int64)
+    else:
+        starts = _host_ints("cache_seqlens", cache_seqlens, f"of shape ({batch},)")
+        if starts.ndim == 0:
+            starts = np.full(batch, int(starts), np.int64)
+        if starts.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per request), got {starts.shape}")
+    lengths = starts + n_new
+    if (starts < 0).any():
+        bad = int(np.argmax(starts < 0))
+        raise ValueError(f"cache_seqlens must be >= 0, got cache_seqlens[{bad}] = {starts[bad]}")
+    if (lengths > capacity).any():
+        bad = int(np.argmax(lengths > capacity))
+        raise ValueError(f"cache_seqlens[{bad}] + N_new = {starts[bad]} + {n_new} = {lengths[bad]} is over the "
+                         f"cache's capacity of {capacity} keys per request"
+                         + (f" ({table.shape[1]} pages of {page})" if paged else " (N_max)"))
+    if lengths.max(initial=0) > MAX_SEQUENCE:
+        raise ValueError(f"a request's length must be at most {MAX_SEQUENCE} keys")
+    block_q, default_k = kernels.default_tiles(d)
+    block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
+    kernels.layout_for(block_q, block_k, d)  # threads and shared memory: a ValueError naming the tile
+    if paged:
+        if page % block_k:
+            raise ValueError(f"k_cache's page_size ({page}) must be a multiple of block_k = {block_k} (a key tile "
+                             f"never straddles two pages): use block_k dividing {page}")
+        used = -(-lengths // page)  # pages each request's positions occupy
+        for b in range(batch):
+            entries = table[b, :used[b]]
+            if ((entries < 0) | (entries >= pages)).any():
+                p = int(np.argmax((entries < 0) | (entries >= pages)))
+                raise ValueError(f"block_table[{b}, {p}] = {entries[p]} is not a page of the cache (0 .. "
+                                 f"{pages - 1}); request {b} uses pages 0 .. {used[b] - 1} of its row")
+    scale = shapes.resolve_scale(scale, d)
+    causal = shapes.check_causal(causal)
+    group = heads // heads_kv
+    rows = n_q * group  # packed rows per (request, K/V head): r = t N_q + i
+    key_tiles = -(-int(lengths.max(initial=0)) // block_k)
+    splits = _resolve_splits(num_splits, split_size, batch * heads_kv * -(-max(rows, 1) // block_q), key_tiles,
+                             block_k)
+    if batch == 0 or n_q == 0:
+        out = _empty(call, (batch, heads, n_q, d))
+        return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
+    backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), d)
+
+    lohi = split_kv.row_intervals(lengths, n_q, group, causal)
+    with backend.explain_driver_errors(), backend.serialised(), call.context():
+        table_dev = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32), stream=call.stream)
+        if n_new:
+            _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page)
+        if call.on_device:
+            for name, x in (("q", q_), ("k_cache", kc), ("v_cache", vc)):
+                if not x.is_c_contiguous():
+                    raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
+            q_dev, k_dev, v_dev = q_.reshape(batch, heads_kv, rows, d), kc, vc
+        else:
+            q_dev = cuda.to_device(np.ascontiguousarray(q_).reshape(batch, heads_kv, rows, d), stream=call.stream)
+            k_dev, v_dev = (cuda.to_device(np.ascontiguousarray(x), stream=call.stream) for x in (kc, vc))
+        o_split = cuda.device_array((batch, heads_kv * splits.count, rows, d), np.float32, stream=call.stream)
+        lse_split = cuda.device_array((batch, heads_kv * splits.count, rows), np.float32, stream=call.stream)
+        out = call.empty((batch, heads_kv, rows, d))
+        lse = call.empty((batch, heads_kv, rows))
+        kernels.run(q_dev, k_dev, v_dev, o_split, lse_split, out, lse, scale,
+                    cuda.to_device(lengths.astype(np.int32), stream=call.stream), table_dev,
+                    cuda.to_device(lohi, stream=call.stream), block_q=block_q, block_k=block_k,
+                    tiles_per_split=splits.tiles, stream=call.stream)
+        out = call.output(out, (batch, heads, n_q, d))
+        return (out, call.output(lse, (batch, heads, n_q))) if return_lse else out
+
+
+def _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page) -> None:
+    """Write the new keys and values into the caches in place: on the host by NumPy assignment into the
+    caller's own arrays (a CPU tensor's memory), on the device by a kernel (kernels.decode.append)."""
+    if not call.on_device:
+        n_new = new_k.shape[2]
+        for b in range(len(starts)):
+            positions = starts[b] + np.arange(n_new)
+            slots = table[b, positions // page]
+            for cache, new in ((kc, new_k), (vc, new_v)):
+                cache[slots, :, positions % page, :] = np.swapaxes(np.asarray(new[b]), 0, 1)
+        return
+    starts_dev = cuda.to_device(starts.astype(np.int32), stream=call.stream)
+    for cache, new in ((kc, new_k), (vc, new_v)):
+        kernels.append(cache, new, starts_dev, table_dev, stream=call.stream)
+
+
+def _empty(call, shape):
+    """A float32 result with no element (B = 0 or N_q = 0), in the caller's library, without a launch."""
+    host = np.zeros(tuple(shape), np.float32)
+    if not call.on_device:
+        return call.output_host(host)
+    with call.context():
+        return call.output(cuda.to_device(host, stream=call.stream), shape)

@@ -1,0 +1,171 @@
+"""Split-KV decoding on the host: how the keys are split, the rule that picks the split count, the combine's
+NumPy twin, and the tolerance a split result is judged by (proofs/L11_split_kv.md).
+
+A split is a range of `tiles_per_split` key tiles: split s holds keys [s T_s B_c, (s + 1) T_s B_c). With a
+fixed split size the same keys always fall in the same split whatever else is in the batch, so a request's
+result does not depend on its batch (bitwise); `num_splits` (or the heuristic) derives the split size from
+the longest request of the batch, which trades that invariance away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fa_numba import masks, online_softmax, tolerance
+from fa_numba.tolerance import EXP_REL, U32
+
+#: The heuristic stops adding splits once the grid fills this share of the SMs without them (flash-attn's
+#: rule of thumb), and takes the fewest splits whose wave efficiency is within EFFICIENCY_SLACK of the best.
+FULL_ENOUGH = 0.8
+EFFICIENCY_SLACK = 0.85
+
+
+def wave_efficiency(blocks: int, sms: int) -> float:
+    """The share of the SM slots the last wave of `blocks` blocks leaves busy, over all waves: n / ceil(n),
+    n = blocks / sms (one block per SM at a time, the rule's simplification)."""
+    waves = blocks / sms
+    return waves / np.ceil(waves)
+
+
+def heuristic_splits(blocks: int, key_tiles: int, sms: int, max_splits: int) -> int:
+    """The split count for a grid of `blocks` blocks (requests x K/V heads x query tiles) over `key_tiles`
+    key tiles on `sms` SMs, by the wave-efficiency rule flash-attn uses: no split when the grid already fills
+    FULL_ENOUGH of the SMs; otherwise, among the counts 1..max_splits that change the tiles per split, the
+    fewest whose efficiency (`wave_efficiency` of blocks x splits) is within EFFICIENCY_SLACK of the best.
+
+    >>> heuristic_splits(8, 1024, 132, 128), heuristic_splits(256, 1024, 132, 128)
+    (14, 1)
+    """
+    if blocks >= FULL_ENOUGH * sms:
+        return 1
+    limit = max(1, min(max_splits, key_tiles, sms))
+    eligible = [s for s in range(1, limit + 1) if s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))]
+    efficiency = {s: wave_efficiency(blocks * s, sms) for s in eligible}
+    best = max(efficiency.values())
+    return next(s for s in eligible if efficiency[s] >= EFFICIENCY_SLACK * best)
+
+
+def row_intervals(lengths: np.ndarray, n_q: int, group: int, causal: bool) -> np.ndarray:
+    """(B, R, 2) int32: the keys [lo, hi) packed row r = t N_q + i of each request sees: all n_b of them, or
+    with causal masking those up to n_b - N_q + i (bottom-right aligned), none past the request's length."""
+    i = np.tile(np.arange(n_q), group)  # the query index of each packed row
+    hi = np.broadcast_to(lengths[:, None], (len(lengths), n_q * group))
+    if causal:
+        hi = np.clip(lengths[:, None] - n_q + i[None, :] + 1, 0, lengths[:, None])
+    return np.ascontiguousarray(np.stack([np.zeros_like(hi), hi], axis=-1).astype(np.int32))
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The split of one launch: `count` splits of `tiles` key tiles of `block_k` keys each."""
+
+    count: int
+    tiles: int
+    block_k: int
+
+    @property
+    def keys(self) -> int:
+        """Keys per split (the split size)."""
+        return self.tiles * self.block_k
+
+    def ranges(self, n_k: int) -> list[tuple[int, int]]:
+        """The key range [lo, hi) of every split over n_k keys (empty ranges past n_k included)."""
+        return [(min(s * self.keys, n_k), min((s + 1) * self.keys, n_k)) for s in range(self.count)]
+
+
+def combine(lse_splits: np.ndarray, o_splits: np.ndarray, alive: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The combine kernel's NumPy twin: fold online_softmax.merge over the split states (LSE_s, 1, O_s) in
+    split order, skipping empty splits (LSE_s = -inf, the identity); lse_splits (S, rows), o_splits (S, rows,
+    d), alive (rows,) bool (the mask's word). Returns (O, LSE) by online_softmax.finalize."""
+    rows, d = o_splits.shape[1:]
+    state = online_softmax.identity(rows, d, o_splits.dtype)
+    for lse_s, o_s in zip(lse_splits, o_splits):
+        full = lse_s != -np.inf
+        split = online_softmax.State(np.where(full, lse_s, -np.inf), full.astype(o_s.dtype),
+                                     np.where(full[:, None], o_s, 0))
+        merged = online_softmax.merge(state, split)
+        state = online_softmax.State(*(np.where(full if x.ndim == 1 else full[:, None], y, x)
+                                       for x, y in zip(state, merged)))
+    return online_softmax.finalize(state, alive)
+
+
+@dataclass(frozen=True)
+class DecodeCheck:
+    """What `check` measured of one request: errors and the tolerances they were held to."""
+
+    err_out: float
+    err_lse: float
+    atol_out: float
+    atol_lse: float
+
+
+def combine_terms(lse_s: np.ndarray, share: np.ndarray, o_abs: np.ndarray, out_abs: np.ndarray):
+    """(out, lse, E) rounding terms of the combine (proofs/L11, L6 part 8), per row: lse_s and share (S, rows),
+    o_abs (S, rows, d), out_abs (rows, d). Each non-empty split's weight
+    exp(LSE_s - m) is off by at most e = EXP_REL + u (1 + |LSE_s - M|) relative, and the fold's products and
+    sums compound E = (1 + e + 2u)^S (1 + u) - 1 over S splits; O = acc / l then moves by at most
+    E sum_s pi_s (|O_s| + |O|), LSE = m + log l by E + u |LSE| + EXP_REL log S (log's error on l <= S)."""
+    splits = lse_s.shape[0]
+    with np.errstate(invalid="ignore"):
+        top = np.max(lse_s, axis=0)
+        spread = np.where(share > 0, np.abs(lse_s - top), 0.0).max(axis=0)
+    e = EXP_REL + U32 * (1 + spread)
+    compound = (1 + e + 2 * U32) ** splits * (1 + U32) - 1
+    out_term = compound[..., None] * (np.einsum("sr,srx->rx", share, o_abs) + out_abs)
+    return out_term, compound + EXP_REL * np.log(splits) + U32, compound
+
+
+def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits: Splits | None,
+          name: str = "decode") -> DecodeCheck:
+    """Judge one request's decode result against the float64 reference with the derived rule: q (H, N_q, d),
+    k, v (H_kv, n, d) its keys (the cache up to its length), out (H, N_q, d), lse (H, N_q).
+
+    Unsplit (splits=None) it is the v2 rule with tiles (1, block_k): a row's rescalings happen only at key
+    tiles it sees, whichever rows share its query tile. Split, each split's keys are a sub-problem judged by
+    that rule; its errors reach the combined row through the combine's derivatives (dO/dO_s = pi_s, dO/dLSE_s =
+    pi_s (O_s - O), dLSE/dLSE_s = pi_s, pi_s = exp(LSE_s - LSE)), and the combine adds its own rounding
+    (`combine_terms`). A request with no key gets exactly O = 0 and LSE = -inf."""
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if n_k == 0:
+        tolerance.assert_close(out, np.zeros(out.shape), 0.0, name=f"{name} out")
+        tolerance.assert_close(lse, np.full(lse.shape, -np.inf), 0.0, name=f"{name} lse")
+        return DecodeCheck(0.0, 0.0, 0.0, 0.0)
+    visible = masks.causal().dense(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
+    whole = tolerance.baseline(q, k, v, scale=scale, mask=_mask(visible), block_q=1, block_k=block_k)
+    if splits is None:
+        atol_out, atol_lse = whole.tolerances("v2")
+        err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
+        err_lse = tolerance.assert_close(lse, whole.lse, atol_lse, name=f"{name} lse")
+        return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
+    parts = []
+    for lo, hi in splits.ranges(n_k):
+        if hi > lo and visible[:, lo:hi].any():
+            parts.append((tolerance.baseline(q, k[..., lo:hi, :], v[..., lo:hi, :], scale=scale,
+                                             mask=_mask(visible[:, lo:hi]), block_q=1, block_k=block_k)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse_s = np.stack([p.lse for p in parts])  # (S', H, N_q)
+        o_s = np.stack([p.out for p in parts])  # (S', H, N_q, d)
+        share = np.where(np.isfinite(lse_s), np.exp(lse_s - whole.lse), 0.0)  # pi_s
+        atols = np.array([p.tolerances("v2") for p in parts])  # (S', 2): each split's (atol_out, atol_lse)
+        spread = np.abs(o_s - whole.out)
+        out_term, lse_term, _ = combine_terms(lse_s.reshape(len(parts), -1), share.reshape(len(parts), -1),
+                                            np.abs(o_s).reshape(len(parts), -1, o_s.shape[-1]),
+                                            np.abs(whole.out).reshape(-1, o_s.shape[-1]))
+        atol_out_rows = (np.einsum("s,s...->...", atols[:, 0], share)[..., None]
+                         + np.einsum("s,s...,s...x->...x", atols[:, 1], share, spread)
+                         + out_term.reshape(o_s.shape[1:]) + tolerance.rounding_floor(whole.out))
+        atol_lse_rows = (np.einsum("s...,s->...", share, atols[:, 1]) + lse_term.reshape(lse_s.shape[1:])
+                         + tolerance.rounding_floor(whole.lse))
+    atol_out = tolerance._finite_max(atol_out_rows)
+    atol_lse = tolerance._finite_max(atol_lse_rows)
+    err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
+    err_lse = tolerance.assert_close(lse, whole.lse, atol_lse, name=f"{name} lse")
+    return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
+
+
+def _mask(visible: np.ndarray):
+    """A from_dense mask of `visible`, or None when every pair is visible (the unmasked reference)."""
+    return None if visible.all() else masks.from_dense(visible)
