@@ -39,9 +39,21 @@ def _check_4d(name: str, x, what: str) -> tuple[int, int, int, int]:
     return tuple(int(n) for n in x.shape)
 
 
-def _resolve_splits(num_splits, split_size, blocks: int, key_tiles: int, block_k: int) -> split_kv.Splits:
+def block_slots(layout) -> int:
+    """Blocks of the split kernel the GPU holds at once: SMs (the current GPU's, or the H200's 132 in the
+    simulator) x resident blocks per SM by its threads and shared memory (`profile.occupancy`; registers are
+    not known before compiling for the device, and the decode layouts are limited by shared memory)."""
+    from fa_numba.profile import occupancy
+
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT if backend.name() == "gpu" else machine.H200.sms
+    return sms * occupancy(layout.threads, 1, layout.shared_bytes)["blocks_per_sm"]
+
+
+def _resolve_splits(num_splits, split_size, blocks: int, key_tiles: int, layout) -> split_kv.Splits:
     """The split of this call: from split_size (fixed keys per split: batch-invariant), num_splits (an upper
-    bound on the splits of the longest request), or the wave-efficiency heuristic (split_kv.heuristic_splits)."""
+    bound on the splits of the longest request), or the wave-efficiency heuristic (split_kv.heuristic_splits
+    over `block_slots`)."""
+    block_k = layout.block_k
     if num_splits is not None and split_size is not None:
         raise ValueError("give num_splits or split_size, not both")
     tiles_needed = max(key_tiles, 1)
@@ -52,8 +64,7 @@ def _resolve_splits(num_splits, split_size, blocks: int, key_tiles: int, block_k
         tiles = int(split_size) // block_k
     else:
         if num_splits is None:
-            sms = cuda.get_current_device().MULTIPROCESSOR_COUNT if backend.name() == "gpu" else machine.H200.sms
-            num_splits = split_kv.heuristic_splits(blocks, tiles_needed, sms, kernels.MAX_SPLITS)
+            num_splits = split_kv.heuristic_splits(blocks, tiles_needed, block_slots(layout), kernels.MAX_SPLITS)
         if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) \
                 or not 1 <= num_splits <= kernels.MAX_SPLITS:
             raise ValueError(f"num_splits must be an int in 1..{kernels.MAX_SPLITS}, got {num_splits!r}")
@@ -165,9 +176,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
                          + (f" ({table.shape[1]} pages of {page})" if paged else " (N_max)"))
     if lengths.max(initial=0) > MAX_SEQUENCE:
         raise ValueError(f"a request's length must be at most {MAX_SEQUENCE} keys")
-    block_q, default_k = kernels.default_tiles(d)
-    block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
-    kernels.layout_for(block_q, block_k, d)  # threads and shared memory: a ValueError naming the tile
+    group = heads // heads_kv
+    rows = n_q * group  # packed rows per (request, K/V head): r = t N_q + i
+    layout = kernels.decode_layout(rows, d, None if block_k is None else shapes.check_block("block_k", block_k))
+    block_q, block_k = layout.block_q, layout.block_k
     if paged:
         if page % block_k:
             raise ValueError(f"k_cache's page_size ({page}) must be a multiple of block_k = {block_k} (a key tile "
@@ -181,11 +193,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
                                  f"{pages - 1}); request {b} uses pages 0 .. {used[b] - 1} of its row")
     scale = shapes.resolve_scale(scale, d)
     causal = shapes.check_causal(causal)
-    group = heads // heads_kv
-    rows = n_q * group  # packed rows per (request, K/V head): r = t N_q + i
     key_tiles = -(-int(lengths.max(initial=0)) // block_k)
     splits = _resolve_splits(num_splits, split_size, batch * heads_kv * -(-max(rows, 1) // block_q), key_tiles,
-                             block_k)
+                             layout)
     if batch == 0 or n_q == 0:
         out = _empty(call, (batch, heads, n_q, d))
         return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
@@ -210,7 +220,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
         lse = call.empty((batch, heads_kv, rows))
         kernels.run(q_dev, k_dev, v_dev, o_split, lse_split, out, lse, scale,
                     cuda.to_device(lengths.astype(np.int32), stream=call.stream), table_dev,
-                    cuda.to_device(lohi, stream=call.stream), block_q=block_q, block_k=block_k,
+                    cuda.to_device(lohi, stream=call.stream), layout=layout,
                     tiles_per_split=splits.tiles, stream=call.stream)
         out = call.output(out, (batch, heads, n_q, d))
         return (out, call.output(lse, (batch, heads, n_q))) if return_lse else out

@@ -229,7 +229,8 @@ def to_bytes(ledger: Ledger, in_itemsize: int, out_itemsize: int = 4, stat_items
     dQ, dK, dV) at the output itemsize, l, m, LSE (and D) as statistics."""
     size = {"Q": in_itemsize, "K": in_itemsize, "V": in_itemsize, "dO": in_itemsize, "O": out_itemsize,
             "dQ": out_itemsize, "dK": out_itemsize, "dV": out_itemsize,
-            "l": stat_itemsize, "m": stat_itemsize, "LSE": stat_itemsize, "D": stat_itemsize}
+            "l": stat_itemsize, "m": stat_itemsize, "LSE": stat_itemsize, "D": stat_itemsize,
+            "O_split": 4, "LSE_split": 4}  # decode's partials: float32 always
     return {
         "read": {t: count * size[t] for t, count in ledger.reads.items()},
         "write": {t: count * size[t] for t, count in ledger.writes.items()},

@@ -289,7 +289,9 @@ def _build(cfg: dict):
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
         return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form)
-    return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"], form)
+    micro = {"micro": tuple(cfg["micro"])} if cfg.get("micro") else {}  # v2 at a decode layout (decode_estimate)
+    return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"], form,
+                                         **micro)
 
 
 def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:

@@ -18,7 +18,8 @@ from fa_numba.machine import H200, SM90
 
 def _traced_config(cfg: dict) -> dict:
     """The configuration whose wavefronts stand for cfg's: FULL tiles run the non-causal kernel's code."""
-    return {k: cfg[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype")} | {"causal": False}
+    micro = {"micro": list(cfg["micro"])} if cfg.get("micro") else {}  # a layout of its own (decode_estimate)
+    return {k: cfg[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype")} | {"causal": False} | micro
 
 
 def wavefront_cache() -> pathlib.Path:

@@ -22,27 +22,29 @@ FULL_ENOUGH = 0.8
 EFFICIENCY_SLACK = 0.85
 
 
-def wave_efficiency(blocks: int, sms: int) -> float:
+def wave_efficiency(blocks: int, slots: int) -> float:
     """The share of the SM slots the last wave of `blocks` blocks leaves busy, over all waves: n / ceil(n),
-    n = blocks / sms (one block per SM at a time, the rule's simplification)."""
-    waves = blocks / sms
+    n = blocks / slots (slots: SMs x the blocks one SM holds at a time)."""
+    waves = blocks / slots
     return waves / np.ceil(waves)
 
 
-def heuristic_splits(blocks: int, key_tiles: int, sms: int, max_splits: int) -> int:
+def heuristic_splits(blocks: int, key_tiles: int, slots: int, max_splits: int) -> int:
     """The split count for a grid of `blocks` blocks (requests x K/V heads x query tiles) over `key_tiles`
-    key tiles on `sms` SMs, by the wave-efficiency rule flash-attn uses: no split when the grid already fills
-    FULL_ENOUGH of the SMs; otherwise, among the counts 1..max_splits that change the tiles per split, the
-    fewest whose efficiency (`wave_efficiency` of blocks x splits) is within EFFICIENCY_SLACK of the best.
+    key tiles on `slots` block slots (SMs x resident blocks per SM), by the wave-efficiency rule flash-attn
+    uses: no split when the grid already fills FULL_ENOUGH of the slots; otherwise, among the counts
+    1..max_splits that change the tiles per split, the fewest whose efficiency (`wave_efficiency` of blocks x
+    splits) is within EFFICIENCY_SLACK of the best. Counting slots, not SMs, matters to decoding: a split
+    kernel hides its load latency only with several blocks on each SM.
 
     >>> heuristic_splits(8, 1024, 132, 128), heuristic_splits(256, 1024, 132, 128)
     (14, 1)
     """
-    if blocks >= FULL_ENOUGH * sms:
+    if blocks >= FULL_ENOUGH * slots:
         return 1
-    limit = max(1, min(max_splits, key_tiles, sms))
+    limit = max(1, min(max_splits, key_tiles, slots))
     eligible = [s for s in range(1, limit + 1) if s == 1 or -(-key_tiles // s) != -(-key_tiles // (s - 1))]
-    efficiency = {s: wave_efficiency(blocks * s, sms) for s in eligible}
+    efficiency = {s: wave_efficiency(blocks * s, slots) for s in eligible}
     best = max(efficiency.values())
     return next(s for s in eligible if efficiency[s] >= EFFICIENCY_SLACK * best)
 
@@ -151,9 +153,10 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
         share = np.where(np.isfinite(lse_s), np.exp(lse_s - whole.lse), 0.0)  # pi_s
         atols = np.array([p.tolerances("v2") for p in parts])  # (S', 2): each split's (atol_out, atol_lse)
         spread = np.abs(o_s - whole.out)
-        out_term, lse_term, _ = combine_terms(lse_s.reshape(len(parts), -1), share.reshape(len(parts), -1),
-                                            np.abs(o_s).reshape(len(parts), -1, o_s.shape[-1]),
-                                            np.abs(whole.out).reshape(-1, o_s.shape[-1]))
+        count = len(parts)
+        out_term, lse_term, _ = combine_terms(lse_s.reshape(count, -1), share.reshape(count, -1),
+                                              np.abs(o_s).reshape(count, -1, o_s.shape[-1]),
+                                              np.abs(whole.out).reshape(-1, o_s.shape[-1]))
         atol_out_rows = (np.einsum("s,s...->...", atols[:, 0], share)[..., None]
                          + np.einsum("s,s...,s...x->...x", atols[:, 1], share, spread)
                          + out_term.reshape(o_s.shape[1:]) + tolerance.rounding_floor(whole.out))

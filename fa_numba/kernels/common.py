@@ -67,6 +67,7 @@ class Config:
     engine: bool = False
     smem_budget: int = SHARED_BYTES_LIMIT  # the engine's static shared-memory budget (tests lower it)
     mask_form: str = "none"  # "none", "causal", or a block mask's "intervals" / "dense" (KernelMask)
+    micro: tuple | None = None  # the engine's (TM, TN); None: layout.micro_for's (v2 at a decode layout sets it)
 
     @property
     def form(self) -> str:
@@ -83,8 +84,8 @@ class Config:
         """The engine's compile-time layout (micro-tiles, threads, shared-memory regions); engine kernels only."""
         from fa_numba.kernels.layout import Layout, micro_for
 
-        return Layout(self.order, self.block_q, self.block_k, self.head_dim,
-                      *micro_for(self.block_q, self.block_k, self.head_dim), budget=self.smem_budget)
+        micro = self.micro or micro_for(self.block_q, self.block_k, self.head_dim)
+        return Layout(self.order, self.block_q, self.block_k, self.head_dim, *micro, budget=self.smem_budget)
 
     @property
     def threads(self) -> int:

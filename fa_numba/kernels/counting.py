@@ -112,11 +112,12 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
     return plain("dQ"), plain("dK"), plain("dV"), ledger
 
 
-def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, block_q, block_k, tiles_per_split, splits):
+def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, layout, tiles_per_split, splits):
     """Run the decode kernels (kernels.decode.run) on host arrays in the simulator, counting the HBM traffic
     of every tensor of iomodel.DECODE_TENSORS: q (B, H_kv, R, d) packed rows, k, v (num_pages, H_kv, page, d);
-    lengths, table and lohi (metadata) pass uncounted. Outputs and partials start as NaN, so an element no
-    kernel writes is caught. Returns (out, lse, ledger): out (B, H_kv, R, d) and lse (B, H_kv, R) float32."""
+    lengths, table and lohi (metadata) pass uncounted; layout: kernels.decode.decode_layout's. Outputs and
+    partials start as NaN, so an element no kernel writes is caught. Returns (out, lse, ledger): out (B, H_kv,
+    R, d) and lse (B, H_kv, R) float32."""
     if backend.name() != "simulator":
         raise RuntimeError("counting traffic needs the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     from numba import cuda
@@ -137,6 +138,6 @@ def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, block_q, block_k
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
     meta = [cuda.to_device(np.ascontiguousarray(x, dtype=np.int32)) for x in (lengths, table, lohi)]
     decode.run(dev["Q"], dev["K"], dev["V"], dev["O_split"], dev["LSE_split"], dev["O"], dev["LSE"], scale, *meta,
-               block_q=block_q, block_k=block_k, tiles_per_split=tiles_per_split)
+               layout=layout, tiles_per_split=tiles_per_split)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
     return plain("O"), plain("LSE"), ledger

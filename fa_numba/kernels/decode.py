@@ -41,32 +41,40 @@ from numba import boolean, cuda, float32
 from fa_numba import backend
 from fa_numba.kernels.common import NEG_INF, ZERO, check_grid, log_sum_exp, output
 from fa_numba.kernels.engine import GUARD_MARKED, GUARD_NONE, make_engine
-from fa_numba.kernels.layout import Layout, micro_for
+from fa_numba.kernels.layout import Layout
 
 MAX_SPLITS = 128  # the combine keeps every split's LSE in shared memory (flash-attn has the same bound)
-TILE_CANDIDATES = (64, 32, 16)  # B_c, largest first; B_r = 16 (a few rows: GQA packing fills them)
-BLOCK_ROWS = 16
+TILE_CANDIDATES = (64, 32, 16)  # B_c by default, largest first, the first whose layout fits 48 KB
+ROW_TILES = (4, 8, 16)  # B_r: the smallest that holds a (request, K/V head)'s g N_q rows, else 16
+ROW_GROUPS = 4  # B_r / TM: four row groups of TM rows
+MAX_COLUMN_GROUP = 32  # B_c / TN: at most a warp's width of column groups
 
 
-def layout_for(block_q: int, block_k: int, head_dim: int) -> Layout:
-    """The checked v2 engine layout of the split kernel (a ValueError names the tile that does not fit)."""
-    return Layout("v2", block_q, block_k, head_dim, *micro_for(block_q, block_k, head_dim)).check()
+def decode_layout(rows: int, head_dim: int, block_k: int | None = None) -> Layout:
+    """The split kernel's checked layout for R = g N_q rows per (request, K/V head).
 
-
-def default_tiles(head_dim: int) -> tuple[int, int]:
-    """(B_r, B_c) for decoding: B_r = 16 rows and the largest B_c of TILE_CANDIDATES whose layout fits the
-    static 48 KB (64 up to d = 64, 32 at d = 128, 16 at d = 256)."""
-    for block_k in TILE_CANDIDATES:
+    Decoding is a stream of K and V with a few rows, so the layout spends threads on columns, not rows: B_r
+    the smallest of ROW_TILES that holds R (a query tile re-reads K and V, so R > 16 pays per tile of 16),
+    TM = B_r / 4, and TN the smallest that keeps B_c / TN <= 32: at d = 128, 4 x 32 tiles run 128 threads with
+    a 1 x 1 micro-tile of S, each thread moving 64 elements of K_j and V_j per tile. B_c (block_k) defaults to
+    the largest of TILE_CANDIDATES that fits the static 48 KB. A ValueError names a tile that does not fit."""
+    block_q = next((b for b in ROW_TILES if rows <= b), ROW_TILES[-1])
+    errors = []
+    for bc in (TILE_CANDIDATES if block_k is None else (block_k,)):
+        tn = next(t for t in range(1, bc + 1) if bc % t == 0 and bc // t <= MAX_COLUMN_GROUP)
         try:
-            layout_for(BLOCK_ROWS, block_k, head_dim)
-        except ValueError:
-            continue
-        return BLOCK_ROWS, block_k
-    raise ValueError(f"no decode tile fits head dim d = {head_dim}")
+            return Layout("v2", block_q, bc, head_dim, block_q // ROW_GROUPS, tn).check()
+        except ValueError as error:
+            errors.append(str(error))
+    raise ValueError(f"no decode tile fits head dim d = {head_dim}: {'; '.join(errors)}")
 
 
-def split_source(layout: Layout):
-    """The Python function of the split kernel for one layout (compiled by `make_split`)."""
+def split_source(layout: Layout, partial_tiles: bool = True):
+    """The Python function of the split kernel for one layout (compiled by `make_split`).
+
+    partial_tiles=False compiles the PARTIAL-tile path out, leaving the code every FULL tile runs: what
+    `fa_numba.decode_estimate` profiles (a request has at most two PARTIAL tiles, its first and its last,
+    among thousands), never what a launch runs."""
     E = make_engine(layout)
     owner, column, load_q, load_kv, masked_scores = E.owner, E.column, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
@@ -75,6 +83,7 @@ def split_source(layout: Layout):
     ALIASED = layout.aliased
     OFF = layout.offsets
     SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
+    PARTIAL_TILES = partial_tiles
 
     def flash_decode_split(q, k, v, o, lse, scale, seqlens, table, lohi, tiles_per_split):
         x = cuda.blockIdx.x  # query tile * S + split
@@ -134,7 +143,7 @@ def split_source(layout: Layout):
             cuda.syncthreads()  # the previous tile's P V has read V and P^T
             load_kv(k, v, table[b, slot], h, c0 - slot * page, cols, smem, K, V, tid)
             cuda.syncthreads()  # K_j^T, V_j and Q_i^T complete
-            partial = c0 < lo_max or c0 + BC > hi_min  # some row does not see the whole tile
+            partial = PARTIAL_TILES and (c0 < lo_max or c0 + BC > hi_min)  # some row does not see the whole tile
             masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_rows, n_k, 0, partial, False, True,
                           rows_lohi, rows_lohi, False)
             if ALIASED:
@@ -246,8 +255,8 @@ def append(cache, new, starts, table, stream=0) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def make_split(block_q: int, block_k: int, head_dim: int):
-    return cuda.jit(split_source(layout_for(block_q, block_k, head_dim)))
+def make_split(layout: Layout):
+    return cuda.jit(split_source(layout))
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,7 +269,7 @@ def combine_threads(head_dim: int) -> int:
     return -(-head_dim // 32) * 32
 
 
-def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, lohi, *, block_q: int, block_k: int,
+def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, lohi, *, layout: Layout,
         tiles_per_split: int, stream=0) -> None:
     """Both launches on device arrays: q (B, H_kv, R, d) packed rows; k, v (num_pages, H_kv, page, d); o_split
     (B, H_kv S, R, d) and lse_split (B, H_kv S, R) float32 partials; out (B, H_kv, R, d) and lse (B, H_kv, R)
@@ -269,17 +278,17 @@ def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, loh
     splits = o_split.shape[1] // heads_kv
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {splits}")
-    layout = layout_for(block_q, block_k, d)
-    grid = (-(-n_rows // block_q) * splits, batch * heads_kv)
+    if layout.head_dim != d:
+        raise ValueError(f"q must have head dim {layout.head_dim} for this layout, got {d}")
+    grid = (-(-n_rows // layout.block_q) * splits, batch * heads_kv)
     check_grid(grid, ("ceil(R / block_q) * num_splits", "batch * heads_kv"), "decode split")
     threads = combine_threads(d)
     check_grid((batch * heads_kv * n_rows,), ("batch * heads_kv * rows",), "decode combine")
     with backend.serialised(layout.threads):
-        make_split(block_q, block_k, d)[grid, (layout.cx, layout.ry), stream](
+        make_split(layout)[grid, (layout.cx, layout.ry), stream](
             q, k, v, o_split, lse_split, float32(scale), seqlens, table, lohi, np.int64(tiles_per_split))
     with backend.serialised(threads):
         make_combine(threads)[(batch * heads_kv * n_rows,), (threads,), stream](o_split, lse_split, out, lse, lohi)
 
 
-__all__ = ["MAX_SPLITS", "append", "combine_threads", "default_tiles", "layout_for", "make_combine", "make_split",
-           "run"]
+__all__ = ["MAX_SPLITS", "append", "combine_threads", "decode_layout", "make_combine", "make_split", "run"]

@@ -145,7 +145,9 @@ class FlashV2Engine(V2Kernel):
 
 
 @functools.lru_cache(maxsize=None)
-def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV2Engine:
-    """Build (once per configuration) the register-tiled v2 kernel for these compile-time tile sizes."""
-    return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form).check(),
-                         kernel_source)
+def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
+                   micro: tuple | None = None) -> FlashV2Engine:
+    """Build (once per configuration) the register-tiled v2 kernel for these compile-time tile sizes (micro:
+    the (TM, TN) micro-tile, by default layout.micro_for's; the decode kernels' layouts choose their own)."""
+    return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
+                                micro=micro).check(), kernel_source)
