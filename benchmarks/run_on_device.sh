@@ -2,9 +2,11 @@
 # The whole device session in one command, for a lent GPU (about 15 minutes of device time in all):
 #   0. mma_gpu: the warp-primitive and tensor-core tests with the simulator off, then v2-mma checked and timed
 #      beside torch SDPA (float16, bfloat16), within 150 s;
-#   1. compare_gpu: the fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32: every variant
-#      checked, then timed, beside torch SDPA), then the other sizes, within 200 s;
-#   2. gpu_check: the GPU test tier (kernels, engine, backward, API, array libraries), the checks and
+#   1. decode_gpu: split-KV decoding (B=1, 8; H=32, H_kv=8; N_k=32k, 128k; d=128; float16) checked, then
+#      timed beside the unsplit call, the v2 kernel and torch SDPA, within 100 s;
+#   2. compare_gpu: the fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32: every variant
+#      checked, then timed, beside torch SDPA), then the other sizes, within 150 s;
+#   3. gpu_check: the GPU test tier (kernels, engine, backward, API, array libraries), the checks and
 #      timings of every forward and backward variant at B=2, H=8, and racecheck, within what is left of 540 s.
 # Outputs land in $OUT (or benchmarks/results). Use:  bash benchmarks/run_on_device.sh   (timeout about 600 s)
 set -uo pipefail
@@ -15,7 +17,8 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 start=$(date +%s)
 timeout 150 python3 benchmarks/mma_gpu.py --out "$out" 2>&1 | tee "$out/mma_gpu.log"
-python3 benchmarks/compare_gpu.py --out "$out" --budget-s 200 --n 4096,1024,8192 2>&1 | tee "$out/compare_gpu.log"
+timeout 120 python3 benchmarks/decode_gpu.py --out "$out" --budget-s 100 2>&1 | tee "$out/decode_gpu.log"
+python3 benchmarks/compare_gpu.py --out "$out" --budget-s 150 --n 4096,1024,8192 2>&1 | tee "$out/compare_gpu.log"
 left=$(( 540 - ($(date +%s) - start) ))
 if [ "$left" -gt 60 ]; then
   timeout "$left" python3 benchmarks/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"

@@ -24,8 +24,9 @@ from fa_numba import arguments, backend, iomodel, masks, tiling
 from fa_numba import compare as cmp
 from fa_numba.kernels import VARIANTS
 
-GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None)
-SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=None, block_k=None)  # tiles: compare.Shape
+GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None, decode_n_k=32768)
+SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=None, block_k=None,  # tiles: compare.Shape
+                    decode_n_k=256)
 INT32_MAX = arguments.INT32_MAX
 DTYPES = ["float32", "float16", "bfloat16"]  # bfloat16: ml_dtypes arrays (compare.input_dtype)
 # The sweep table's S MiB column, explained under the table and in `sweep --help`
@@ -87,9 +88,10 @@ def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
     p.add_argument("--heads-kv", type=_positive, default=None,
                    help="K/V heads (GQA), dividing --heads (default: --heads)")
     if not sweep:
-        p.add_argument("--n-q", type=_positive, default=defaults["n_q"],
-                       help=f"queries N_q (default {where}: %(default)s)")
-        p.add_argument("--n-k", type=_positive, default=None, help="keys N_k (default: --n-q)")
+        p.add_argument("--n-q", type=_positive, default=None,
+                       help=f"queries N_q (default {where}: {defaults['n_q']}; with --decode 1)")
+        p.add_argument("--n-k", type=_positive, default=None,
+                       help=f"keys N_k (default: --n-q; with --decode {defaults['decode_n_k']})")
         p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"],
                        help=f"head dim d (default {where}: %(default)s)")
         p.add_argument("--causal", action="store_true",
@@ -121,6 +123,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", metavar="PATH", help="also write every number as JSON (default: none)")
     c.add_argument("--backward", action="store_true",
                    help="the backward variants (kv, kv-deterministic, q) instead of the forward ones (default: off)")
+    c.add_argument("--decode", action="store_true",
+                   help="decoding: attention_with_kvcache split and unsplit beside the v2 kernel on one cache, with "
+                        "HBM bytes and the HBM bound (fa_numba.compare_decode; causal; default: off)")
+    c.add_argument("--split-size", type=_positive, default=None,
+                   help="with --decode: keys per split, a multiple of the key tile (default: the heuristic)")
     s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots",
                        description="compare over a list of sizes: one table row per size and variant. HBM MiB: the "
                                    "bytes the variant moves (iomodel). " + SCORES_NOTE + ".")
@@ -161,7 +168,37 @@ def _check_mask_fits(args, top, sizes) -> None:
             top.error(f"argument --mask: {err}")
 
 
+def _run_decode(args, top) -> int:
+    from fa_numba import compare_decode
+
+    for flag, given in (("--backward", args.backward), ("--mask", args.mask), ("--causal", args.causal),
+                        ("--block-q", args.block_q is not None)):
+        if given:
+            top.error(f"argument --decode: not allowed with {flag} (decoding is causal, its row tile is derived)")
+    defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
+    shape = compare_decode.Shape(args.batch, args.heads, args.heads_kv or args.heads, args.n_q or 1,
+                                 args.n_k or defaults["decode_n_k"], args.head_dim, args.dtype, args.split_size,
+                                 args.block_k, args.seed)
+    if backend.name() != "gpu":
+        print("no GPU found: running the kernels in the CUDA simulator (checks and HBM counts, no timings)")
+    try:
+        result = compare_decode.run(shape, repeats=args.repeats, count=False if args.no_count else None)
+    except ValueError as err:
+        top.error(str(err))
+    print(compare_decode.render(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+    return 0 if compare_decode.all_passed(result) else 1
+
+
 def _run_compare(args, top) -> int:
+    if args.decode:
+        return _run_decode(args, top)
+    if args.split_size is not None:
+        top.error("argument --split-size: only with --decode")
+    defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
+    args.n_q = args.n_q or defaults["n_q"]
     if args.mask and args.causal:
         top.error(f"argument --mask: not allowed with --causal (--causal is --mask causal): pass one of them, "
                   f"got --causal and --mask {args.mask}")

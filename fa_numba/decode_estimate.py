@@ -115,10 +115,15 @@ def render(compiled: dict, rows: list[dict]) -> str:
              f"{c['ffma']:.0f} FFMA ({c['products']:.2f} products), {c['load_round_trips']:.0f} load round trips; "
              f"{compiled['wavefronts']:.0f} wavefronts per block (SASS and trace agree: {compiled['agree']})"
              + (f"; unattributed loops {c['unattributed']}" if c["unattributed"] else ""),
-             "", f"{'B':>3} {'N_k':>7} {'splits':>6} {'blocks':>6} {'time (us)':>10} {'HBM share':>9} limiter"]
+             "", "cycles: per tile-loop iteration of the resident blocks of one SM, each limiter's (the largest sets "
+             "the time; hbm: the split kernel's bytes at 4.8 TB/s spread over the iterations)",
+             f"{'B':>3} {'N_k':>7} {'splits':>6} {'blocks':>6} {'time (us)':>10} {'HBM share':>9} {'limiter':<8} "
+             f"{'issue':>7} {'shared':>7} {'latency':>7} {'hbm':>7}  latency charged"]
     for r in rows:
+        c = r["cycles"]
         lines.append(f"{r['batch']:>3} {r['n_k']:>7} {r['splits']:>6} {r['blocks']:>6} {r['seconds'] * 1e6:>10.1f} "
-                     f"{r['hbm_fraction']:>9.0%} {r['limiter']}  (latency x{r['latency_factor']:g})")
+                     f"{r['hbm_fraction']:>9.0%} {r['limiter']:<8} {c['issue']:>7.0f} {c['shared']:>7.0f} "
+                     f"{c['latency']:>7.0f} {c['hbm']:>7.0f}  x{r['latency_factor']:g} of L2's")
     return "\n".join(lines)
 
 

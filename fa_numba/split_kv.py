@@ -120,7 +120,7 @@ def combine_terms(lse_s: np.ndarray, share: np.ndarray, o_abs: np.ndarray, out_a
 
 
 def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits: Splits | None,
-          name: str = "decode") -> DecodeCheck:
+          name: str = "decode", contractions=None) -> DecodeCheck:
     """Judge one request's decode result against the float64 reference with the derived rule: q (H, N_q, d),
     k, v (H_kv, n, d) its keys (the cache up to its length), out (H, N_q, d), lse (H, N_q).
 
@@ -128,7 +128,9 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
     tiles it sees, whichever rows share its query tile. Split, each split's keys are a sub-problem judged by
     that rule; its errors reach the combined row through the combine's derivatives (dO/dO_s = pi_s, dO/dLSE_s =
     pi_s (O_s - O), dLSE/dLSE_s = pi_s, pi_s = exp(LSE_s - LSE)), and the combine adds its own rounding
-    (`combine_terms`). A request with no key gets exactly O = 0 and LSE = -inf."""
+    (`combine_terms`). A request with no key gets exactly O = 0 and LSE = -inf. contractions: the naive float32
+    evaluations' orders (tolerance.baseline's; ("matmul",) on large problems)."""
+    more = {} if contractions is None else {"contractions": contractions}
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if n_k == 0:
@@ -136,7 +138,7 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
         tolerance.assert_close(lse, np.full(lse.shape, -np.inf), 0.0, name=f"{name} lse")
         return DecodeCheck(0.0, 0.0, 0.0, 0.0)
     visible = masks.causal().dense(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
-    whole = tolerance.baseline(q, k, v, scale=scale, mask=_mask(visible), block_q=1, block_k=block_k)
+    whole = tolerance.baseline(q, k, v, scale=scale, mask=_mask(visible), block_q=1, block_k=block_k, **more)
     if splits is None:
         atol_out, atol_lse = whole.tolerances("v2")
         err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
@@ -146,7 +148,7 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
     for lo, hi in splits.ranges(n_k):
         if hi > lo and visible[:, lo:hi].any():
             parts.append((tolerance.baseline(q, k[..., lo:hi, :], v[..., lo:hi, :], scale=scale,
-                                             mask=_mask(visible[:, lo:hi]), block_q=1, block_k=block_k)))
+                                             mask=_mask(visible[:, lo:hi]), block_q=1, block_k=block_k, **more)))
     with np.errstate(invalid="ignore", over="ignore"):
         lse_s = np.stack([p.lse for p in parts])  # (S', H, N_q)
         o_s = np.stack([p.out for p in parts])  # (S', H, N_q, d)

@@ -44,3 +44,15 @@ def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
     assert {(r["order"], r["kind"], r["causal"]) for r in rows} == {
         (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16")) for c in (False, True)}
     assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)
+
+
+@SIMULATOR_ONLY
+def test_decode_gpu_script_runs_in_smoke_mode(tmp_path):
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_gpu.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode_gpu.json").read_text())["rows"]
+    assert {r["variant"] for r in rows} == {"split", "unsplit", "v2"}
+    assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)
+    assert "HBM bound" in (tmp_path / "decode_gpu.md").read_text()

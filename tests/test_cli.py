@@ -164,6 +164,9 @@ def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):
     (["compare", "--head-dim", "64", "--block-q", "64", "--block-k", "64"], "block_q = 64, block_k = 64 with d = 64 need"),
     (["sweep"], "the following arguments are required: --n"),
     (["sweep", "--n", "16,x"], "--n: expected a positive integer"),
+    (["compare", "--decode", "--causal"], "--decode: not allowed with --causal"),
+    (["compare", "--split-size", "16"], "--split-size: only with --decode"),
+    (["compare", "--decode", "--n-k", "40", "--split-size", "12"], "split_size must be a positive multiple of block_k"),
 ])
 def test_bad_arguments_exit_2_with_usage(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -451,3 +454,18 @@ def test_profile_refuses_bad_options_before_compiling(argv, option, capsys, monk
     assert exit_info.value.code == 2 and "Traceback" not in captured.err + captured.out
     last = captured.err.rstrip("\n").splitlines()[-1]
     assert last.startswith("fa_numba profile: error: argument ") and option in last, last
+
+
+def test_compare_decode_checks_counts_and_bounds_each_variant(tmp_path, capsys):
+    path = tmp_path / "decode.json"
+    code = cli.main(["compare", "--decode", "--n-k", "40", "--heads", "2", "--heads-kv", "1", "--head-dim", "8",
+                     "--split-size", "16", "--json", str(path)])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"split", "unsplit", "v2"} and rows["split"]["splits"] == 3 and rows["unsplit"]["splits"] == 1
+    assert rows["split"]["counted_equals_model"] and rows["unsplit"]["counted_equals_model"]
+    model = iomodel.traffic_decode([40], 1, 8, 4, 16, 1, 3, True, 2, 1)
+    assert rows["split"]["bytes"] == iomodel.total_bytes(model, 4)
+    assert rows["split"]["hbm_bound_us"] == pytest.approx(rows["split"]["bytes"] / 4.8e12 * 1e6)
+    out = capsys.readouterr().out
+    assert "HBM bound" in out and "not a speed" in out
