@@ -10,8 +10,8 @@ from fa_numba import decode_estimate, iomodel, profile
 from fa_numba.kernels import decode as kernels
 from fa_numba.machine import H200
 
-NEEDS_NVDISASM = pytest.mark.skipif(profile.nvdisasm_path() is None,
-                                    reason="nvdisasm is missing: install the profile extra (pip install -e '.[profile]')")
+NEEDS_NVDISASM = pytest.mark.skipif(
+    profile.nvdisasm_path() is None, reason="nvdisasm is missing: install the profile extra (pip install -e '.[profile]')")
 
 
 def probe(instructions=0.0, wavefronts=0.0, round_trips=0.0, blocks_per_sm=6):
