@@ -47,6 +47,7 @@ def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
 
 
 @SIMULATOR_ONLY
+@pytest.mark.slow  # a subprocess, ~9 s; compare --decode runs the same compare_decode.run in test_cli
 def test_decode_gpu_script_runs_in_smoke_mode(tmp_path):
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_gpu.py"), "--smoke", "--out",
