@@ -19,6 +19,8 @@ Layers, top to bottom (each imports only those above it):
     torch_ops       (torch) the kernels as operators fa_numba::attention and ::attention_backward
     autograd        (torch) attention as a differentiable function on those operators
     dropins         (torch) sdpa and flash_attn_func: the signatures of torch SDPA and flash-attn
+    ring_model      ring attention's schedule (chunks, pair kinds) and communication model
+    distributed     (torch) ring attention over a torch.distributed group, forward and backward
 
 Without an NVIDIA driver, importing fa_numba selects Numba's CUDA simulator (see fa_numba.backend): import
 it before numba, or set NUMBA_ENABLE_CUDASIM=1 before numba is imported.

@@ -126,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--decode", action="store_true",
                    help="decoding: attention_with_kvcache split and unsplit beside the v2 kernel on one cache, with "
                         "HBM bytes and the HBM bound (fa_numba.compare_decode; causal; default: off)")
+    c.add_argument("--ring", type=_positive, metavar="W", default=None,
+                   help="ring attention over W ranks: the communication model per step (fa_numba.ring_model: bytes "
+                        "per rank, compute at the v2 estimate, NVLink 450 GB/s each way; zigzag unless --mask; "
+                        "no kernel runs; default: off)")
     c.add_argument("--split-size", type=_positive, default=None,
                    help="with --decode: keys per split, a multiple of the key tile (default: the heuristic)")
     s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots",
@@ -192,7 +196,27 @@ def _run_decode(args, top) -> int:
     return 0 if compare_decode.all_passed(result) else 1
 
 
+def _run_ring(args, top) -> int:
+    from fa_numba import ring_model
+
+    defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
+    n = args.n_q or defaults["n_q"]
+    if args.n_k not in (None, n) or args.mask:
+        top.error("argument --ring: self-attention over one sharded sequence: no --n-k other than --n-q, no --mask")
+    try:
+        steps = ring_model.ring_steps(args.ring, n, args.head_dim, batch=args.batch, heads=args.heads,
+                                      heads_kv=args.heads_kv, itemsize=4 if args.dtype == "float32" else 2,
+                                      causal=args.causal)
+    except ValueError as err:
+        top.error(f"argument --ring: {err}")
+    print(ring_model.render(steps, f"ring attention, W={args.ring}, zigzag: B={args.batch} H={args.heads} N={n} "
+                                   f"d={args.head_dim} {args.dtype}{', causal' if args.causal else ''}"))
+    return 0
+
+
 def _run_compare(args, top) -> int:
+    if args.ring:
+        return _run_ring(args, top)
     if args.decode:
         return _run_decode(args, top)
     if args.split_size is not None:

@@ -144,31 +144,37 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
         err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
         err_lse = tolerance.assert_close(lse, whole.lse, atol_lse, name=f"{name} lse")
         return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
-    parts = []
-    for lo, hi in splits.ranges(n_k):
-        if hi > lo and visible[:, lo:hi].any():
-            parts.append((tolerance.baseline(q, k[..., lo:hi, :], v[..., lo:hi, :], scale=scale,
-                                             mask=_mask(visible[:, lo:hi]), block_q=1, block_k=block_k, **more)))
-    with np.errstate(invalid="ignore", over="ignore"):
-        lse_s = np.stack([p.lse for p in parts])  # (S', H, N_q)
-        o_s = np.stack([p.out for p in parts])  # (S', H, N_q, d)
-        share = np.where(np.isfinite(lse_s), np.exp(lse_s - whole.lse), 0.0)  # pi_s
-        atols = np.array([p.tolerances("v2") for p in parts])  # (S', 2): each split's (atol_out, atol_lse)
-        spread = np.abs(o_s - whole.out)
-        count = len(parts)
-        out_term, lse_term, _ = combine_terms(lse_s.reshape(count, -1), share.reshape(count, -1),
-                                              np.abs(o_s).reshape(count, -1, o_s.shape[-1]),
-                                              np.abs(whole.out).reshape(-1, o_s.shape[-1]))
-        atol_out_rows = (np.einsum("s,s...->...", atols[:, 0], share)[..., None]
-                         + np.einsum("s,s...,s...x->...x", atols[:, 1], share, spread)
-                         + out_term.reshape(o_s.shape[1:]) + tolerance.rounding_floor(whole.out))
-        atol_lse_rows = (np.einsum("s...,s->...", share, atols[:, 1]) + lse_term.reshape(lse_s.shape[1:])
-                         + tolerance.rounding_floor(whole.lse))
-    atol_out = tolerance._finite_max(atol_out_rows)
-    atol_lse = tolerance._finite_max(atol_lse_rows)
+    parts = [tolerance.baseline(q, k[..., lo:hi, :], v[..., lo:hi, :], scale=scale, mask=_mask(visible[:, lo:hi]),
+                                block_q=1, block_k=block_k, **more)
+             for lo, hi in splits.ranges(n_k) if hi > lo and visible[:, lo:hi].any()]
+    atol_out, atol_lse = combined_tolerances(whole.out, whole.lse, parts)
     err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
     err_lse = tolerance.assert_close(lse, whole.lse, atol_lse, name=f"{name} lse")
     return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
+
+
+def combined_tolerances(ref_out: np.ndarray, ref_lse: np.ndarray, parts: list) -> tuple[float, float]:
+    """(atol_out, atol_lse) of rows merged from the parts' (O_s, LSE_s) (proofs/L11 part 8): ref_out, ref_lse the
+    float64 reference of the whole rows; parts the `tolerance.baseline`s of the disjoint key sets merged (each
+    judged by the v2 rule, `tolerances("v2")`), sub-problems of the same rows. Each part's tolerances reach a row
+    through pi_s (and pi_s |O_s - O| for LSE_s's), the merge adds `combine_terms`, and the result's rounding
+    floor is added once."""
+    count = len(parts)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse_s = np.stack([p.lse for p in parts])  # (S', rows...)
+        o_s = np.stack([p.out for p in parts])  # (S', rows..., d)
+        share = np.where(np.isfinite(lse_s), np.exp(lse_s - ref_lse), 0.0)  # pi_s
+        atols = np.array([p.tolerances("v2") for p in parts])  # (S', 2): each part's (atol_out, atol_lse)
+        spread = np.abs(o_s - ref_out)
+        out_term, lse_term, _ = combine_terms(lse_s.reshape(count, -1), share.reshape(count, -1),
+                                              np.abs(o_s).reshape(count, -1, o_s.shape[-1]),
+                                              np.abs(ref_out).reshape(-1, o_s.shape[-1]))
+        atol_out_rows = (np.einsum("s,s...->...", atols[:, 0], share)[..., None]
+                         + np.einsum("s,s...,s...x->...x", atols[:, 1], share, spread)
+                         + out_term.reshape(o_s.shape[1:]) + tolerance.rounding_floor(ref_out))
+        atol_lse_rows = (np.einsum("s,s...->...", atols[:, 1], share) + lse_term.reshape(lse_s.shape[1:])
+                         + tolerance.rounding_floor(ref_lse))
+    return tolerance._finite_max(atol_out_rows), tolerance._finite_max(atol_lse_rows)
 
 
 def _mask(visible: np.ndarray):

@@ -1,0 +1,167 @@
+"""Ring attention (fa_numba.distributed) across processes: gloo on CPU, the kernels in the simulator, against
+the float64 single-device reference with the rule and its ring term (proofs/L12)."""
+
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="ring attention runs on torch.distributed (the torch extra)")
+
+import fa_numba.distributed as fd  # noqa: E402
+from fa_numba import split_kv, tolerance  # noqa: E402
+
+BLOCK = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, case: dict, path, timeout: float = 600):
+    """Run tests/ring_worker.run on `world` processes; raises (after ending the others) if any rank fails."""
+    import torch.multiprocessing as mp
+
+    import ring_worker
+
+    context = mp.start_processes(ring_worker.run, args=(world, free_port(), case, str(path)), nprocs=world,
+                                 join=False, start_method="spawn")
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            raise TimeoutError(f"the ring of {world} ranks did not finish in {timeout} s")
+
+
+@pytest.mark.lemma("L12")
+@pytest.mark.slow  # processes of their own, the kernels in the simulator: 20-60 s each
+@pytest.mark.parametrize("world, layout, causal, heads_kv", [
+    (2, "zigzag", True, 1), (2, "contiguous", False, 2), (3, "zigzag", True, 2), (3, "contiguous", True, 1),
+    (4, "zigzag", True, 1), (4, "zigzag", False, 2)])
+def test_ring_attention_forward_and_backward_match_single_device(world, layout, causal, heads_kv, tmp_path):
+    count = world * (1 if layout == "contiguous" else 2)
+    case = dict(seed=world * 10 + heads_kv, shape=(1, 2, heads_kv, 8 * count, 8), layout=layout, causal=causal,
+                block=BLOCK)
+    spawn(world, case, tmp_path / "ring.npz")
+    got = np.load(tmp_path / "ring.npz")
+    q, k, v, dout = (got[name].astype(np.float64) for name in ("q", "k", "v", "dout"))
+    atol_out, atol_lse = fd.ring_tolerances(got["q"], got["k"], got["v"], causal, world, layout, BLOCK)
+    ref = tolerance.baseline(got["q"], got["k"], got["v"], causal=causal, contractions=("matmul",))
+    assert tolerance.assert_close(got["out"], ref.out, atol_out, name="ring out") <= atol_out
+    assert tolerance.assert_close(got["lse"], ref.lse, atol_lse, name="ring lse") <= atol_lse
+    grads = tolerance.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"], got["v"],
+                                               got["dout"], causal=causal)
+    assert grads.err_dq <= grads.atol_dq and grads.err_dk <= grads.atol_dk and grads.err_dv <= grads.atol_dv
+    assert q.shape == dout.shape and k.shape == v.shape
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_the_ring_with_its_error(tmp_path):
+    case = dict(seed=0, shape=(1, 1, 1, 16, 8), layout="zigzag", causal=True, block=BLOCK, fail_rank=1,
+                timeout_s=30)
+    with pytest.raises(Exception) as caught:
+        spawn(2, case, tmp_path / "ring.npz", timeout=240)
+    assert "fails on purpose" in str(caught.value)
+    assert not (tmp_path / "ring.npz").exists()
+
+
+@pytest.mark.lemma("L12")
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_zigzag_gives_every_rank_the_same_causal_work(world):
+    counts = fd.pair_counts(world, "zigzag", causal=True)
+    assert all(c == counts[0] for c in counts)
+    assert counts[0][fd.PARTIAL] == 2 and counts[0][fd.FULL] == 2 * world - 1  # 4W pairs: 2 diagonal, half below
+    contiguous = fd.pair_counts(world, "contiguous", causal=True)
+    assert [c[fd.FULL] for c in contiguous] == list(range(world))  # rank r: r full pairs, the imbalance zigzag fixes
+
+
+@pytest.mark.lemma("L12")
+@pytest.mark.parametrize("world, layout", [(1, "contiguous"), (3, "contiguous"), (2, "zigzag"), (4, "zigzag")])
+def test_every_chunk_pair_is_visited_exactly_once(world, layout):
+    """Over the W steps, rank r meets key chunks of every rank once: the pairs (i, j) over all ranks are each
+    query chunk against each key chunk, once (the ring's schedule, read off chunk_ids and the step rule)."""
+    seen = {}
+    for rank in range(world):
+        for step in range(world):
+            source = (rank - step) % world
+            for i in fd.chunk_ids(rank, world, layout):
+                for j in fd.chunk_ids(source, world, layout):
+                    seen[(i, j)] = seen.get((i, j), 0) + 1
+    count = world * (1 if layout == "contiguous" else 2)
+    assert seen == {(i, j): 1 for i in range(count) for j in range(count)}
+
+
+@pytest.mark.lemma("L12")
+def test_the_ring_merge_is_the_decode_combine():
+    """fa_numba.distributed's torch merge of block (O, LSE)s against split_kv.combine (the NumPy fold of L2's
+    merge), empty blocks included."""
+    rng = np.random.default_rng(1)
+    lse = rng.normal(1.0, 2.0, (4, 3))
+    o = rng.standard_normal((4, 3, 5))
+    lse[0, 1] = -np.inf  # a block a row sees nothing of
+    o[0, 1] = 0.0
+    state = fd._State()
+    for lse_s, o_s in zip(lse, o):
+        state.add(torch.from_numpy(o_s), torch.from_numpy(lse_s))
+    got_out, got_lse = (x.numpy() for x in state.result())
+    want_out, want_lse = split_kv.combine(lse, o, np.ones(3, bool))
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-13, atol=1e-14)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-13)
+
+
+def test_bad_layouts_and_shapes_are_refused_by_name():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        fd.chunk_ids(0, 2, "stripe")
+    x = torch.zeros(1, 1, 4, 2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        fd.ring_attention(x, x, x, layout="ring")
+    with pytest.raises(ValueError, match="q must be a 4-D torch tensor"):
+        fd.ring_attention(x[0], x, x)
+    with pytest.raises(NotImplementedError, match="tensor-core backward"):
+        fd.ring_attention(x, x, x, engine="mma")
+    with pytest.raises(RuntimeError, match="not initialised"):
+        fd.ring_attention(x, x, x)
+
+
+def test_the_ring_model_on_probes_with_known_answers():
+    from fa_numba import ring_model
+
+    # W = 2, N = 8, d = 4, B = H = 1, float16: a shard is 4 keys, K + V = 2 x 4 x 4 x 2 = 64 bytes a step
+    fast = ring_model.ring_steps(2, 8, 4, itemsize=2, layout="contiguous", causal=False, tflops=1e30)
+    assert [s["forward_bytes"] for s in fast] == [64, 0]  # W - 1 forward transfers
+    assert [s["backward_bytes"] for s in fast] == [64 + 128] * 2  # W backward ones, dK and dV in float32
+    assert fast[0]["forward_s"] == pytest.approx(64 / ring_model.LINK_BYTES_PER_S)  # compute free: the link
+    slow = ring_model.ring_steps(2, 8, 4, layout="contiguous", causal=False, tflops=1e-9, link_bytes_per_s=1e30)
+    pair_flops = 4 * 4 * 4 * 4  # 4 B H c^2 d, c = 4
+    assert slow[0]["forward_s"] == pytest.approx(pair_flops / 1e3)  # link free: one full pair at 1e3 flop/s
+    causal = ring_model.ring_steps(4, 64, 8, causal=True, tflops=1.0, link_bytes_per_s=1e30)
+    assert len({s["pairs"] for s in causal}) == 1 and causal[0]["pairs"] == 2  # zigzag: 2 pair-units every step
+
+
+def test_compare_ring_prints_the_model(capsys):
+    from fa_numba import cli
+
+    assert cli.main(["compare", "--ring", "2", "--n-q", "64", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "ring attention, W=2" in out and "not a timing" in out
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--ring", "3", "--n-q", "100"])
+    assert "divisible by 6 chunks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_readme_two_process_example_runs_and_passes():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fa_numba.distributed", "--world", "2", "--n", "32"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip().endswith("pass") and "O error" in done.stdout
+    readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "python -m fa_numba.distributed --world 2 --n 32" in readme
