@@ -44,6 +44,7 @@ def spawn(world: int, case: dict, path, timeout: float = 600):
     (2, "zigzag", True, 1), (2, "contiguous", False, 2), (3, "zigzag", True, 2), (3, "contiguous", True, 1),
     (4, "zigzag", True, 1), (4, "zigzag", False, 2)])
 def test_ring_attention_forward_and_backward_match_single_device(world, layout, causal, heads_kv, tmp_path):
+    """Forward (O, LSE) within the ring's rule, gradients within L7's, and the work each rank did counted."""
     count = world * (1 if layout == "contiguous" else 2)
     case = dict(seed=world * 10 + heads_kv, shape=(1, 2, heads_kv, 8 * count, 8), layout=layout, causal=causal,
                 block=BLOCK)
@@ -58,6 +59,11 @@ def test_ring_attention_forward_and_backward_match_single_device(world, layout, 
                                                got["dout"], causal=causal)
     assert grads.err_dq <= grads.atol_dq and grads.err_dk <= grads.atol_dk and grads.err_dv <= grads.atol_dv
     assert q.shape == dout.shape and k.shape == v.shape
+    # the block calls each rank made, counted in the ring itself: the schedule's pairs, and equal under zigzag
+    want = [[c[fd.FULL], c[fd.PARTIAL]] for c in fd.pair_counts(world, layout, causal)]
+    assert got["work"].tolist() == want
+    if layout == "zigzag" and causal:
+        assert all(row == [2 * world - 1, 2] for row in got["work"].tolist())
 
 
 @pytest.mark.slow
