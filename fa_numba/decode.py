@@ -106,11 +106,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
 
     >>> import numpy as np, fa_numba
     >>> rng = np.random.default_rng(0)
-    >>> q = rng.standard_normal((1, 4, 1, 16)).astype(np.float32)
-    >>> cache = rng.standard_normal((1, 2, 64, 16)).astype(np.float32)
-    >>> out = fa_numba.attention_with_kvcache(q, cache, cache, [40], split_size=16, block_k=16)
+    >>> q = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
+    >>> cache = rng.standard_normal((1, 1, 32, 8)).astype(np.float32)
+    >>> out = fa_numba.attention_with_kvcache(q, cache, cache, [20], split_size=8, block_k=8)
     >>> out.shape
-    (1, 4, 1, 16)
+    (1, 2, 1, 8)
     """
     engines.decode(engine)
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}

@@ -7,6 +7,7 @@ is imported when no NVIDIA driver is visible; with a GPU the same tests run on t
 
 import json
 import os
+import pathlib
 import sys
 
 import fa_numba
@@ -14,6 +15,7 @@ import fa_numba
 if fa_numba.backend.name() == "simulator":
     sys.setswitchinterval(1e-4)  # the simulator runs one Python thread per CUDA thread: switch often
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -28,9 +30,18 @@ settings.register_profile("dev", deadline=None, max_examples=300, print_blob=Tru
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: the map holds every collected test
 def pytest_collection_modifyitems(session, config, items):
-    """With FA_NUMBA_LEMMA_MAP=path, write {test id: [lemmas it is marked with]} (read by test_proofs)."""
+    """{test id: [lemmas it is marked with]} of every collected test, kept on the config as `fa_numba_lemmas`
+    when this session collects the whole tests/ directory (test_proofs reads it instead of collecting the
+    suite again in a subprocess); with FA_NUMBA_LEMMA_MAP=path, also written there."""
+    lemmas = {item.nodeid: [m.args[0] for m in item.iter_markers("lemma")] for item in items}
+    here = pathlib.Path(__file__).resolve().parent
+    roots = [pathlib.Path(str(arg)).resolve() for arg in config.args]
+    if roots and all("::" not in str(arg) for arg in config.args) and any(r == here or r in here.parents
+                                                                          for r in roots):
+        config.fa_numba_lemmas = lemmas
     path = os.environ.get("FA_NUMBA_LEMMA_MAP")
     if path:
         with open(path, "w") as fh:
-            json.dump({item.nodeid: [m.args[0] for m in item.iter_markers("lemma")] for item in items}, fh)
+            json.dump(lemmas, fh)

@@ -170,14 +170,14 @@ def test_bad_shapes_and_dtypes_are_named():
 
 def test_layouts_and_float32_dout_with_float16_inputs():
     q, k, v, out, lse, dout = _qkvo()
-    four = fa_numba.attention_backward(q, k, v, out, lse, dout)
-    two = fa_numba.attention_backward(q[0, 0], k[0, 0], v[0, 0], out[0, 0], lse[0, 0], dout[0, 0])
+    four = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=8)  # 8 x 8 tiles: the simulator's pace
+    two = fa_numba.attention_backward(q[0, 0], k[0, 0], v[0, 0], out[0, 0], lse[0, 0], dout[0, 0], block_q=8)
     for g4, g2 in zip(four, two):
         assert g2.shape == g4.shape[2:]
         np.testing.assert_array_equal(g2, g4[0, 0])
     halves = [x.astype(np.float16) for x in (q, k, v)]
-    out16, lse16 = fa_numba.attention(*halves, return_lse=True)
-    grads = fa_numba.attention_backward(*halves, out16, lse16, dout)  # dout float32: the forward's output dtype
+    out16, lse16 = fa_numba.attention(*halves, return_lse=True, block_q=8, block_k=8)
+    grads = fa_numba.attention_backward(*halves, out16, lse16, dout, block_q=8)  # dout float32: the forward's dtype
     tolerance.check_attention_backward(*grads, *halves, dout)
 
 

@@ -28,15 +28,19 @@ def checked_by(path: pathlib.Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def collected(tmp_path_factory) -> dict[str, set[str]]:
-    """{test id without parameters: lemmas marked}, from a --collect-only run of the whole suite."""
-    out = tmp_path_factory.mktemp("lemmas") / "map.json"
-    env = {**os.environ, "FA_NUMBA_LEMMA_MAP": str(out)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def collected(request, tmp_path_factory) -> dict[str, set[str]]:
+    """{test id without parameters: lemmas marked}: this session's own collection when it collected the whole
+    suite (conftest keeps it, slow tests included), else a --collect-only run of the whole suite."""
+    found = getattr(request.config, "fa_numba_lemmas", None)
+    if found is None:
+        out = tmp_path_factory.mktemp("lemmas") / "map.json"
+        env = {**os.environ, "FA_NUMBA_LEMMA_MAP": str(out)}
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        found = json.loads(out.read_text())
     ids: dict[str, set[str]] = {}
-    for node, lemmas in json.loads(out.read_text()).items():
+    for node, lemmas in found.items():
         ids.setdefault(re.sub(r"\[.*\]$", "", node), set()).update(lemmas)
     return ids
 

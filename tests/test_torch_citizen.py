@@ -9,6 +9,8 @@ identity (a cast of the same result, the same kernels on a copied layout).
 
 import copy
 import functools
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -121,6 +123,26 @@ def test_a_block_trains_under_torch_compile_fullgraph_as_in_eager():
     for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
     assert want[-1] < want[0]  # it trains
+
+
+@pytest.mark.slow  # inductor compiles C++ for the ops around ours: about a minute on 2 cores
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None,
+                    reason="inductor on CPU compiles C++: no C++ compiler on this machine")
+def test_a_block_trains_under_inductor_as_in_eager():
+    """The default backend, inductor: the operators stay opaque nodes (their own kernels) and the ops around
+    them become generated C++; training steps match eager."""
+    torch.manual_seed(0)
+    eager = _Block()
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="inductor")
+    x, y = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    want = _train(eager, 3, x, y)
+    got = _train(compiled, 3, x, y)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-3, atol=1e-5, err_msg=name)
+    assert want[-1] < want[0]
 
 
 # ----------------------------------------------------------------------------------------------------
