@@ -469,3 +469,17 @@ def test_compare_decode_checks_counts_and_bounds_each_variant(tmp_path, capsys):
     assert rows["split"]["hbm_bound_us"] == pytest.approx(rows["split"]["bytes"] / 4.8e12 * 1e6)
     out = capsys.readouterr().out
     assert "HBM bound" in out and "not a speed" in out
+
+
+def test_compare_decode_reports_a_failing_variant_and_exits_1(monkeypatch, capsys):
+    from fa_numba import split_kv
+
+    real = split_kv.check
+
+    def wrong(out, *args, **kwargs):  # a kernel result off by 1e-3 everywhere
+        return real(out + 1e-3, *args, **kwargs)
+
+    monkeypatch.setattr(split_kv, "check", wrong)
+    code = cli.main(["compare", "--decode", "--n-k", "16", "--heads", "1", "--head-dim", "8", "--no-count"])
+    assert code == 1
+    assert "split FAILED its check" in capsys.readouterr().out
