@@ -36,6 +36,24 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def torch_median_ms(call, repeats: int) -> float:
+    """Median ms of `call` (a torch CUDA call) over `repeats` timed calls, CUDA events, after 4 warm-up calls."""
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    start, stop, samples = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    for _ in range(3):
+        call()
+    for _ in range(repeats):
+        start.record()
+        call()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop))
+    return float(np.median(samples))
+
+
 def sdpa(shape: cmp.Shape, repeats: int) -> dict:
     """Time torch SDPA on the inputs compare.run used (same seed). Returns backend, ms, or why not."""
     try:
@@ -50,18 +68,8 @@ def sdpa(shape: cmp.Shape, repeats: int) -> dict:
         try:
             with sdpa_kernel([backend]):
                 call = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)  # noqa: E731
-                call()
-                torch.cuda.synchronize()
-                start, stop, samples = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
-                for _ in range(3):
-                    call()
-                for _ in range(repeats):
-                    start.record()
-                    call()
-                    stop.record()
-                    stop.synchronize()
-                    samples.append(start.elapsed_time(stop))
-            return {"available": True, "backend": backend.name, "median_ms": float(np.median(samples)),
+                median = torch_median_ms(call, repeats)
+            return {"available": True, "backend": backend.name, "median_ms": median,
                     "torch": torch.__version__}
         except RuntimeError:
             continue

@@ -27,6 +27,9 @@ sys.path.insert(0, ROOT)  # run from a checkout without installing it (as on a l
 import fa_numba  # noqa: E402,F401 - selects the backend before numba is imported
 from fa_numba import compare_decode  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_gpu import torch_median_ms  # noqa: E402 - the same CUDA-event timing as the SDPA rows there
+
 SHAPES = [(1, 32768), (8, 32768), (1, 131072), (8, 131072)]
 
 
@@ -42,18 +45,8 @@ def sdpa(shape: compare_decode.Shape, repeats: int) -> dict:
     q, k, v = (torch.from_numpy(np.ascontiguousarray(x).astype(np.float16)).cuda()
                for x in compare_decode.inputs(shape))
     call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731 - N_q = 1 sees every key
-    call()
-    torch.cuda.synchronize()
-    start, stop, samples = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
-    for _ in range(3):
-        call()
-    for _ in range(repeats):
-        start.record()
-        call()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop))
-    return {"available": True, "median_ms": float(np.median(samples)), "torch": torch.__version__}
+    median = torch_median_ms(call, repeats)
+    return {"available": True, "median_ms": median, "torch": torch.__version__}
 
 
 def main(argv=None) -> int:
