@@ -11,8 +11,11 @@ the SMs, at most the occupancy's blocks per SM) spends at least
     issue    resident x warp instructions / 4           (4 schedulers, one warp instruction per cycle each)
     shared   resident x wavefronts                     (one 128-byte wavefront per cycle)
     mufu     resident x MUFU warp instructions x 32 / 16  (16 MUFU results per cycle)
-    latency  load round trips x L2 latency + one block's own issue time (its warps on min(warps, 4)
-             schedulers): a block cannot hide its own dependent loads, only other blocks' work can
+    tensor   resident x tensor-core cycles / min(resident warps, 4)  (one tensor core per sub-partition: an
+             mma.sync m16n8k16 holds it `Device.mma_cycles` = 4 cycles at the dense peak; tensor-core kernels)
+    latency  load round trips x L2 latency + one block's own work (its issue, or its tensor-core cycles if
+             longer, on min(warps, 4) sub-partitions): a block cannot hide its own dependent loads, only other
+             blocks' work can
 
 cycles, and the iteration takes the largest (the limiter). The call takes waves x iterations per block of
 those (whole waves: a partial last wave costs a full one), or the HBM time of its bytes if that is longer.
@@ -32,7 +35,7 @@ from fa_numba.banks import BANK_BYTES, BANKS
 from fa_numba.machine import H200, SM90, Device
 
 WAVEFRONT_BYTES = BANKS * BANK_BYTES  # one wavefront moves one word from every bank
-LIMITERS = ("issue", "shared", "mufu", "latency", "hbm")
+LIMITERS = ("issue", "shared", "mufu", "tensor", "latency", "hbm")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class IterationCost:
     wavefronts: float  # shared-memory wavefronts per block
     load_round_trips: float  # dependent global-load waits of one thread (each an L2 round trip)
     flops: float  # useful floating-point operations per block (2 per multiply-add of the products)
+    tensor_cycles: float = 0.0  # cycles the block's mma.sync instructions hold a tensor core (Device.mma_cycles)
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,13 @@ def iteration_cycles(cost: IterationCost, launch: Launch, device: Device = H200)
     """Each on-chip limiter's cycles for one iteration of every resident block of one SM (module docstring)."""
     resident = resident_blocks(launch, device)
     schedulers = SM90.schedulers_per_sm
-    own_issue = cost.warp_instructions / min(launch.warps_per_block, schedulers)
+    own = max(cost.warp_instructions, cost.tensor_cycles) / min(launch.warps_per_block, schedulers)
     return {
         "issue": resident * cost.warp_instructions / schedulers,
         "shared": resident * cost.wavefronts * WAVEFRONT_BYTES / device.shared_bytes_per_cycle,
         "mufu": resident * cost.mufu * SM90.warp_size / device.mufu_lanes_per_sm,
-        "latency": cost.load_round_trips * device.l2_latency_cycles + own_issue,
+        "tensor": resident * cost.tensor_cycles / min(resident * launch.warps_per_block, schedulers),
+        "latency": cost.load_round_trips * device.l2_latency_cycles + own,
     }
 
 

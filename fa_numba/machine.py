@@ -10,7 +10,7 @@ Every constant is named once, here, with where it comes from. Two kinds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,34 @@ class Device:
     # microbenchmarks of Hopper (Luo et al., "Benchmarking and Dissecting the Nvidia Hopper GPU Architecture",
     # 2024) measure roughly 260-300 cycles; the model takes 300 and says so. Calibrate on a GPU.
     l2_latency_cycles: int = 300
+    # Tensor cores, dense, 16-bit operands (float16 / bfloat16) with float32 accumulation: 4096 flops (2048
+    # multiply-adds) per cycle per SM, 1024 on each sub-partition's tensor core. The H100 whitepaper gives the
+    # GH100 SM twice the A100's 1024 dense FP16 FMA per cycle; the datasheet's 989.4 TFLOP/s (SXM) is
+    # 132 x 4096 x 1.83 GHz, a lower clock than the FP32 figure's, so at this model's one clock the tensor
+    # peak reads 1070 (8% optimistic). TF32 runs at half the 16-bit rate. Assumed, not documented: that the
+    # warp-level mma.sync (HMMA) this project emits reaches that rate at all. Hopper's full rate is quoted for
+    # the warpgroup wgmma, and public FlashAttention-2 (mma.sync) runs reach about 35-40% of it; so the model's
+    # tensor term is a floor on the time the products take, the first constant to calibrate on a GPU.
+    tensor_flops_per_cycle: dict = field(default_factory=lambda: {"f16": 4096, "tf32": 2048})
 
     @property
     def peak_fp32_tflops(self) -> float:
         """FFMA counts 2 flops per lane: SMs x 128 lanes x 2 x clock."""
         return self.sms * SM90.fp32_lanes_per_sm * 2 * self.clock_ghz / 1e3
+
+    @property
+    def peak_tensor_tflops(self) -> float:
+        """Dense 16-bit tensor-core peak at the model's clock: SMs x 4096 x clock (1070 on the H200 model)."""
+        return self.sms * self.tensor_flops_per_cycle["f16"] * self.clock_ghz / 1e3
+
+    def mma_cycles(self, shape: str) -> float:
+        """Cycles one warp's mma.sync of `shape` ("m16n8k16" 16-bit, "m16n8k8" tf32) holds its sub-partition's
+        tensor core at the full dense rate: 2 m n k flops over a quarter of the SM's rate (4 for both)."""
+        dims = {"m16n8k16": (16, 8, 16, "f16"), "m16n8k8": (16, 8, 8, "tf32")}
+        if shape not in dims:
+            raise ValueError(f"shape must be one of {tuple(dims)}, got {shape!r}")
+        m, n, k, kind = dims[shape]
+        return 2 * m * n * k / (self.tensor_flops_per_cycle[kind] / SM90.schedulers_per_sm)
 
     @property
     def cycles_per_s(self) -> float:

@@ -24,7 +24,7 @@ def test_the_constants_are_the_h200_s():
 def test_an_issue_bound_iteration_is_its_warp_instructions_over_four_schedulers():
     # 2 resident blocks x 800 warp instructions / 4 schedulers = 400 cycles; one block alone: 800 / 4 = 200
     cycles = iteration_cycles(BASE, FULL)
-    assert cycles == {"issue": 400, "shared": 0, "mufu": 0, "latency": 200}
+    assert cycles == {"issue": 400, "shared": 0, "mufu": 0, "tensor": 0, "latency": 200}
     found = estimate(BASE, FULL)
     assert found.limiter == "issue" and found.waves == 1 and found.resident == 2 and found.busy_sms == 132
     assert found.seconds == pytest.approx(400 * 10 / CLOCK)
@@ -67,3 +67,31 @@ def test_hbm_bytes_bound_the_call_when_they_take_longer():
 def test_an_empty_grid_is_refused():
     with pytest.raises(ValueError, match="blocks >= 1"):
         resident_blocks(dataclasses.replace(FULL, blocks=0))
+
+
+def test_the_tensor_core_rate_is_the_whitepapers_dense_16_bit_rate():
+    h200 = machine.H200
+    # 4096 flops per cycle per SM: the datasheet's 989.4 TFLOP/s is 132 SMs x 4096 x 1.83 GHz
+    assert 132 * h200.tensor_flops_per_cycle["f16"] * 1.83e9 / 1e12 == pytest.approx(989.4, abs=0.2)
+    # an m16n8k16 is 16 x 8 x 16 multiply-adds = 4096 flops on one sub-partition's 1024 per cycle: 4 cycles;
+    # an m16n8k8 in tf32 is half the flops at half the rate: 4 cycles too
+    assert h200.mma_cycles("m16n8k16") == 4 and h200.mma_cycles("m16n8k8") == 4
+    with pytest.raises(ValueError, match="shape must be one of"):
+        h200.mma_cycles("m16n8k32")
+
+
+def test_a_loop_of_exactly_n_mma_is_tensor_bound_at_four_cycles_each():
+    # 8 warps per block, each issuing 64 HMMA and nothing much else: 512 x 4 = 2048 tensor cycles per block,
+    # 2 resident blocks on 4 tensor cores: 1024 cycles, over the 2 x 800 / 4 = 400 issue cycles
+    cost = dataclasses.replace(BASE, tensor_cycles=8 * 64 * machine.H200.mma_cycles("m16n8k16"))
+    found = estimate(cost, FULL)
+    assert found.limiter == "tensor" and found.cycles["tensor"] == pytest.approx(1024)
+    assert found.cycles["latency"] == pytest.approx(2048 / 4)  # the block's own chain: its tensor cycles
+    assert found.seconds == pytest.approx(1024 * 10 / CLOCK)
+
+
+def test_a_one_warp_block_alone_on_an_sm_uses_one_tensor_core():
+    alone = Launch(blocks=132, warps_per_block=1, blocks_per_sm=1, iterations_per_block=10, hbm_bytes=0)
+    cost = IterationCost(warp_instructions=100, mufu=0, wavefronts=0, load_round_trips=0, flops=1e6,
+                         tensor_cycles=64 * 4)
+    assert iteration_cycles(cost, alone)["tensor"] == 256  # not 256 / 4: three tensor cores idle
