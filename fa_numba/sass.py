@@ -324,3 +324,18 @@ def global_load_waits(instructions) -> int:
             in_flight = set()
         in_flight |= load_destination(inst)
     return waits
+
+
+def async_copy_waits(instructions) -> int:
+    """How many times a thread waits for its own asynchronous copies (cp.async: LDGSTS into shared memory)
+    while issuing `instructions` in address order: a DEPBAR (cp.async.wait_group) after at least one LDGSTS
+    since the last such wait counts one round trip (the copies issued together travel together, as in
+    `global_load_waits`); a DEPBAR with no copy in flight costs nothing here. Straight-line code, one pass."""
+    waits, in_flight = 0, False
+    for inst in instructions:
+        if inst.base == "LDGSTS":
+            in_flight = True
+        elif inst.base == "DEPBAR" and in_flight:
+            waits += 1
+            in_flight = False
+    return waits

@@ -37,7 +37,8 @@ PRODUCTS = {"v1": 2, "v2": 2, "v1-rowwise": 2, "v2-rowwise": 2,
 # FFMAs outside the products (the softmax's scale and rescaling) may add a little; more than this means a loop
 # was counted twice or missed (a remainder loop beside an unrolled one), so the counts are not trusted.
 PRODUCT_SLACK = 0.5
-KV_OUTER = ("v1", "v1-rowwise", "bwd-kv", "bwd-kv-det")  # the tile loop runs over query tiles
+KV_OUTER = ("v1", "v1-rowwise", "bwd-kv", "bwd-kv-det", "v1-mma")  # the tile loop runs over query tiles
+MMA_VARIANTS = ("v1-mma", "v2-mma")  # the tensor-core forwards: products on mma.sync m16n8k16, not FFMA
 
 
 def _loop_axis_tile(cfg: dict) -> int:
@@ -110,6 +111,40 @@ def iteration_counts(text: str, cfg: dict, threads: int, d_pad: int | None = Non
     return counts
 
 
+def mma_iteration_counts(text: str, cfg: dict, d_pad: int) -> dict:
+    """Per thread, what one tile-loop iteration of a tensor-core kernel issues (the keys of `iteration_counts`,
+    and "hmma"). The tile loop is the smallest SASS loop holding every HMMA; its body is counted once, every
+    path (the engine unrolls its fragment loops, so a FULL tile has no inner loop; an inner loop is counted
+    once and listed in `unattributed`). Round trips: dependent global loads and cp.async waits
+    (`sass.async_copy_waits`). "products": the HMMAs as products of B_r B_c D, each warp owning 16 rows and
+    one m16n8k16 covering 16 x 8 x 16 multiply-adds, so exactly 2 for a forward that does S and P V once."""
+    tree = sass.loop_tree(text)
+    holding = [node for node in tree if any(i.base == "HMMA" for i in node.instructions)]
+    if not holding:
+        raise ValueError(f"{cfg['variant']}: no SASS loop holds its HMMA instructions")
+    tile = min(holding, key=lambda node: len(node.instructions))
+    counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
+              "unattributed": [], "hmma": 0.0, "shared_accesses": {}}
+
+    def add(node) -> None:
+        for inst in node.own:
+            counts["instructions"] += 1
+            counts["by_category"][inst.category] += 1
+            counts["hmma"] += inst.base == "HMMA"
+            if inst.base in ("LDS", "STS", "LDSM", "LDGSTS"):
+                counts["shared_accesses"][inst.base] = counts["shared_accesses"].get(inst.base, 0) + 1
+        counts["load_round_trips"] += sass.global_load_waits(node.own) + sass.async_copy_waits(node.own)
+        for child in node.children:
+            counts["unattributed"].append(f"0x{tree[child].start:04x}-0x{tree[child].end:04x}")
+            add(tree[child])
+
+    add(tile)
+    counts["ffma"] = counts["by_category"]["FFMA"]
+    counts["mufu"] = counts["by_category"]["MUFU"]
+    counts["products"] = counts["hmma"] * 16 * 8 * 16 / (16 * cfg["block_k"] * d_pad)
+    return counts
+
+
 def iterations_per_block(cfg: dict, blocks_per_head: int, n_q: int, n_k: int) -> float:
     """Tile-loop iterations a block runs, the mean over the blocks of one head: visited tiles / blocks."""
     tiles = tile_counts.count(n_q, n_k, cfg["block_q"], cfg["block_k"], cfg["causal"]).computed
@@ -154,6 +189,8 @@ def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int) -> int:
 def kernel_counts(cfg: dict, text: str, built) -> dict:
     """`iteration_counts` of a built kernel (its block shape, and the engine's padded D from its layout)."""
     config = built.config
+    if cfg["variant"] in MMA_VARIANTS:
+        return mma_iteration_counts(text, cfg, config.padded_dim)
     _, block = built.launch_shape(1, 1, cfg["block_q"])
     d_pad = config.layout.d_pad if getattr(config, "engine", False) else None
     return iteration_counts(text, cfg, math.prod(block), d_pad)
@@ -164,10 +201,14 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     """The whole-kernel estimate of one configuration from its `kernel_counts` and the shared-memory wavefronts
     of one iteration (module docstring), and what it rests on; None, with the reason in "withheld", when the
     tile loop's FFMAs do not amount to the kernel's products."""
-    expected = PRODUCTS[cfg["variant"]]
-    if abs(counts["products"] - expected) > PRODUCT_SLACK:  # the loops are not the products: no estimate
+    mma = cfg["variant"] in MMA_VARIANTS
+    expected = 2 if mma else PRODUCTS[cfg["variant"]]
+    if abs(counts["products"] - expected) > (0 if mma else PRODUCT_SLACK):  # the loops are not the products
         return None, {"withheld": f"the SASS loops amount to {counts['products']:.2f} products of B_r B_c D, "
                                   f"not the kernel's {expected}"}
+    if mma and counts["unattributed"]:  # a loop inside the tile loop: the static count is not one iteration's
+        return None, {"withheld": f"loops inside the tile loop ({', '.join(counts['unattributed'])}) have no "
+                                  f"trip-count rule for the tensor-core kernels"}
     threads = math.prod(block)
     warps = -(-threads // SM90.warp_size)
     blocks = math.prod(grid)
@@ -177,9 +218,10 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     # halved for causal), times the products over the forward's two, spread evenly over the iterations.
     useful = (attention_flops(launch["batch"], launch["heads"], launch["n"], launch["n"], cfg["head_dim"],
                               cfg["causal"]) * expected / 2)
+    tensor = counts.get("hmma", 0) * warps * device.mma_cycles("m16n8k16")
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],
-                         flops=useful / (iterations * blocks))
+                         flops=useful / (iterations * blocks), tensor_cycles=tensor)
     resident = min(occupancy["blocks_per_sm"], math.ceil(blocks / device.sms))
     traffic = hbm_bytes(cfg, launch, resident * device.sms, blocks_per_head, device)
     run = Launch(blocks=blocks, warps_per_block=warps, blocks_per_sm=occupancy["blocks_per_sm"],

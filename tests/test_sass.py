@@ -324,3 +324,12 @@ def test_real_kernels_round_trips_and_tile_loop(real_listings):
     tree = sass.loop_tree(real_listings["two_round_trips"])
     (loop,) = tree
     assert _loads(loop) == 3 and sass.global_load_waits(loop.own) == 2  # idx[i] and nxt[i], then x[idx[i]]
+
+
+def test_copies_committed_together_cost_one_wait_and_a_wait_with_none_in_flight_costs_none():
+    copy = "LDGSTS.E.BYPASS.128 [R17], desc[UR28][R14.64], P2"
+    together = _body(copy, copy, copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0", "BAR.SYNC.DEFER_BLOCKING 0x0")
+    apart = _body(copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0", copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0")
+    assert sass.async_copy_waits(together) == 1 and sass.async_copy_waits(apart) == 2
+    assert sass.async_copy_waits(_body("DEPBAR.LE SB0, 0x0", "HMMA.16816.F32 R4, R8, R12, R4")) == 0
+    assert sass.global_load_waits(together) == 0  # a cp.async writes no register: not a global-load wait

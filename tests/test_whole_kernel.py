@@ -60,3 +60,47 @@ def test_no_tile_loop_is_an_error():
     flat = _listing(".L_x_2", *PRODUCT, "@P0 BRA `(.L_x_2)", "EXIT")
     with pytest.raises(ValueError, match="no SASS loop holds all its matrix-product loops"):
         whole_kernel.iteration_counts(flat, CFG, THREADS)
+
+
+# A tensor-core tile loop (v2-mma, one warp, B_c = 16, d = 16): the engine unrolls every fragment loop, so the
+# tile loop has no inner loop; S = Q K^T takes B_c / 8 x d / 16 = 2 HMMA per warp, P V B_c / 16 x d / 8 = 2:
+# 4 HMMA of 16 x 8 x 16 multiply-adds = 2 products of 16 rows x B_c x d, exactly.
+MMA_CFG = dict(variant="v2-mma", block_q=16, block_k=16, head_dim=16, dtype="float16", causal=False)
+COPY = "LDGSTS.E.BYPASS.128 [R17], desc[UR28][R14.64], P2"
+HMMA = "HMMA.16816.F32 R4, R8, R12, R4"
+
+
+def _mma_kernel(*body: str) -> str:
+    return _listing(".L_x_0", *body, "@P2 BRA `(.L_x_0)", "EXIT", ".L_x_9", "BRA `(.L_x_9)")
+
+
+def test_a_tensor_core_iteration_counts_its_hmma_and_one_wait_for_its_copies():
+    text = _mma_kernel(COPY, COPY, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0", "BAR.SYNC.DEFER_BLOCKING 0x0",
+                       "LDSM.16.M88.2 R8, [R4]", HMMA, HMMA, "MUFU.EX2 R20, R21", HMMA, HMMA)
+    counts = whole_kernel.mma_iteration_counts(text, MMA_CFG, d_pad=16)
+    assert counts["instructions"] == 12 and counts["hmma"] == 4 and counts["products"] == 2  # 11 + the back edge
+    assert counts["load_round_trips"] == 1 and counts["mufu"] == 1 and counts["unattributed"] == []
+    assert counts["shared_accesses"] == {"LDGSTS": 2, "LDSM": 1}
+
+
+def test_a_tensor_core_estimate_is_withheld_when_the_hmma_are_not_two_products_or_a_loop_hides_inside():
+    three = whole_kernel.mma_iteration_counts(_mma_kernel(HMMA, HMMA, HMMA), MMA_CFG, d_pad=16)
+    assert three["products"] == 1.5
+    occupancy = {"blocks_per_sm": 8}
+    launch = dict(batch=1, heads=1, n=64)
+    found, why = whole_kernel.estimate_configuration(MMA_CFG, three, occupancy, (4, 1), (32, 1, 1), 10.0, launch)
+    assert found is None and "1.50 products" in why["withheld"]
+    inner = _listing(".L_x_0", HMMA, HMMA, ".L_x_1", COPY, "@P1 BRA `(.L_x_1)", HMMA, HMMA, "@P2 BRA `(.L_x_0)",
+                     "EXIT", ".L_x_9", "BRA `(.L_x_9)")
+    looped = whole_kernel.mma_iteration_counts(inner, MMA_CFG, d_pad=16)
+    assert looped["products"] == 2 and len(looped["unattributed"]) == 1
+    found, why = whole_kernel.estimate_configuration(MMA_CFG, looped, occupancy, (4, 1), (32, 1, 1), 10.0, launch)
+    assert found is None and "no trip-count rule" in why["withheld"]
+
+
+def test_a_tensor_core_estimate_charges_four_cycles_per_hmma():
+    counts = whole_kernel.mma_iteration_counts(_mma_kernel(*[HMMA] * 4), MMA_CFG, d_pad=16)
+    found, _ = whole_kernel.estimate_configuration(MMA_CFG, counts, {"blocks_per_sm": 8}, (4, 1), (32, 1, 1), 0.0,
+                                                   dict(batch=1, heads=1, n=64))
+    # 4 blocks on 132 SMs: one each, one warp: its 4 HMMA x 4 cycles on one tensor core, over 5 / 1 issue cycles
+    assert found.cycles["tensor"] == 16 and found.cycles["issue"] == 5 / 4 and found.limiter == "tensor"
