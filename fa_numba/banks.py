@@ -27,6 +27,12 @@ tests/test_banks.py); the pairing condition is an NVIDIA engineer's answer for C
 (forums.developer.nvidia.com/t/77228: "requests per instruction reduce from 4 to 2"), assumed to hold on 9.0
 since the measurement above agrees with it. A lane whose partner is not in the access breaks the pairing
 (the conservative reading: more wavefronts, never fewer).
+- ldmatrix (kind "matrix"): .x1/.x2/.x4 read 1, 2 or 4 8x8 matrices of 16-bit elements, lanes 8m .. 8m + 7
+  giving the 16-byte rows of matrix m (lanes past the last matrix give none). Each matrix is one phase of 8
+  rows (128 bytes if conflict-free): the 128-bit quarter-warp rule, never paired. So a conflict-free x4 costs
+  4 wavefronts and x2 costs 2, and 8 rows 128 bytes apart (all in the same 4 banks) cost 8 per matrix. This
+  is the layout reading of the PTX ISA ("ldmatrix": each of the 8 threads of a group gives one row address),
+  priced like any 128-bit access; CUTLASS's padded and swizzled layouts are built on the same reading.
 
 This is a model of the hardware, not a measurement: calibrate it on a GPU (Nsight Compute's
 l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld / _op_st on probe kernels) before trusting a figure built on it.
@@ -44,7 +50,7 @@ WIDTHS = (1, 2, 4, 8, 16)  # bytes one lane can load or store in one shared-memo
 _LANES_PER_PHASE = {1: WARP, 2: WARP, 4: WARP, 8: WARP // 2, 16: WARP // 4}
 
 
-KINDS = ("load", "store")
+KINDS = ("load", "store", "matrix")  # "matrix": ldmatrix (LDSM), 16-byte rows, one 8x8 matrix per phase
 PAIRED_WIDTH = 16  # the access width the paired-load rule applies to (module docstring)
 
 
@@ -64,6 +70,8 @@ def is_paired(byte_addresses_by_lane: Mapping[int, int] | Sequence[int | None], 
     at the same address, or every one lane n ^ 2 (module docstring)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "matrix" and width_bytes != PAIRED_WIDTH:
+        raise ValueError(f"an ldmatrix ('matrix') access reads 16-byte rows, got width_bytes={width_bytes}")
     if kind != "load" or width_bytes != PAIRED_WIDTH:
         return False
     active = _active_lanes(byte_addresses_by_lane, width_bytes)

@@ -256,26 +256,45 @@ DTYPES = ("float32", "float16")
 
 
 def kernel_names() -> list[str]:
-    """Every registered kernel: the forward variants, then the backward ones (kernels.backward.VARIANTS)."""
+    """Every kernel: the CUDA-core forward variants (kernels.VARIANTS), the tensor-core forwards
+    (whole_kernel.MMA_VARIANTS), then the backward ones (kernels.backward.VARIANTS)."""
     from fa_numba.kernels import VARIANTS
     from fa_numba.kernels import backward
 
-    return list(VARIANTS) + list(backward.VARIANTS)
+    forward = [name for name in VARIANTS if name not in whole_kernel.MMA_VARIANTS]
+    return forward + list(whole_kernel.MMA_VARIANTS) + list(backward.VARIANTS)
+
+
+def _mma_tiles(head_dim: int) -> tuple[int, int] | None:
+    """(block_q, block_k) the tensor-core kernels launch with by default (engines.mma_tiles), or None for a
+    head dim they do not take."""
+    from fa_numba import engines
+
+    if head_dim > engines.MMA_MAX_HEAD_DIM:
+        return None
+    warps, block_k = engines.mma_tiles(head_dim, None, None)
+    return 16 * warps, block_k
 
 
 def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
     """The shipped configurations: every kernel at the default tiles of each head dim, each dtype (the
-    backward kernels at float32 only: they read float16 through the same conversion) and causal or not."""
+    backward kernels at float32 only: they read float16 through the same conversion; the tensor-core
+    kernels at 16-bit dtypes and d <= 128 only, at their own default tiles) and causal or not."""
     from fa_numba.kernels import backward, default_tiles
 
     for name in orders or kernel_names():
         is_backward = name in backward.VARIANTS
+        is_mma = name in whole_kernel.MMA_VARIANTS
         for head_dim in head_dims:
-            block_q, block_k = default_tiles(head_dim)
+            block_q, block_k = (_mma_tiles(head_dim) or (0, 0)) if is_mma else default_tiles(head_dim)
             if is_backward:
                 block_q = block_k = backward.default_backward_tiles(head_dim)[0]
+            if is_mma and not block_q:  # a head dim the tensor-core kernels refuse
+                continue
             for dtype in dtypes:
                 if is_backward and dtype != "float32" and "float32" in dtypes:
+                    continue
+                if is_mma and dtype == "float32":  # 3xTF32 is not built: no float32 tensor-core kernel
                     continue
                 for causal in causals:
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
@@ -286,6 +305,14 @@ def _build(cfg: dict):
     from fa_numba.kernels import VARIANTS, backward
 
     form = cfg.get("mask_form", "none")  # a block mask's "intervals" / "dense" path, when asked for
+    if cfg["variant"] in whole_kernel.MMA_VARIANTS:
+        from fa_numba.kernels.mma.engine_v1 import make_v1_mma
+        from fa_numba.kernels.mma.engine_v2 import make_v2_mma
+
+        if form != "none":
+            raise ValueError(f"{cfg['variant']} has no block-mask path (mask_form {form!r})")
+        make = make_v1_mma if cfg["variant"] == "v1-mma" else make_v2_mma
+        return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"])
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
         return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form)
@@ -329,7 +356,8 @@ def table(profiles: list[Profile]) -> str:
                      f"{p.spill_stores}/{p.spill_loads}", str(p.stack), str(p.smem), str(p.occupancy["warps_per_sm"]),
                      p.occupancy["limiter"], str(len(hot)), f"{issued / ffma:.1f}" if ffma else "-",
                      f"{100 * ffma / issued:.0f}" if issued else "-", str(sum(m["LDS/STS"] for m in mixes)),
-                     str(sum(m["LDL/STL"] for m in mixes)), f"{p.bound['tflops']:.1f}",
+                     str(sum(m["LDL/STL"] for m in mixes)),
+                     "-" if c["variant"] in whole_kernel.MMA_VARIANTS else f"{p.bound['tflops']:.1f}",
                      (f"{p.estimate['tflops']:.1f}" + ("" if p.estimate["shared_accesses"]["agree"] else "?"))
                      if "tflops" in p.estimate else "-",
                      p.estimate.get("limiter", "n/a" if p.estimate else "-")])
@@ -413,12 +441,14 @@ def main(argv=None) -> int:
         attach_estimates(profiles, finish_wavefronts(tracing), launch)
     print(f"static profile, {args.arch} SASS compiled on the CPU through the launch path (LTO); "
           f"estimates at B={launch['batch']} H={launch['heads']} N={launch['n']} on an {H200.name} "
-          f"({H200.sms} SMs, {H200.clock_ghz} GHz, FP32 peak {H200.peak_fp32_tflops:.1f} TFLOP/s)")
+          f"({H200.sms} SMs, {H200.clock_ghz} GHz, FP32 peak {H200.peak_fp32_tflops:.1f} TFLOP/s, dense 16-bit "
+          f"tensor peak {H200.peak_tensor_tflops:.0f} at this clock)")
     print(table(profiles))
     print("estimate = the whole-kernel model (fa_numba.cycle_model: one tile-loop iteration's issue, shared-memory "
           "wavefronts, MUFU and load latency on one SM, whole blocks and waves, HBM); model = its limiter. "
           "hot-loop = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in the matrix-product loops only x "
-          "scheduler fill, which overstates. ?: the traced shared-memory accesses differ from the SASS's by over "
+          "scheduler fill, which overstates (CUDA-core kernels only; '-' for the tensor-core ones, whose estimate "
+          "adds the tensor-core term: 4 cycles per mma.sync m16n8k16 at the dense peak). ?: the traced shared-memory accesses differ from the SASS's by over "
           f"{WIDTH_AGREEMENT:.0%} (their widths were guessed otherwise), so the shared term is uncertain. Both are "
           "read from the code, neither is a measurement.")
     print(f"({len(profiles)} configurations in {time.perf_counter() - start:.0f} s)", file=sys.stderr)

@@ -24,10 +24,13 @@ def _traced_config(cfg: dict) -> dict:
 
 def wavefront_cache() -> pathlib.Path:
     """Where traced wavefronts are kept between runs: one file per version of the code that decides them (the
-    kernels, the tracer and the bank rule, hashed), so an edit to any of them traces again."""
+    kernels, mma/ included, the tracer, the warp emulation and the bank rule, hashed), so an edit to any of
+    them traces again."""
     package = pathlib.Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted([*package.joinpath("kernels").glob("*.py"), package / "banks.py"]):
+    sources = [*package.joinpath("kernels").rglob("*.py"), *package.joinpath("warp").glob("*.py"),
+               package / "banks.py"]  # the tensor-core kernels, and the emulation that records their warp ops
+    for path in sorted(sources):
         digest.update(path.name.encode() + path.read_bytes())
     root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
     return root / "fa_numba" / f"wavefronts-{digest.hexdigest()[:16]}.json"
@@ -87,5 +90,6 @@ def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
         in_sass = sum(prof.counts["shared_accesses"].values()) * warps
         agree = abs(in_sass - traced["total"]["accesses"]) <= WIDTH_AGREEMENT * in_sass
         check = {"shared_accesses": {"sass": in_sass, "traced": traced["total"]["accesses"], "agree": agree}}
+        peak = H200.peak_tensor_tflops if cfg["variant"] in whole_kernel.MMA_VARIANTS else H200.peak_fp32_tflops
         prof.estimate = {**details, **check} if found is None else {
-            **found.as_dict(), **details, **check, "fraction_of_peak": found.tflops / H200.peak_fp32_tflops}
+            **found.as_dict(), **details, **check, "fraction_of_peak": found.tflops / peak}

@@ -155,3 +155,36 @@ def test_pairing_is_for_128_bit_loads_only_and_a_lone_lane_breaks_it():
     assert banks.ideal_wavefronts(32, 16, paired=True) == 2
     with pytest.raises(ValueError, match="kind must be one of"):
         banks.is_paired(halves, 16, "read")
+
+
+# ldmatrix ("matrix"): lanes 8m .. 8m + 7 give the 16-byte rows of matrix m, one phase per matrix
+def rows(stride_bytes, matrices):
+    """Row addresses of an ldmatrix .x{matrices}: lane l gives row l % 8 of matrix l // 8, rows stride_bytes
+    apart and matrices 16 bytes apart (the next 8 columns); lanes past the last matrix give none."""
+    return [(lane % 8) * stride_bytes + 16 * (lane // 8) if lane < 8 * matrices else None for lane in LANES]
+
+
+def test_ldmatrix_rows_padded_by_16_bytes_are_conflict_free():
+    # rows 144 bytes apart (64 halves + 8 of pad): row r starts at bank 4r mod 32, its 4 words in banks
+    # 4r .. 4r + 3, so the 8 rows of a matrix cover the 32 banks once: 1 wavefront per matrix
+    assert banks.wavefronts(rows(144, 4), 16, "matrix") == 4
+    assert banks.wavefronts(rows(144, 2), 16, "matrix") == 2
+
+
+def test_ldmatrix_rows_128_bytes_apart_are_an_eight_way_conflict():
+    # every row starts at bank 0: 8 rows ask banks 0..3 for 8 distinct words each
+    assert banks.wavefronts(rows(128, 4), 16, "matrix") == 4 * 8
+
+
+def test_ldmatrix_rows_48_bytes_apart_are_free_and_64_apart_conflict_four_ways():
+    # 48: rows start at words 0, 12, 24, 36, .., 84, banks 0, 12, 24, 4, 16, 28, 8, 20: eight disjoint 4-bank
+    # groups. 64: banks 0, 16, 0, 16, ..: rows 0, 2, 4, 6 ask banks 0..3 for 4 distinct words each
+    assert banks.wavefronts(rows(48, 1), 16, "matrix") == 1
+    assert banks.wavefronts(rows(64, 1), 16, "matrix") == 4
+
+
+def test_ldmatrix_is_never_paired_and_has_16_byte_rows():
+    same = [0 if lane < 16 else 16 for lane in LANES]  # a load like this would be paired (2 wavefronts)
+    assert banks.is_paired(same, 16, "load") and not banks.is_paired(same, 16, "matrix")
+    with pytest.raises(ValueError, match="16-byte rows"):
+        banks.wavefronts(words(lambda t: t), 4, "matrix")

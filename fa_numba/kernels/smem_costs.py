@@ -63,9 +63,10 @@ from fa_numba.kernels import smem_trace
 
 ENGINE_VARIANTS = ("v1", "v2")
 ROWWISE_VARIANTS = ("v1-rowwise", "v2-rowwise")
+MMA_VARIANTS = ("v1-mma", "v2-mma")  # tensor-core kernels: Q, K, V staged in arrays of their own (their sites)
 # the axis of the tile loop: "k" (key tiles: N_k grows) or "q" (query tiles: N_q grows)
 LOOP_AXIS = {"v2": "k", "v2-rowwise": "k", "bwd-q": "k", "bwd-q-dq": "k",
-             "v1": "q", "v1-rowwise": "q", "bwd-kv": "q", "bwd-kv-det": "q"}
+             "v1": "q", "v1-rowwise": "q", "bwd-kv": "q", "bwd-kv-det": "q", "v2-mma": "k", "v1-mma": "q"}
 ENGINE_REGIONS = {"q": "Q^T", "k": "K^T", "v": "V", "p": "P^T", "red": "red", "stat": "stat"}
 BACKWARD_REGIONS = {"q": "Q", "do": "dO", "k": "K", "v": "V", "p": "P", "ds": "dS", "lse": "sigma(LSE)", "dd": "D"}
 _BACKWARD_KINDS = {"bwd-kv": "kv", "bwd-kv-det": "kv", "bwd-q-dq": "q", "bwd-q": "q"}  # the main kernel's kind
@@ -99,11 +100,16 @@ def _sizes(cfg: dict, tiles: int) -> tuple[int, int]:
 
 
 def _inputs(cfg: dict, n_q: int, n_k: int):
-    """Random finite q, k, v (B = H = 1) in the cfg's dtype (float16 stays float16, anything else float32)."""
+    """Random finite q, k, v (B = H = 1) in the cfg's dtype (float16 stays float16, anything else float32; the
+    tensor-core kernels take the bits of float16 or bfloat16 values as uint16)."""
     rng = np.random.default_rng(SEED)
     dtype = np.float16 if cfg.get("dtype") == "float16" else np.float32
     d = cfg["head_dim"]
-    return tuple(rng.standard_normal((1, 1, n, d)).astype(dtype) for n in (n_q, n_k, n_k)), 1.0 / math.sqrt(d)
+    drawn = tuple(rng.standard_normal((1, 1, n, d)).astype(dtype) for n in (n_q, n_k, n_k))
+    if cfg["variant"] in MMA_VARIANTS:  # bfloat16: float32's top 16 bits (truncated: any finite bits will do)
+        drawn = tuple(x.view(np.uint16) if cfg["dtype"] == "float16" else
+                      (x.view(np.uint32) >> 16).astype(np.uint16) for x in drawn)
+    return drawn, 1.0 / math.sqrt(d)
 
 
 def _region_owner(offsets: dict, sizes: dict, names: dict) -> tuple[list, list]:
@@ -150,7 +156,7 @@ def _regions(cfg: dict, built):
     if variant in ENGINE_VARIANTS:
         layout = built.config.layout
         return _region_owner(layout.offsets, layout._sizes(), ENGINE_REGIONS), layout.aliased
-    if variant in ROWWISE_VARIANTS:
+    if variant in ROWWISE_VARIANTS or variant in MMA_VARIANTS:
         return None
     config = built.config
     offsets = config.offsets

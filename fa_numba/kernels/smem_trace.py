@@ -26,6 +26,12 @@ offset is an aligned address); one warp access never spans two arrays, so their 
 matter. Limitations: one launch per trace; dynamic shared memory (shape 0) is not traced; numpy operations
 on whole arrays (copies, ufuncs, sums) are not seen; a slice assignment is one store per element in C
 order; an atomic is a load and a store (the GPU issues one ATOMS). Simulator only.
+
+Warp operations. The emulated ldmatrix and cp.async (`fa_numba.warp.emulated_tc`) read and write the whole
+array at once, which the element logs would not see; instead each lane records its own access through
+`emulated_tc._record` before the warp exchanges: ldmatrix a "matrix" access of its 16-byte row (a lane past
+the last matrix records an address of None: in the warp op, reading nothing, so ordinals stay aligned),
+cp.async a 16-byte store of its destination. `banks` prices them (a "matrix" access: one phase per matrix).
 """
 
 from __future__ import annotations
@@ -204,6 +210,7 @@ class SharedTrace:
                 seqs = {lane: ivs[interval] for lane, ivs in lanes.items() if interval < len(ivs) and ivs[interval]}
                 where = f"block {block} warp {warp}, after barrier {interval}"
                 for site, kind, width, addresses in _warp_accesses(seqs, widths == "merged", where):
+                    addresses = {lane: a for lane, a in addresses.items() if a is not None}  # lanes reading nothing
                     paired = banks.is_paired(addresses, width, kind)
                     per_phase = banks.phase_lanes(width, paired)
                     phases = Counter(lane // per_phase for lane in addresses).values()

@@ -129,8 +129,20 @@ def _byte_offset(op: str, ary: np.ndarray, index, align: int) -> int:
     return offset
 
 
+def _record(smem, kind: str, byte_offset, width: int) -> None:
+    """Log this lane's part of a warp operation when `smem` is a traced shared array (kernels.smem_trace's
+    TracedArray: it carries `_trace`, `_site` and its `_offset` in the base array; the tracer's module
+    docstring says how it is priced); nothing for any other array. byte_offset None: the lane reads nothing."""
+    trace = getattr(smem, "_trace", None)
+    if trace is not None:
+        offset = None if byte_offset is None else smem._offset + byte_offset
+        trace.record((smem._site, kind, offset, width))
+
+
 def _ldmatrix(op: str, smem, index, num: int, trans: bool) -> tuple:
     ary = _ndarray(smem).reshape(-1)
+    lane = threading.current_thread().thread_id % 32
+    _record(smem, "matrix", int(index) * ary.itemsize if lane < 8 * num else None, 16)
 
     def load(vals):
         halves = ary.view(np.uint16).astype(np.uint32)
@@ -190,6 +202,7 @@ def cp_async16(smem, sidx, gmem, gidx, nbytes):
             raise ValueError(f"cp_async16: global element {int(gidx)} is not 16-byte aligned")
         if not 0 <= go <= g.nbytes - nbytes:
             raise IndexError(f"cp_async16: global element {int(gidx)} + {nbytes} bytes is outside the array")
+    _record(smem, "store", so, 16)  # the copy's shared-memory write, priced where it is issued
     _queue().open.append((s, so, g, go, nbytes))
 
 
