@@ -127,18 +127,21 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def stage_async(src, b, h, r0, n, tile, rows):
-        """The same tile by cp.async, 16 bytes (8 elements) a copy, rows past N zero-filled (d % 8 == 0 here,
-        so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes through a
-        register. Waits for its own copies; the caller's barrier makes them visible to the block."""
+        """Issue the copies of the same tile by cp.async, 16 bytes (8 elements) a copy, rows past N zero-filled
+        (d % 8 == 0 here, so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes
+        through a register. The caller commits and waits (one round trip for all the copies it issued) and its
+        barrier makes them visible to the block. `rows` is a constant at every call, so the trip count is one
+        too and the loop unrolls: no remainder loop, and a guard only where the copies do not divide evenly."""
         base = (b * src.shape[1] + h) * src.shape[2]
-        for idx in range(cuda.threadIdx.x, rows * CHUNKS, THREADS):
-            r = idx // CHUNKS
-            x = 8 * (idx - r * CHUNKS)
-            row = min(r0 + r, n - 1)  # a valid address even where nothing is read
-            nbytes = 16 if (r0 + r < n and x < D) else 0
-            warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - 8), nbytes)
-        warp.cp_async_commit()
-        warp.cp_async_wait_all()
+        total = rows * CHUNKS
+        for step in range((total + THREADS - 1) // THREADS):
+            idx = cuda.threadIdx.x + step * THREADS
+            if total % THREADS == 0 or idx < total:
+                r = idx // CHUNKS
+                x = 8 * (idx - r * CHUNKS)
+                row = min(r0 + r, n - 1)  # a valid address even where nothing is read
+                nbytes = 16 if (r0 + r < n and x < D) else 0
+                warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - 8), nbytes)
 
     @cuda.jit(device=True, inline=True)
     def any_bad(tile, rows):
@@ -184,6 +187,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         """Stage Q_i (all threads, then a barrier every thread reaches) and read this lane's A fragments."""
         if ASYNC:
             stage_async(q, b, h, r0, n_q, sq, BR)
+            warp.cp_async_commit()
+            warp.cp_async_wait_all()  # this thread's copies of Q_i have landed
         else:
             stage(q, b, h, r0, n_q, sq, BR)
         cuda.syncthreads()  # Q_i staged: every thread reaches this barrier
@@ -195,15 +200,24 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     @cuda.jit(device=True, inline=True)
     def stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial):
         """Stage K_j and V_j (all threads, barriers every thread reaches); True where the tile is PARTIAL and
-        its V holds an inf or NaN (then P V takes the exact path)."""
+        its V holds an inf or NaN (then P V takes the exact path). K_j's and V_j's copies travel together: one
+        commit, one wait. Without a mask no tile is PARTIAL, so the kernel has no exact path at all."""
         if ASYNC:
             stage_async(k, b, h_kv, c0, n_k, sk, BC)
             stage_async(v, b, h_kv, c0, n_k, sv, BC)
+            warp.cp_async_commit()
+            warp.cp_async_wait_all()  # this thread's copies of K_j and V_j have landed
+            if not CAUSAL:
+                cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
+                return False
             cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
             bad_v = partial and any_bad(sv, BC)
         else:
             stage(k, b, h_kv, c0, n_k, sk, BC)
             bad_v = stage(v, b, h_kv, c0, n_k, sv, BC)
+            if not CAUSAL:
+                cuda.syncthreads()  # K_j, V_j staged: all threads reach this barrier
+                return False
         return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
 
     @cuda.jit(device=True, inline=True)
@@ -335,6 +349,10 @@ class MmaKernel:
         """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
         c = self.config
         return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False)
+
+    def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple:
+        """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
+        return self.grid(batch, heads, n_q), (32 * self.config.warps,)
 
     def arguments(self, q, k, v, o, lse, scale) -> tuple:
         return (q, k, v, o, lse, scale)

@@ -140,7 +140,8 @@ class MmaV1Kernel(MmaKernel):
         return (q, k, v, o, lse, l_hbm, m_hbm, scale)
 
     @staticmethod
-    def argtypes():
+    def argtypes(dtype=None):
+        """The Numba types of the kernel's arguments, the same for every 16-bit dtype (the inputs' bits)."""
         bits, out, stat = MmaKernel.array_types()
         return (bits, bits, bits, out, stat, stat, stat, float32)
 

@@ -91,8 +91,9 @@ class MmaV2Kernel(MmaKernel):
         return (-(-n_q // self.config.block_q), batch * heads)
 
     @staticmethod
-    def argtypes():
-        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a)."""
+    def argtypes(dtype=None):
+        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
+        every 16-bit dtype (the inputs are their bits)."""
         bits, out, stat = MmaKernel.array_types()
         return (bits, bits, bits, out, stat, float32)
 
