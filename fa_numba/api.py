@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from fa_numba import arrays, backend, engines, masks, shapes
-from fa_numba.kernels import VARIANTS, default_tiles
+from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence, kernel_mask
 
 
@@ -108,8 +108,9 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine):
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES,
                           names=arrays.accepted(INPUT_DTYPES, bfloat16=True), empty=True)
     scale = shapes.resolve_scale(scale, prob.d)
-    if order not in VARIANTS:
-        raise ValueError(f"order must be one of {tuple(VARIANTS)}, got {order!r}")
+    if order not in SIMT_VARIANTS:  # the registry's v1-mma / v2-mma are engine="mma" with order "v1" / "v2"
+        raise ValueError(f"order must be one of {SIMT_VARIANTS} (engine='mma' picks the tensor-core kernel of "
+                         f"order 'v1' or 'v2'), got {order!r}")
     kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
     if 0 in (prob.batch, prob.n_q, prob.n_k):
         causal, mask = shapes.check_mask(causal, mask)

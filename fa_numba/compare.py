@@ -1,10 +1,13 @@
 """v1 vs v2 on the same inputs: the numbers behind `python -m fa_numba compare` and `sweep`.
 
-For each registered kernel variant: its error against the float64 reference and the verdict of the derived
-tolerance rule; its tiles computed / skipped / masked; its HBM bytes per tensor from `iomodel` and, in the
+For each registered kernel variant that takes the shape: its error against the float64 reference and the
+verdict of the derived tolerance rule (a tensor-core variant's with the rounding of P to the input's 16-bit
+type, tolerance's p_dtype term); its tiles computed / skipped / masked; its HBM bytes per tensor from `iomodel` and, in the
 simulator, the bytes its element accesses actually counted; on a GPU, its time (CUDA events, median and
 10th-90th percentiles after warm-up), TFLOP/s, GB/s and the v2/v1 speed-up. A variant that fails its check
 is reported as failed and never timed. Shapes too large for the simulator get the analytic columns only.
+A variant that cannot take the shape (the tensor-core v1-mma and v2-mma on float32 inputs, a block mask, tiles
+that are not multiples of 16, d > 128: `Variant.refusal`) is left out with a note that says why.
 Tiles not chosen are those `fa_numba.attention` would launch with (in the simulator, 16 x 16 for a shape it
 runs); `Shape.tiles` and the rendered `tiles:` line say which were used and why.
 A shape may carry a block mask (`Shape.mask`, the text `masks.parse` reads: "window:128,0",
@@ -83,8 +86,9 @@ class Shape:
         if out.tiles is None or out.block_q is None or out.block_k is None:
             out = _pick_tiles(out, backend.name() == "simulator" and simulator_tiles is not False)
         causal, _, form = masking(out)
-        for variant in VARIANTS.values():  # every registered kernel must take these tiles
-            variant.config(out.block_q, out.block_k, out.head_dim, causal, form)
+        for variant in VARIANTS.values():  # every CUDA-core kernel must take these tiles (a tensor-core one that
+            if variant.unit == "simt":  # cannot is left out by `run`, with its reason)
+                variant.config(out.block_q, out.block_k, out.head_dim, causal, form)
         return out
 
 
@@ -244,12 +248,19 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"variants must be among {sorted(VARIANTS)}, got {unknown}")
+    causal, mask, form = masking(s)
+    refused = {name: VARIANTS[name].refusal(s.block_q, s.block_k, s.head_dim, causal, form, s.dtype)
+               for name in variants}
+    if all(refused.values()):
+        raise ValueError("no variant asked for takes this shape: " + "; ".join(refused.values()))
+    variants = [name for name in variants if not refused[name]]
     on_gpu = backend.name() == "gpu"
     count = (not on_gpu) if count is None else count
     feasible, why = (True, "") if on_gpu else simulator_feasible(s)
     rows = [{"variant": name, "order": VARIANTS[name].order, "description": VARIANTS[name].description,
              **analytic(s, VARIANTS[name].order)} for name in variants]
-    result = {"machine": machine(), "shape": asdict(s), "rows": rows, "ran": feasible, "notes": []}
+    result = {"machine": machine(), "shape": asdict(s), "rows": rows, "ran": feasible,
+              "notes": [f"{name} left out: {why_not}" for name, why_not in refused.items() if why_not]}
     if not feasible:
         result["notes"].append(why)
         return result
@@ -269,14 +280,21 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     q, k, v = (kernel_view(x) for x in (q, k, v))
     n_scores = qc.shape[0] * qc.shape[1] * s.n_q * s.n_k
     contractions = reference.CONTRACTIONS if n_scores <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    causal, mask, form = masking(s)
-    base = tolerance.baseline(qc, kc, vc, causal=causal, contractions=contractions, block_q=s.block_q,
-                              block_k=s.block_k, mask=mask)
+    tensor_cores = any(VARIANTS[name].unit == "mma" for name in variants)
+    # one baseline: the tensor-core kernels' rule adds the rounding of P to the 16-bit input type (p_out), which
+    # the CUDA-core kernels (P in float32) are judged without
+    base_mma = tolerance.baseline(qc, kc, vc, causal=causal, contractions=contractions, block_q=s.block_q,
+                                  block_k=s.block_k, mask=mask, p_dtype=s.dtype if tensor_cores else None)
+    bases = {"mma": base_mma, "simt": replace(base_mma, terms=replace(base_mma.terms, p_out=0.0))}
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, s.block_q, s.block_k)
     for row in rows:
-        kernel = VARIANTS[row["variant"]].make(s.block_q, s.block_k, s.head_dim, causal, form)
-        if count:
+        variant = VARIANTS[row["variant"]]
+        kernel, base = variant.build(s.block_q, s.block_k, s.head_dim, causal, form, s.dtype), bases[variant.unit]
+        if count and variant.not_counted:
+            row["not_counted"] = variant.not_counted
+            result["notes"].append(f"{variant.name}: HBM traffic not counted: {variant.not_counted}")
+        if count and not variant.not_counted:
             from fa_numba.kernels.counting import run_counted
 
             out, lse, ledger = run_counted(kernel, q, k, v, scale, mask=blocks)
@@ -303,7 +321,8 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
             row["tflops"] = row["flops"] / seconds / 1e12
             row["gbps"] = row["bytes_total"] / seconds / 1e9
     timed = {r["variant"]: r["time"]["median_ms"] for r in rows if "time" in r}
-    for v1, v2, key in (("v1", "v2", "speedup_v2_over_v1"), ("v1-rowwise", "v2-rowwise", "speedup_rowwise_v2_over_v1")):
+    for v1, v2, key in (("v1", "v2", "speedup_v2_over_v1"), ("v1-rowwise", "v2-rowwise", "speedup_rowwise_v2_over_v1"),
+                        ("v1-mma", "v2-mma", "speedup_mma_v2_over_v1")):
         if {v1, v2} <= set(timed):  # the same kernel family in both loop orders
             result[key] = timed[v1] / timed[v2]
     if not on_gpu:
@@ -466,7 +485,8 @@ def _render(result: dict, title: str, header, cells) -> str:
     for r in result["rows"]:
         row = [r["variant"], "-" if "passed" not in r else ("pass" if r["passed"] else "FAIL")] + cells(r, size)
         if counted:
-            row.append(str(r.get("bytes_counted") == r["bytes_model"]) if "bytes_counted" in r else "-")
+            row.append(str(r.get("bytes_counted") == r["bytes_model"]) if "bytes_counted" in r
+                       else "not counted" if r.get("not_counted") else "-")
         if timed:
             t = r.get("time")
             row += ([f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}", f"{r['tflops']:.2f}",
@@ -477,6 +497,8 @@ def _render(result: dict, title: str, header, cells) -> str:
         lines.append(f"v2/v1 speed-up (tile engine): {result['speedup_v2_over_v1']:.2f}x")
     if "speedup_rowwise_v2_over_v1" in result:
         lines.append(f"v2/v1 speed-up (one thread per row): {result['speedup_rowwise_v2_over_v1']:.2f}x")
+    if "speedup_mma_v2_over_v1" in result:
+        lines.append(f"v2/v1 speed-up (tensor cores): {result['speedup_mma_v2_over_v1']:.2f}x")
     for r in result["rows"]:
         if r.get("passed") is False:
             lines.append(f"{r['variant']} FAILED its check and was not timed: {r['failure'][:300]}")

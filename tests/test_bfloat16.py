@@ -10,7 +10,7 @@ from numba import cuda
 
 import fa_numba
 from fa_numba import tolerance
-from fa_numba.kernels import VARIANTS
+from fa_numba.kernels import SIMT_VARIANTS, VARIANTS
 from fa_numba.kernels.common import to_f32
 from strategies import Case
 
@@ -32,7 +32,7 @@ def test_the_bits_widen_to_float32_exactly():
         np.testing.assert_array_equal(widened.view(np.uint32), values.astype(np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("order", sorted(VARIANTS))
+@pytest.mark.parametrize("order", sorted(SIMT_VARIANTS))  # attention's orders (v2-mma: engine="mma")
 @pytest.mark.parametrize("causal", [False, True])
 def test_bfloat16_host_arrays(order, causal):
     case = Case(n_q=9, n_k=7, d=3, block_q=4, block_k=4, causal=causal, heads_kv=1, group=2, seed=21)

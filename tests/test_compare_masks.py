@@ -17,6 +17,8 @@ from fa_numba.kernels import VARIANTS
 from fa_numba.timing import attention_flops
 from test_masks import definition
 
+FLOAT32 = sorted(name for name, v in VARIANTS.items() if "float32" in v.dtypes)  # the variants compare runs here
+
 SIMULATOR = cmp.backend.name() == "simulator"
 B, H, H_KV, D, TILE = 1, 2, 1, 8, 8
 # (spec, N_q, N_k): a window with N_q != N_k (delta = 8) and ragged tail tiles, documents whose boundaries
@@ -59,7 +61,7 @@ def test_compare_with_a_mask_passes_skips_its_tiles_and_counts_the_model(spec, n
     kinds = _brute_kinds(spec, n_q, n_k, TILE)
     classified = tiling.classify(n_q, n_k, TILE, TILE, mask=mask)
     visible_pairs = int(definition(mask, n_q, n_k).sum())
-    assert [r["variant"] for r in result["rows"]] == sorted(VARIANTS)
+    assert [r["variant"] for r in result["rows"]] == FLOAT32  # the tensor-core ones: left out, with a note
     for row in result["rows"]:
         assert row["passed"] and row["err_out"] <= row["atol_out"] and row["err_lse"] <= row["atol_lse"]
         assert row["tiles_skipped"] == int((kinds == tiling.SKIP).sum()) * B * H
@@ -170,7 +172,7 @@ def test_sweep_with_a_mask_has_the_mask_column_and_its_bytes(tmp_path, capsys):
     assert f" {spec} " in out.out and f"mask={spec}" in out.err  # table and progress
     rows = list(csv.DictReader(path.open()))
     assert list(rows[0]) == cli.CSV_FIELDS and "mask" in cli.CSV_FIELDS
-    assert len(rows) == 2 * len(VARIANTS) and {r["mask"] for r in rows} == {spec}
+    assert len(rows) == 2 * len(FLOAT32) and {r["mask"] for r in rows} == {spec}
     for row in rows:
         n = int(row["n"])
         kinds = _brute_kinds(spec, n, n, 8)

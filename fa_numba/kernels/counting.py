@@ -5,10 +5,16 @@ and written by `__setitem__`; a view a kernel takes, such as one row, is a Count
 the elements read through it, not its size) wrapped in the simulator's FakeCUDAArray, which the simulator passes to the
 kernel as-is instead of copying it. The counts land in a `tiled.Ledger`, the same type `iomodel` returns,
 so a test can assert ledger == iomodel.traffic(...). Simulator only.
+
+The tensor-core kernels stage tiles by cp.async, which the simulator's emulation (warp.emulated_tc) copies
+as raw bytes from the array's buffer, past `__getitem__`: while `run_counted` launches, `warp.cp_async16` is
+wrapped to add each copy's elements (nbytes / itemsize; a zero-filled copy reads none) to the ledger of its
+source (`counting_async_copies`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -57,11 +63,38 @@ class CountingArray(np.ndarray):
         np.ndarray.__setitem__(self.view(np.ndarray), idx, value)
 
 
+_PATCH_LOCK = threading.Lock()  # one counted launch at a time holds the wrapped cp_async16
+
+
+@contextlib.contextmanager
+def counting_async_copies():
+    """While inside, every cp.async copy from a CountingArray adds the elements it reads to that array's
+    ledger (the emulation reads the buffer directly, so `__getitem__` never sees them)."""
+    from fa_numba import warp
+
+    original = warp.cp_async16
+
+    def counted(smem, sidx, gmem, gidx, nbytes):
+        source = getattr(gmem, "_ary", gmem)
+        if isinstance(source, CountingArray) and source._ledger is not None and int(nbytes):
+            with _LOCK:
+                source._ledger.read(source._tensor, int(nbytes) // source.itemsize)
+        return original(smem, sidx, gmem, gidx, nbytes)
+
+    with _PATCH_LOCK:
+        warp.cp_async16 = counted
+        try:
+            yield
+        finally:
+            warp.cp_async16 = original
+
+
 def run_counted(kernel, q, k, v, scale, mask=None):
     """Launch a built kernel (a variant's make) on host arrays in the simulator, counting HBM traffic of the
     data tensors (a block mask's KernelMask, if any, is passed through uncounted: its cost is metadata).
 
-    Outputs and the v1 workspace start as NaN, so an element the kernel never writes is caught.
+    Outputs and the v1 workspace start as NaN, so an element the kernel never writes is caught. The
+    tensor-core kernels' cp.async copies are counted too (counting_async_copies).
     Returns (out, lse, ledger) as plain float32 arrays.
     """
     if backend.name() != "simulator":
@@ -78,7 +111,8 @@ def run_counted(kernel, q, k, v, scale, mask=None):
         "m": np.full((batch, heads, n_q), np.nan, np.float32),
     }
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
-    kernel(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], scale, workspace=(dev["l"], dev["m"]), mask=mask)
+    with counting_async_copies():
+        kernel(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], scale, workspace=(dev["l"], dev["m"]), mask=mask)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
     return plain("O"), plain("LSE"), ledger
 

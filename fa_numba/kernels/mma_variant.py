@@ -1,0 +1,129 @@
+"""The tensor-core forwards (`kernels.mma`: engine_v1, engine_v2) in the registry's call shape: v1-mma, v2-mma.
+
+`make_v1_mma_variant` / `make_v2_mma_variant(block_q, block_k, head_dim, causal, mask_form="none",
+dtype="float16")` take the arguments every registered variant's `make` takes, plus the 16-bit input type the
+kernel is compiled for, and return an `MmaVariantKernel`: kernel(q, k, v, o, lse, scale, workspace=None,
+stream=0, mask=None) on device arrays, like the CUDA-core kernels (common.CompiledKernel). What they take is
+narrower, and each limit is a ValueError naming the argument (`check`):
+
+- dtype float16 or bfloat16 (q, k, v as float16 arrays or the uint16 bits of `dtype`; float32 on tensor
+  cores, 3xTF32, is not built);
+- block_q in {16, 32, 64, 128} (16 query rows per warp), block_k a positive multiple of 16 (the k of
+  m16n8k16), d <= 128, under 48 KB of static shared memory;
+- mask_form "none" or "causal": no block-mask lists yet (mask=None at the launch).
+
+v1's workspace (l, m), when given, is the kernel's l and m in HBM (so `counting.run_counted` counts them);
+otherwise the engine allocates it. The arithmetic is the engine's: 16-bit products accumulated in float32, P
+rounded to `dtype` before P V (tolerance's p_dtype term, proofs/L6 part 7).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import float32
+
+from fa_numba import backend
+from fa_numba.kernels.common import LIST_FORMS, check_grid, check_mask_form, check_sequence
+from fa_numba.kernels.mma.engine import KINDS, MmaConfig, _aligned16
+from fa_numba.kernels.mma.engine_v1 import make_v1_mma
+from fa_numba.kernels.mma.engine_v2 import make_v2_mma
+
+BLOCK_Q = (16, 32, 64, 128)  # 16 W query rows for W in 1, 2, 4, 8 warps
+TILE_MULTIPLE = 16  # block_q and block_k: multiples of the mma's 16 rows and 16-key k-step
+_MAKE = {"v1": make_v1_mma, "v2": make_v2_mma}
+
+
+def check(order: str, block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
+          dtype: str = "float16") -> MmaConfig:
+    """The checked MmaConfig of `order`-mma for these arguments, or a ValueError naming the one it cannot take."""
+    name = f"{order}-mma"
+    if dtype not in KINDS:
+        raise ValueError(f"dtype must be one of {KINDS} for {name} (tensor cores multiply 16-bit operands; float32 "
+                         f"by 3xTF32 is not built yet), got {dtype!r}")
+    check_mask_form(mask_form, causal)
+    if mask_form in LIST_FORMS:
+        raise ValueError(f"mask_form must be 'none' or 'causal' for {name} (causal or no mask: block-mask lists are "
+                         f"not built yet for the tensor-core kernels), got {mask_form!r}")
+    if block_q not in BLOCK_Q:
+        raise ValueError(f"block_q must be 16, 32, 64 or 128 for {name} (16 query rows per warp), got {block_q}")
+    return MmaConfig(dtype, block_q // 16, block_k, head_dim, bool(causal), head_dim % 8 == 0).check()
+
+
+class MmaVariantKernel:
+    """A tensor-core forward kernel launched like a registered CUDA-core one. Attributes: `order` ("v1" or
+    "v2"), `name` ("v1-mma" ...), `inner` (the engine's MmaV1Kernel / MmaV2Kernel), `config` (its MmaConfig:
+    kind, warps, block_q, block_k, head_dim, causal, async_copy), `source` and `kernel` (the Python function
+    and its cuda.jit), `GRID_AXES`; `launch_shape`, `check_grid` and `argtypes` as common.CompiledKernel."""
+
+    def __init__(self, order: str, inner):
+        self.order, self.name, self.inner = order, f"{order}-mma", inner
+        self.config, self.source, self.kernel = inner.config, inner.source, inner.kernel
+        self.GRID_AXES = inner.GRID_AXES
+
+    def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple[tuple, tuple]:
+        """(grid, block) of a launch: the order's grid, 32 W threads."""
+        return tuple(self.inner.grid(batch, heads, n_q)), (32 * self.config.warps,)
+
+    def check_grid(self, batch: int, heads: int, n_rows: int) -> None:
+        check_grid(self.launch_shape(batch, heads, n_rows)[0], self.GRID_AXES, self.name)
+
+    def argtypes(self, dtype: str) -> tuple:
+        """The Numba types of the kernel's arguments (q, k, v as uint16 bits) for inputs of `dtype`."""
+        if dtype != self.config.kind:
+            raise ValueError(f"dtype must be {self.config.kind!r} for this {self.name} kernel (compiled for it), "
+                             f"got {dtype!r}")
+        return self.inner.argtypes()
+
+    def _bits(self, name: str, x):
+        """x as the uint16 bits the kernel reads: float16 arrays viewed, uint16 / int16 bits of config.kind."""
+        dtype = np.dtype(x.dtype)
+        if dtype == np.float16 and self.config.kind == "float16":
+            return x.view(np.uint16)
+        if dtype in (np.dtype(np.uint16), np.dtype(np.int16)):
+            return x if dtype == np.uint16 else x.view(np.uint16)
+        raise TypeError(f"{name} must be float16 or the uint16 bits of {self.config.kind} for this {self.name} "
+                        f"kernel, got {dtype}")
+
+    def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0, mask=None):
+        """Launch on device arrays q, k, v (B, H, N, d; float16 or bits), o float32 (B, H, N_q, d), lse float32
+        (B, H, N_q). workspace: v1's (l, m), float32 (B, H, N_q) each (None: allocated; v2 takes none)."""
+        if mask is not None:
+            raise ValueError(f"mask must be None for {self.name}: it takes no block-mask lists (mask_form 'none' "
+                             f"or 'causal')")
+        q, k, v = (self._bits(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+        if workspace is None or self.order == "v2":
+            self.inner(q, k, v, o, lse, scale, stream)
+            return
+        # v1 with the caller's l and m: the engine's launch (MmaKernel.__call__) with them as its workspace
+        if q.shape[3] != self.config.head_dim:
+            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        check_sequence(q.shape[2], k.shape[2])
+        self.check_grid(q.shape[0], q.shape[1], q.shape[2])
+        inner = self.inner
+        if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
+            inner = inner.without_async()
+        grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
+        l_hbm, m_hbm = workspace
+        with backend.serialised(block[0]):
+            inner.kernel[grid, block, stream](q, k, v, o, lse, l_hbm, m_hbm, float32(scale))
+
+
+def _maker(order: str):
+    @functools.lru_cache(maxsize=None)
+    def make(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
+             dtype: str = "float16") -> MmaVariantKernel:
+        config = check(order, block_q, block_k, head_dim, causal, mask_form, dtype)
+        return MmaVariantKernel(order, _MAKE[order](dtype, config.warps, block_k, head_dim, bool(causal)))
+
+    make.__name__ = make.__qualname__ = f"make_{order}_mma_variant"
+    make.__doc__ = (f"The tensor-core {order} kernel as a registry variant ({order}-mma): the registry's "
+                    f"arguments plus dtype, the 16-bit input type (float16 or bfloat16); cached.")
+    return make
+
+
+make_v1_mma_variant = _maker("v1")
+make_v2_mma_variant = _maker("v2")
+
+__all__ = ["BLOCK_Q", "MmaVariantKernel", "TILE_MULTIPLE", "check", "make_v1_mma_variant", "make_v2_mma_variant"]
