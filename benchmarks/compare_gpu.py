@@ -3,7 +3,8 @@
     python benchmarks/compare_gpu.py [--out DIR] [--budget-s 480] [--n 1024,2048,4096,8192] [--smoke]
 
 For B=4, H=16, N in --n, d in {64, 128}, causal and not, float32 and float16: `fa_numba.compare.run` (check
-against the float64 reference, then time every variant that passed: CUDA events, 3 warm-up calls, median of
+every registered variant that takes the shape against the float64 reference, the tensor-core v1-mma and v2-mma
+on float16 only, then time every variant that passed: CUDA events, 3 warm-up calls, median of
 --repeats) and, when torch is importable, torch.nn.functional.scaled_dot_product_attention on the same
 inputs (backend reported, same timing), with the ratio of each kernel to it. Sizes are run smallest first;
 when --budget-s runs out the remaining ones are listed as not run. A variant whose single call takes over
@@ -145,7 +146,7 @@ def main() -> int:
             not_run.append(dict(n=n, d=d, causal=causal, dtype=dtype))
             continue
         shape = cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, dtype=dtype,
-                          block_q=8 if args.smoke else None, block_k=8 if args.smoke else None)
+                          block_q=16 if args.smoke else None, block_k=16 if args.smoke else None)  # 16: v*-mma too
         log(f"[{index}/{len(configs)}] N={n} d={d} causal={causal} {dtype} (elapsed {time.perf_counter() - start:.0f} s)")
         result = cmp.run(shape, repeats=args.repeats, count=False, slow_ms=args.slow_s * 1e3,
                          slow_repeats=args.slow_repeats)

@@ -6,7 +6,9 @@
    shapes and the stream-order tests included, and the PyTorch operator, torch.compile and drop-in tests
    where torch is installed);
 2. checks every registered kernel, forward and backward, against the float64 reference (derived tolerance
-   rules) at B=2, H=8, N in {1024, 4096}, d in {64, 128}, causal and not, float32 inputs;
+   rules) at B=2, H=8, N in {1024, 4096}, d in {64, 128}, causal and not, float32 inputs, and the forward
+   variants again on float16 inputs at N = 4096, where the tensor-core v1-mma and v2-mma run beside the
+   CUDA-core ones (on float32 compare leaves them out, with a note);
 3. times each variant that passed (CUDA events, 3 warm-up calls, median of 20) and prints ms, TFLOP/s
    (4 B H N_q N_k d, halved for causal) and the v2/v1 speed-up; a variant that failed is not timed;
 4. runs `compute-sanitizer --tool racecheck` on one small launch of each kernel.
@@ -60,17 +62,18 @@ def run_tests() -> dict:
     return {"returncode": done.returncode, "summary": summary}
 
 
-def check_and_time(batch, heads, n, d, causal, repeats, backward=False) -> list[dict]:
-    """compare.run (or run_backward) on one shape: check every variant, time those that pass; one flat row
-    per variant (backward variants prefixed "bwd-", their err_out / atol_out the dQ ones)."""
-    shape = cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, seed=n + d + causal)
+def check_and_time(batch, heads, n, d, causal, repeats, backward=False, dtype="float32") -> list[dict]:
+    """compare.run (or run_backward) on one shape: check every variant that takes it, time those that pass;
+    one flat row per variant (backward variants prefixed "bwd-", their err_out / atol_out the dQ ones)."""
+    shape = cmp.Shape(batch=batch, heads=heads, n_q=n, head_dim=d, causal=causal, seed=n + d + causal,
+                      dtype=dtype)
     result = (cmp.run_backward if backward else cmp.run)(shape, repeats=repeats, count=False)
     log((cmp.render_backward if backward else cmp.render)(result))
     rows = []
     for r in result["rows"]:
         err, atol = ("err_dq", "atol_dq") if backward else ("err_out", "atol_out")
         row = dict(variant=("bwd-" if backward else "") + r["variant"], batch=batch, heads=heads, n=n, d=d,
-                   causal=causal, block_q=result["shape"]["block_q"], block_k=result["shape"]["block_k"],
+                   causal=causal, dtype=dtype, block_q=result["shape"]["block_q"], block_k=result["shape"]["block_k"],
                    passed=r.get("passed"), err_out=r.get(err), err_lse=r.get("err_lse"), atol_out=r.get(atol),
                    atol_lse=r.get("atol_lse"), tflops=r.get("tflops"), notes=result["notes"])
         row.update(r.get("time", {}))
@@ -100,12 +103,13 @@ def markdown(info, tests, rows, race) -> str:
              "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), ""]
     if tests:
         lines += [f"GPU test tier: `{tests['summary']}` (exit {tests['returncode']})", ""]
-    lines += ["| variant | N | d | causal | tiles | check | err O | atol O | median ms | p10-p90 ms | TFLOP/s | v2/v1 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| variant | N | d | causal | dtype | tiles | check | err O | atol O | median ms | p10-p90 ms | TFLOP/s | "
+              "v2/v1 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         timed = r.get("median_ms") is not None
         lines.append(
-            f"| {r['variant']} | {r['n']} | {r['d']} | {r['causal']} | {r['block_q']}x{r['block_k']} | "
+            f"| {r['variant']} | {r['n']} | {r['d']} | {r['causal']} | {r.get('dtype', 'float32')} | "
+            f"{r['block_q']}x{r['block_k']} | "
             f"{'pass' if r['passed'] else 'FAIL'} | {r['err_out']:.2e} | {r['atol_out']:.2e} | "
             + (f"{r['median_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['tflops']:.2f} | "
                if timed and r.get("tflops") is not None else f"{'not timed' if not timed else r['clock']} | | | ")
@@ -126,8 +130,11 @@ def main() -> int:
     if info["backend"] != "gpu" and not args.smoke:
         parser.error("no GPU: run with --smoke to try the script in the simulator")
     tests = None if args.smoke else run_tests()
-    shapes = [(1, 1, 16, 8, c) for c in (False, True)] if args.smoke else [
-        (2, 8, n, d, c) for n in (1024, 4096) for d in (64, 128) for c in (False, True)]
+    shapes = [(1, 1, 16, 8, c, "float32") for c in (False, True)] if args.smoke else [
+        (2, 8, n, d, c, "float32") for n in (1024, 4096) for d in (64, 128) for c in (False, True)]
+    # float16: the tensor-core variants beside the CUDA-core ones (forward only: no tensor-core backward yet)
+    shapes += [(1, 1, 16, 16, False, "float16")] if args.smoke else [
+        (2, 8, 4096, d, c, "float16") for d in (64, 128) for c in (False, True)]
     rows, race = [], None
 
     def save():  # after every step: a run stopped by the device's time limit keeps what it measured
@@ -139,9 +146,9 @@ def main() -> int:
         return text
 
     save()
-    for batch, heads, n, d, causal in shapes:
-        rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 20)
-        if n <= 1024:  # the backward's float64 reference holds S, P, dP and dS: keep it to N = 1024 here
+    for batch, heads, n, d, causal, dtype in shapes:
+        rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 20, dtype=dtype)
+        if n <= 1024 and dtype == "float32":  # the backward's float64 reference holds S, P, dP and dS: to N = 1024
             rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 10, backward=True)
         save()
     race = None if args.smoke else racecheck()

@@ -27,6 +27,8 @@ def test_device_scripts_run_in_smoke_mode(tmp_path, script, report):
     variants = {r["variant"] for r in rows}
     assert {"v1", "v2", "v1-rowwise", "v2-rowwise"} <= variants
     assert all(r["passed"] for r in rows)
+    assert {"v1-mma", "v2-mma"} <= variants  # on the float16 shape, beside the CUDA-core variants
+    assert {r["dtype"] for r in rows if r["variant"].endswith("-mma")} == {"float16"}
     if script == "gpu_check.py":
         assert {"bwd-kv", "bwd-kv-deterministic", "bwd-q"} <= variants
     else:

@@ -148,12 +148,12 @@ def test_torch_doctests(name):
 @pytest.mark.slow
 @pytest.mark.skipif(fa_numba.backend.name() != "simulator",
                     reason="docs/compare.md shows the simulator's table; a GPU adds timing columns")
-@pytest.mark.parametrize("argv", [[], ["--mask", "window:8,0"],
+@pytest.mark.parametrize("argv", [[], ["--mask", "window:8,0"], ["--dtype", "float16", "--n-q", "32", "--heads", "1"],
                                   ["--decode", "--n-k", "40", "--heads", "2", "--heads-kv", "1", "--head-dim", "8",
-                                   "--split-size", "16"]], ids=["default", "mask", "decode"])
+                                   "--split-size", "16"]], ids=["default", "mask", "float16", "decode"])
 def test_compare_page_tables_match_compare(argv, capsys):
-    """The sample tables in docs/compare.md are what `compare` (and `compare --mask window:8,0`) print in the
-    simulator."""
+    """The sample tables in docs/compare.md are what `compare` (and `compare --mask window:8,0`, `--dtype
+    float16` with the tensor-core rows, `--decode`) print in the simulator."""
     from fa_numba import cli
 
     assert cli.main(["compare", *argv]) == 0
