@@ -2,7 +2,8 @@
 
 `engine`: what both orders are made of (the configuration, staging, the fold of one key tile into a warp's
 rows, the launch); `engine_v2`: the Q-outer forward (FlashAttention-2's order); `engine_v1`: the K/V-outer
-forward (Algorithm 1, O, l and m through HBM). `fa_numba.attention(..., engine="mma")` runs them. Not yet in
-the registry (`fa_numba.kernels.VARIANTS`): their tiles are multiples of 16 where the registry's tests draw
-any size, and they have no block-mask lists yet; tests/test_mma_forward.py checks them on their own cases.
+forward (Algorithm 1, O, l and m through HBM). `fa_numba.attention(..., engine="mma")` runs them; the
+registry holds them as v1-mma and v2-mma (`kernels.mma_variant` gives them the registry's call shape), so
+`compare` runs them beside the CUDA-core kernels on 16-bit shapes; tests/test_mma_forward.py checks them on
+their own cases and tests/test_registry_mma.py through the registry.
 """

@@ -11,7 +11,9 @@ entries it wrote itself; m and l, written by every lane of the quad, are read af
 the next staging, so no other barrier is needed.
 HBM traffic per (batch, head), in elements: K and V read once (N_k d each), Q, O, l and m once per visit,
 O and m, l written once per visit, LSE N_q, and the first fill of O, l, m and LSE; close to
-iomodel.traffic("v1", ...) but not counted against it yet (the counted-traffic tests are the registry's).
+iomodel.traffic("v1", ...) but not equal to it: every lane of a quad reads the row's l and m (4 reads where
+iomodel counts one) and LSE is written twice (its -inf fill, then the result), so compare reports v1-mma's
+traffic as not counted (tests/test_registry_mma.py pins why).
 Launch: grid (B H,), 32 W threads: B H blocks, fewer than an H200's 132 SMs hold at small B H.
 """
 

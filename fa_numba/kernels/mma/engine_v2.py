@@ -4,7 +4,8 @@ masking) is `kernels.mma.engine`.
 
 HBM traffic per (batch, head), in elements, by construction that of the CUDA-core v2 (iomodel.traffic("v2",
 ...)): Q read once per query tile, K and V once per visited (query tile, key tile), O written N_q d, LSE N_q;
-no key past N is read. Not counted against the model yet (the counted-traffic tests are the registry's).
+no key past N is read; counted in the simulator equal to iomodel.traffic("v2", ...)
+(tests/test_registry_mma.py).
 Launch: grid (ceil(N_q / B_r), B H), 32 W threads.
 """
 
