@@ -365,3 +365,28 @@ def test_cli_forwards_profile_and_names_bad_arguments(capsys):
         cli.main(["profile", "--dtypes", "float64"])
     assert stop.value.code == 2
     assert "--dtypes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@NEEDS_NVDISASM
+def test_the_tensor_core_v2_gets_an_estimate_from_its_hmma_and_traced_ldmatrix(tmp_path, pytestconfig):
+    """`profile` of v2-mma at d = 64, float16, non-causal (its SASS, and one block traced in the simulator): the
+    tile loop has no inner loop, its 64 HMMA per warp are exactly the two products (S: B_c / 8 x d / 16 = 32,
+    P V: B_c / 16 x d / 8 = 32), K's and V's copies cost one round trip, the traced shared accesses are the
+    SASS's LDSM + LDGSTS, and the estimate is positive, under the tensor peak, with a limiter of the model's;
+    the causal kernel's is withheld with its reason."""
+    from fa_numba.cycle_model import LIMITERS
+    from fa_numba.machine import H200
+
+    path = tmp_path / "mma.json"
+    argv = ["-m", "fa_numba.profile", "--orders", "v2-mma", "--head-dims", "64", "--dtypes", "float16",
+            "--causal", "both", "--json", str(path)]
+    code, table, errors = _compile(pytestconfig, argv, timeout=1800)
+    assert code == 0, errors[-4000:]
+    plain, causal = sorted(json.loads(path.read_text())["profiles"], key=lambda p: p["config"]["causal"])
+    counts, est = plain["counts"], plain["estimate"]
+    assert counts["hmma"] == 64 and counts["products"] == 2 and counts["unattributed"] == []
+    assert counts["load_round_trips"] == 1
+    assert est["shared_accesses"]["agree"] and est["limiter"] in LIMITERS
+    assert 0 < est["tflops"] < H200.peak_tensor_tflops and est["cycles"]["tensor"] > 0
+    assert "no trip-count rule" in causal["estimate"]["withheld"]
