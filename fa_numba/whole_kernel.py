@@ -33,7 +33,7 @@ from fa_numba.timing import attention_flops
 # Matrix products one tile-loop iteration computes, each B_r x B_c x d multiply-adds: S = Q K^T and P V
 # forward; the backward recomputes S and forms dP = dO V^T, then dV, dK (kv side) and dQ as its flags say.
 PRODUCTS = {"v1": 2, "v2": 2, "v1-rowwise": 2, "v2-rowwise": 2,
-            "bwd-kv": 5, "bwd-kv-det": 4, "bwd-q-dq": 3, "bwd-q": 5}
+            "bwd-kv": 5, "bwd-kv-det": 4, "bwd-q-dq": 3, "bwd-q": 5, "v1-mma": 2, "v2-mma": 2}
 # FFMAs outside the products (the softmax's scale and rescaling) may add a little; more than this means a loop
 # was counted twice or missed (a remainder loop beside an unrolled one), so the counts are not trusted.
 PRODUCT_SLACK = 0.5
@@ -202,7 +202,7 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     of one iteration (module docstring), and what it rests on; None, with the reason in "withheld", when the
     tile loop's FFMAs do not amount to the kernel's products."""
     mma = cfg["variant"] in MMA_VARIANTS
-    expected = 2 if mma else PRODUCTS[cfg["variant"]]
+    expected = PRODUCTS[cfg["variant"]]
     if abs(counts["products"] - expected) > (0 if mma else PRODUCT_SLACK):  # the loops are not the products
         return None, {"withheld": f"the SASS loops amount to {counts['products']:.2f} products of B_r B_c D, "
                                   f"not the kernel's {expected}"}

@@ -207,10 +207,9 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             stage_async(v, b, h_kv, c0, n_k, sv, BC)
             warp.cp_async_commit()
             warp.cp_async_wait_all()  # this thread's copies of K_j and V_j have landed
-            if not CAUSAL:
-                cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
-                return False
             cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
+            if not CAUSAL:
+                return False
             bad_v = partial and any_bad(sv, BC)
         else:
             stage(k, b, h_kv, c0, n_k, sk, BC)
