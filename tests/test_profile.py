@@ -20,8 +20,8 @@ import threading
 
 import pytest
 
-from fa_numba import profile
-from fa_numba.kernels import VARIANTS, backward
+from fa_numba import profile, whole_kernel
+from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, backward
 from fa_numba.kernels.common import SHARED_BYTES_LIMIT
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -324,7 +324,12 @@ def test_representative_configurations_compile_without_spills_or_float64(represe
 def test_every_shipped_configuration_is_profiled(shipped):
     configs = list(profile.configurations())
     heads = len(profile.SHIPPED_HEAD_DIMS)
-    assert len(shipped["profiles"]) == len(configs) == (len(VARIANTS) * 2 + len(backward.VARIANTS)) * heads * 2
+    # CUDA-core forwards at both dtypes, tensor-core ones at float16 and d <= 128 only, backward at float32;
+    # each causal or not
+    mma_heads = sum(d <= 128 for d in profile.SHIPPED_HEAD_DIMS)
+    expected = (len(SIMT_VARIANTS) * 2 * heads + len(whole_kernel.MMA_VARIANTS) * mma_heads
+                + len(backward.VARIANTS) * heads) * 2
+    assert len(shipped["profiles"]) == len(configs) == expected
     assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs
 
 
