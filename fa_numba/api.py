@@ -237,8 +237,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     bit for bit the one without it (on a GPU, up to the order of the atomic adds: dq for order "kv", dk and
     dv for order "q"), and wherever the dense formula's gradient is NaN, so is this one.
 
-    engine: "auto" or "simt" (the CUDA-core backward); "mma" is a NotImplementedError until the
-    tensor-core backward exists.
+    engine: "auto" or "simt" (the CUDA-core backward), or "mma" (tensor cores, kernels/mma/backward.py: float16
+    or bfloat16 q, k, v and dout in q's dtype, order "kv" with or without deterministic, causal or no mask,
+    d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7; block_k = 16 x
+    warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim). "auto" keeps the CUDA
+    cores, as the forward's does (engines.py says why).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
@@ -247,7 +250,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     >>> dq.shape, dk.dtype
     ((2, 8, 4), dtype('float32'))
     """
-    engines.backward(engine)
+    engines.backward(engine)  # the engine's name, before anything is read
     from fa_numba.kernels import backward
 
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
@@ -269,6 +272,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         raise ValueError("deterministic=True is the K/V-outer order's mode (a Q-outer pass for dQ): use order='kv'")
     if empty:  # every gradient is a sum over no pair: zero (or empty)
         return tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
+    dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
+    if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d) == "mma":
+        return _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
+                                       block_q, block_k, dtype)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     block = backward.default_backward_tiles(prob.d)[0]
@@ -296,5 +303,36 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q) if mask is not None else None
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
                      deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks)
+        return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
+                call.output(grad_v, tuple(v.shape)))
+
+
+def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
+                            kind):
+    """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
+    16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are)."""
+    from fa_numba.kernels.mma import backward as mma_backward
+
+    dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
+    if dout_kind != kind:
+        raise TypeError(f"dout must have q's dtype {kind} for engine='mma' (the tensor cores read its 16 bits), "
+                        f"got {dout_kind}; cast it, or use engine='simt'")
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None:
+            shapes.check_block(name, size)
+    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k)  # tiles checked before copies
+    for kernel, side in plan:
+        kernel.check_grid(prob.batch, *((prob.heads, prob.n_q) if side == "q" else (prob.heads_kv, prob.n_k)))
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
+    with backend.explain_driver_errors(), backend.serialised(), call.context():
+        q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device)
+                               for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
+        lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
+        grad_q = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
+        grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
+        grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
+        dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
+        mma_backward.run(q_, k_, v_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, kind=kind, causal=causal,
+                         deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream)
         return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
                 call.output(grad_v, tuple(v.shape)))

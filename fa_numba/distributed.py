@@ -219,7 +219,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     square tile (default 16 for CPU tensors, else the kernels' defaults)."""
     from fa_numba import engines
 
-    engines.backward(engine)  # "mma" has no backward yet: refused by name
+    if engines.backward(engine) == "mma":  # a name check first, then what ring attention runs on
+        raise NotImplementedError("engine='mma': ring attention runs on the CUDA-core kernels; the tensor-core "
+                                  "forward and backward are not wired into it yet (use 'auto' or 'simt')")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):

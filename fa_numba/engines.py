@@ -2,7 +2,7 @@
 `engine="mma"` (the tensor-core kernels, `kernels.mma`) or `engine="auto"`.
 
 `auto` takes the CUDA-core kernels today for every input: the tensor-core forward does not yet cover what
-the registry's kernels do (block-mask lists, float32 by 3xTF32, the backward), and its results
+the registry's kernels do (block-mask lists, float32 by 3xTF32), and its results
 carry one more rounding (P in 16 bits, proofs/L6 part 7), so a silent switch would change what existing
 callers get. Ask for `engine="mma"` to run it; an input or option it does not take is a ValueError that says
 which, never a quiet fallback.
@@ -49,14 +49,26 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None) -> tuple[
     return block_q // 16, block_k
 
 
-def backward(engine: str) -> None:
-    """The backward's engine: the CUDA-core kernels; engine='mma' is refused until the tensor-core backward
-    exists (issue 23)."""
+def backward(engine: str, *, kind: str | None = None, order: str = "kv", form: str = "none",
+             head_dim: int = 0) -> str:
+    """"simt" or "mma" for a backward call, or a ValueError naming what the tensor-core backward lacks.
+    kind None checks the engine's name only (callers that know the inputs later ask again)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "mma":
-        raise NotImplementedError("engine='mma': the tensor-core backward is not built yet; use engine='simt' "
-                                  "or 'auto' (both run the CUDA-core backward)")
+    if engine != "mma" or kind is None:
+        return "simt" if engine != "mma" else "mma"
+    if kind not in MMA_KINDS:
+        raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
+                         f"not built yet), got {kind}; use engine='simt' for {kind}")
+    if order != "kv":
+        raise ValueError(f"engine='mma' runs the K/V-outer backward (order='kv', deterministic or not), got "
+                         f"order={order!r}")
+    if form not in ("none", "causal"):
+        raise ValueError("engine='mma' takes causal=True or no mask (block-mask lists are not built yet for "
+                         "the tensor-core backward); use engine='simt' for this mask")
+    if head_dim > MMA_MAX_HEAD_DIM:
+        raise ValueError(f"engine='mma' needs head dim d <= {MMA_MAX_HEAD_DIM}, got {head_dim}")
+    return "mma"
 
 
 def decode(engine: str) -> None:

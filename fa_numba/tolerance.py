@@ -44,7 +44,9 @@ float64 reference materialises (`reference.dense`):
 The gradients' rule (proofs/L7_backward.md): `baseline_backward` / `judge_backward` /
 `check_attention_backward` judge (dq, dk, dv) by err <= 3 err(naive float32) + floor, err(naive) from
 `reference.attention_backward_naive_f32`, the floor adding one float32 ulp of what the backward recomputes
-(dP - D where it cancels, and LSE) to `rounding_floor`. Each takes `mask=` as the forward does.
+(dP - D where it cancels, and LSE) to `rounding_floor`. Each takes `mask=` as the forward does. A
+tensor-core backward rounds P (before dV = P^T dO) and dS (before dK = scale dS^T Q and dQ = scale dS K) to
+the 16-bit type: `p_dtype=` adds `grad_rounding_terms`' u16 sum |a| |b| + eta16 sum |b| per gradient.
 
 NaN or inf where the reference is finite always fails (`assert_close`); a non-finite reference entry must be
 reproduced exactly.
@@ -185,19 +187,38 @@ def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
                      int(rescales.max(initial=0)), max_shift)
 
 
-def p_rounding_term(p: np.ndarray, v4: np.ndarray, visible: np.ndarray, p_dtype: str) -> float:
-    """max_{i,x} u16 sum_j P_ij |V_jx| + eta16 (max_j P_ij) sum_j |V_jx|, sums over the visible keys: how far
-    rounding every weight of P V to `p_dtype` can move O (proofs/L6, part 7)."""
+def _p_rounding(p_dtype: str) -> tuple[float, float]:
+    """(u16, eta16) of the 16-bit type `p_dtype` (P_ROUNDING); a ValueError naming anything else."""
     if p_dtype not in P_ROUNDING:
         raise ValueError(f"p_dtype must be one of {sorted(P_ROUNDING)} (or None for float32 P), got {p_dtype!r}")
-    u16, eta16 = P_ROUNDING[p_dtype]
-    abs_v = np.abs(v4)
+    return P_ROUNDING[p_dtype]
+
+
+def _rounded_operand_bound(a: np.ndarray, b: np.ndarray, visible: np.ndarray, p_dtype: str,
+                           eta_weight=1.0) -> np.ndarray:
+    """u16 sum_j |a_ij| |b_jx| + eta16 w_i sum_j |b_jx| over the visible pairs (i, j), entrywise (..., rows, d):
+    how far rounding every a_ij of the product a b to `p_dtype`, |fl16(a) - a| <= u16 |a| + eta16, can move
+    each entry, when the rounded a_ij reach the result weighted by at most w_i (`eta_weight`, broadcast
+    against (..., rows, 1)). a: (..., rows, keys), 0 off the visible pairs; b: (..., keys, d); visible:
+    (rows, keys). A non-finite b that no row sees is never multiplied (`reference.visible_matmul`); an entry
+    made NaN by a visible NaN stays NaN, for `_finite_max` to drop."""
+    u16, eta16 = _p_rounding(p_dtype)
+    abs_b = np.abs(b)
     with np.errstate(invalid="ignore", over="ignore"):
-        weighted = reference.visible_matmul(p, abs_v, visible)
-        ones = np.broadcast_to(visible, p.shape).astype(np.float64)
-        total = reference.visible_matmul(ones, abs_v, visible)
-        term = u16 * weighted + eta16 * p.max(axis=-1, initial=0.0)[..., None] * total
-    return _finite_max(term)
+        weighted = reference.visible_matmul(np.abs(a), abs_b, visible)
+        ones = np.broadcast_to(visible, a.shape).astype(np.float64)
+        total = reference.visible_matmul(ones, abs_b, visible)
+        return u16 * weighted + eta16 * eta_weight * total
+
+
+def p_rounding_term(p: np.ndarray, v4: np.ndarray, visible: np.ndarray, p_dtype: str) -> float:
+    """max_{i,x} u16 sum_j P_ij |V_jx| + eta16 (max_j P_ij) sum_j |V_jx|, sums over the visible keys: how far
+    rounding every weight of P V to `p_dtype` can move O (proofs/L6, part 7). The forward rounds
+    e = exp(s - m(t)) and divides by l afterwards, so eta16 reaches O times 1 / l = max_j P_ij."""
+    _p_rounding(p_dtype)
+    with np.errstate(invalid="ignore"):
+        weight = p.max(axis=-1, initial=0.0)[..., None]
+    return _finite_max(_rounded_operand_bound(p, v4, visible, p_dtype, weight))
 
 
 def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None) -> Terms:
@@ -434,6 +455,35 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
     return _finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv)
 
 
+def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[float, float, float]:
+    """(term_dq, term_dk, term_dv): how far rounding P and dS to the 16-bit type `p_dtype` before their products
+    (a tensor-core backward) can move each entry of dq, dk, dv (proofs/L7, floating point), from the float64
+    reference's P, dP, D and operands (`reference.dense_backward`).
+
+    Each rounded operand errs by |fl16(a) - a| <= u16 |a| + eta16 (P_ROUNDING), and enters its gradient once,
+    linearly; the float32 products and sums are the 3x rule's. With dS_ij = P_ij (dP_ij - D_i), over the
+    visible pairs only (a NaN or inf that no row sees stays out, as in `_recompute_floors`):
+
+        term_dv = max_{j,x} sum_{h in group} sum_i (u16 P_ij + eta16) |dO_ix|,
+        term_dk = |scale| max_{j,x} sum_{h in group} sum_i (u16 |dS_ij| + eta16) |Q_ix|,
+        term_dq = |scale| max_{i,x} sum_j (u16 |dS_ij| + eta16) |K_jx|.
+
+    Unlike the forward's (`p_rounding_term`) eta16 has no factor: P is already normalised when it is rounded,
+    and a dS far below the type's normal range (tiny dO) is rounded to its subnormals with this absolute error.
+    """
+    _p_rounding(p_dtype)  # a bad p_dtype is a ValueError naming it
+    q4, k4, do4, p, dp, d_row = grads.q, grads.k, grads.dout, grads.p, grads.dp, grads.d_row
+    visible, prob = grads.visible, grads.problem
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
+    with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
+        ds = np.where(visible, p * (dp - d_row[..., None]), p.dtype.type(0))  # dS, 0 off the visible pairs
+        term_dq = abs(grads.scale) * _rounded_operand_bound(ds, k4, visible, p_dtype)
+        term_dk = (abs(grads.scale) * _rounded_operand_bound(np.swapaxes(ds, -1, -2), q4, visible.T, p_dtype)
+                   ).reshape(grouped).sum(axis=2)
+        term_dv = _rounded_operand_bound(np.swapaxes(p, -1, -2), do4, visible.T, p_dtype).reshape(grouped).sum(axis=2)
+    return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
+
+
 def tolerance_backward(expected: np.ndarray, naive, recompute: float = 0.0) -> float:
     """atol = 3 * err(naive float32) + floor for one gradient (dq, dk or dv): `tolerance` with 3x.
 
@@ -475,14 +525,21 @@ class BaselineBackward:
 
 
 def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                      contractions=reference.CONTRACTIONS, mask=None) -> BaselineBackward:
-    """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward)."""
+                      contractions=reference.CONTRACTIONS, mask=None, p_dtype: str | None = None) -> BaselineBackward:
+    """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward).
+
+    p_dtype ("float16" or "bfloat16"): the implementation rounds P (before dV) and dS (before dK and dQ) to
+    that type (a tensor-core backward); each gradient's atol gets `grad_rounding_terms`' term. None: float32.
+    """
+    if p_dtype is not None:
+        _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
     grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask)
     ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
+    terms = (0.0, 0.0, 0.0) if p_dtype is None else grad_rounding_terms(grads, p_dtype)
     del grads  # its P and dP (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask)
              for c in contractions]
-    atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) for t, r in enumerate(ref)]
+    atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) + terms[t] for t, r in enumerate(ref)]
     return BaselineBackward(*ref, *atols)
 
 
@@ -495,8 +552,10 @@ def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") 
 
 
 def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                             name: str = "kernel", contractions=reference.CONTRACTIONS, mask=None) -> CheckBackward:
+                             name: str = "kernel", contractions=reference.CONTRACTIONS, mask=None,
+                             p_dtype: str | None = None) -> CheckBackward:
     """Check gradients from any implementation against the float64 reference with the 3x rule (mask as
-    in `attention_backward`)."""
-    base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask)
+    in `attention_backward`; p_dtype for a tensor-core backward, the 16-bit type P and dS are rounded to)."""
+    base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask,
+                             p_dtype=p_dtype)
     return judge_backward(dq, dk, dv, base, name=name)

@@ -5,7 +5,7 @@ Two operators, registered with `torch.library.custom_op`:
     fa_numba::attention(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k,
                         backward_order, deterministic, backward_block) -> (out, lse)
     fa_numba::attention_backward(q, k, v, out, lse, dout, causal, scale, order, deterministic,
-                                 mask_spec, mask_dense, block) -> (dq, dk, dv)
+                                 mask_spec, mask_dense, block, engine) -> (dq, dk, dv)
 
 Tile sizes are ints, 0 for the default: the shipped tiles of the head dim on a GPU, 16 in the CUDA
 simulator (SIMULATOR_TILE), where the shipped tiles cost seconds (forward) to minutes (backward) per
@@ -105,20 +105,24 @@ def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine
 @torch.library.custom_op("fa_numba::attention_backward", mutates_args=())
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool,
                           scale: float, order: str, deterministic: bool, mask_spec: str,
-                          mask_dense: Optional[Tensor], block: int) -> tuple[Tensor, Tensor, Tensor]:
+                          mask_dense: Optional[Tensor], block: int, engine: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), float32, of sum(dout * attention(q, k, v)); arguments as fa_numba.attention_backward
-    (block: its square tile, block_q = block_k)."""
+    (block: its square tile, block_q = block_k, for the CUDA-core kernels; the tensor-core one takes its
+    own default tiles)."""
     dout = dout.contiguous()
-    tiles = dict(block_q=_tile(block))
+    tiles = dict(block_q=_tile(block)) if engine != "mma" else {}
+    if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
+        dout = dout.to(q.dtype)
     if mask_dense is None or mask_dense.dim() == 2:
         return api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
-                                      deterministic=deterministic, mask=_mask(mask_spec, mask_dense), **tiles)
+                                      deterministic=deterministic, mask=_mask(mask_spec, mask_dense), engine=engine,
+                                      **tiles)
     dq = q.new_empty(q.shape, dtype=torch.float32)
     dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (k, v))
     for rows, keys, mask in _mask_slices(q, k, mask_dense):  # query heads of one K/V head: their sum
         dq[rows], dk_part, dv_part = api.attention_backward(
             _part(q, rows), _part(k, keys), _part(v, keys), _part(out, rows), _part(lse, rows), _part(dout, rows),
-            scale=scale, order=order, deterministic=deterministic, mask=mask, **tiles)
+            scale=scale, order=order, deterministic=deterministic, mask=mask, engine=engine, **tiles)
         dk[keys] += dk_part
         dv[keys] += dv_part
     return dq, dk, dv
@@ -126,7 +130,7 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec, mask_dense,
-                             block):
+                             block, engine):
     return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v))
 
 
@@ -135,15 +139,15 @@ def _setup_context(ctx, inputs, output):
      backward_block) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask_dense)
-    ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block)
+    ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block, engine)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask_dense = ctx.saved_tensors
-    causal, scale, order, deterministic, mask_spec, block = ctx.settings
+    causal, scale, order, deterministic, mask_spec, block, engine = ctx.settings
     dq, dk, dv = attention_backward_op(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec,
-                                       mask_dense, block)
+                                       mask_dense, block, engine)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 11
 
 

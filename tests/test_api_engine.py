@@ -54,14 +54,23 @@ def test_engine_mma_refuses_what_it_does_not_take(kwargs, message):
         fa_numba.attention(q, k, v, **kwargs)
 
 
-def test_the_backward_says_it_has_no_tensor_core_engine_yet():
+def test_the_tensor_core_backward_refuses_what_it_does_not_take_by_name():
+    """float32 inputs, the Q-outer order, block masks, d > 128: each a ValueError naming it, before anything is
+    read (the kernels themselves: tests/test_mma_backward.py)."""
     q, k, v = _inputs(np.float32, n_q=8, n_k=8, heads=1)
-    out, lse = np.zeros_like(q), np.zeros(q.shape[:-1], np.float32)  # refused before anything is read
-    with pytest.raises(NotImplementedError, match="tensor-core backward is not built yet"):
+    out, lse = np.zeros_like(q), np.zeros(q.shape[:-1], np.float32)
+    with pytest.raises(ValueError, match="engine='mma' takes float16 or bfloat16 inputs"):
         fa_numba.attention_backward(q, k, v, out, lse, np.ones_like(q), engine="mma")
+    h = q.astype(np.float16)
+    with pytest.raises(ValueError, match="runs the K/V-outer backward"):
+        fa_numba.attention_backward(h, h, h, out, lse, h, engine="mma", order="q")
+    with pytest.raises(ValueError, match="block-mask lists are not built yet"):
+        fa_numba.attention_backward(h, h, h, out, lse, h, engine="mma", mask=masks.sliding_window(2, 0))
+    with pytest.raises(TypeError, match="dout must have q's dtype float16"):
+        fa_numba.attention_backward(h, h, h, out, lse, np.ones_like(q), engine="mma")
     torch = pytest.importorskip("torch")
     from fa_numba import autograd
 
     t = torch.from_numpy(q)
-    with pytest.raises(NotImplementedError, match="tensor-core backward is not built yet"):
+    with pytest.raises(ValueError, match="engine='mma' takes float16 or bfloat16 inputs"):
         autograd.attention(t, t, t, engine="mma")

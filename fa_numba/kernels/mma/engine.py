@@ -281,6 +281,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=visible,
+                           stage=stage, stage_async=stage_async, any_bad=any_bad, mma=mma, pack=pack, to_f32=to_f32,
                            sizes=SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN,
                                                  Q_SIZE=Q_SIZE, KV_SIZE=KV_SIZE))
 

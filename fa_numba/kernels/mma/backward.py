@@ -1,0 +1,636 @@
+"""The backward on tensor cores (proofs/L7, with the two 16-bit roundings of proofs/L7's tensor-core part):
+dQ, dK, dV with mma.sync m16n8k16 from float16 or bfloat16 Q, K, V, dO, the forward's LSE and D = rowsum(dO o O).
+
+Two kernels, both on the forward engine's staging and fragment conventions (kernels.mma.engine, proofs/L10):
+
+- `kv` (K/V outer, FlashAttention-2's backward): one block of W warps per (key tile j of B_c = 16 W keys, batch,
+  K/V head); warp w owns keys 16 w .. 16 w + 15 and keeps their dK, dV accumulators in registers while the
+  block walks the query heads of its group and their query tiles i (B_r rows) that see tile j. Per visit, in
+  the transposed frame (a lane holds keys g, g + 8 and query columns 2t, 2t + 1 of each 8-column block):
+      S^T  = K_j Q_i^T        A: K_j rows by ldmatrix.x4 (row-major K, as the forward's Q)
+                               B: Q_i^T by ldmatrix.x2 (row-major Q, as the forward's K)
+      dP^T = V_j dO_i^T       A: V_j rows by ldmatrix.x4, B: dO_i^T by ldmatrix.x2
+      P^T  = exp(scale S^T - LSE), dS^T = P^T o (dP^T - D)  on the fragments (0 at masked pairs)
+      dV  += P^T dO_i         A: P^T's own fragments, rounded to 16 bits (no data moves: L10 claim 5)
+                               B: dO_i by ldmatrix.x2.trans (as the forward's V)
+      dK  += dS^T Q_i         A: dS^T's fragments rounded to 16 bits, B: Q_i by ldmatrix.x2.trans
+      dQ_i += scale dS K_j    the reduction runs over the block's keys, which four warps hold: dS^T goes
+                               through shared memory (16-bit, rows B_r + 8 apart), A: dS by ldmatrix.x4.trans
+                               of it, B: K_j by ldmatrix.x2.trans; each warp takes whole 16-row slices of dQ_i
+                               and adds its fragments into the float32 dQ in HBM with atomic adds.
+  With `deterministic`, the dQ part is left out (no shared dS, no atomics) and the `dq` kernel computes dQ.
+- `dq` (Q outer, the deterministic mode's second pass): one block of W warps per (query tile i of 16 W rows,
+  batch, query head), as the forward's v2: S = Q_i K_j^T and dP = dO_i V_j^T (A: Q_i's and dO_i's fragments,
+  read once; B: K_j, V_j by ldmatrix.x2), dS on the fragments, dQ += dS K_j (A: dS's fragments rounded to 16
+  bits, B: K_j by ldmatrix.x2.trans); dQ written once, no atomics: bitwise repeatable.
+
+D and the zeroing of dQ come from the CUDA-core backward's `preprocess` kernel (kernels.backward): it reads O and
+dO once, whatever their dtype.
+
+HBM traffic per (batch, head), in elements, that of the CUDA-core backward's orders (iomodel.traffic_backward,
+"kv"): K_j, V_j read once per block; Q_i, dO_i, LSE_i, D_i once per visit; dQ_i read and written per visit by
+the atomic adds (or, deterministic, the `dq` pass: Q_i, dO_i, LSE_i, D_i once, K_j, V_j per visible tile, dQ
+written once); dK, dV written once.
+
+Non-finite inputs (proofs/L7.8): a masked pair is never multiplied. S and dP are pair-local (an entry reads one
+row of each operand), so their masked entries are overwritten with 0; the three reductions are not: the tensor
+core would multiply a masked pair's 0 by the other operand, and 0 x inf is NaN. So a tile that masks some pair
+and holds an inf or NaN among its staged Q_i, dO_i, K_j, V_j takes an exact path on the CUDA cores for those
+reductions over the visible pairs only (`exact_*`: each lane gathers its rows' P and dS from its quad by
+shuffles, or reads dS from shared memory). A NaN then reaches exactly the gradients the dense formula puts it
+in; the other entries of such a tile are computed in another order than the mma path's (within the rule, not
+bitwise the NaN-free run's).
+
+Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); causal or no mask (no block-mask
+lists); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 with B_r / 16 and W
+dividing one another; dq B_r = 16 W, B_c a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from numba import cuda, float32, uint16, uint32
+
+from fa_numba import backend, warp
+from fa_numba.kernels.common import ZERO, check_grid, check_sequence
+from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, make_ops
+
+ROLES = ("kv", "dq")
+# default (warps, block_q, block_k) per role and largest head dim: the largest tiles under 48 KB of static
+# shared memory (kv: K, V, Q, dO staged, dS^T and LSE, D; dq: Q, dO, K, V staged)
+# (the kv kernel's B_r is small because its registers hold dK, dV, P^T and dS^T: B_r = 32 at d = 64 compiles to
+# 234 registers, 64 to 255 and spills; 16 at d = 128 to 254 without spills, sm_90a, 2026-12-02)
+DEFAULTS = {"kv": ((64, (4, 32, 64)), (128, (4, 16, 64))), "dq": ((64, (4, 64, 64)), (128, (2, 32, 32)))}
+
+
+def default_tiles(role: str, head_dim: int) -> tuple[int, int, int]:
+    """(warps, block_q, block_k) of `role` for head dim d (DEFAULTS)."""
+    for bound, tiles in DEFAULTS[role]:
+        if head_dim <= bound:
+            return tiles
+    raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM} for the tensor-core backward, got {head_dim}")
+
+
+@dataclass(frozen=True)
+class MmaBackwardConfig:
+    """A compile-time configuration of a tensor-core backward kernel."""
+
+    role: str  # "kv" (dK, dV on chip; dQ by atomics unless deterministic) or "dq" (the deterministic dQ pass)
+    kind: str  # "float16" or "bfloat16"
+    warps: int
+    block_q: int
+    block_k: int
+    head_dim: int
+    causal: bool
+    deterministic: bool = False  # kv only: leave dQ to the dq kernel
+    async_copy: bool = False
+
+    @property
+    def padded_dim(self) -> int:
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def row_stride(self) -> int:
+        return self.padded_dim + 8
+
+    @property
+    def ds_stride(self) -> int:
+        return self.block_q + 8
+
+    @property
+    def shared_bytes(self) -> int:
+        staged = 2 * self.row_stride * 2 * (self.block_q + self.block_k)
+        ds = 2 * self.block_k * self.ds_stride if self.role == "kv" else 2 * self.block_q * (self.block_k + 8)
+        stats = 8 * self.block_q if self.role == "kv" else 0
+        return staged + ds + stats
+
+    def staging(self) -> MmaConfig:
+        """The forward engine's configuration whose staging helpers this kernel uses (threads, d, kind)."""
+        return MmaConfig(self.kind, self.warps, 16, self.head_dim, self.causal, self.async_copy)
+
+    def check(self) -> "MmaBackwardConfig":
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"dtype must be one of {KINDS} for the tensor-core backward (float32 by 3xTF32 is not "
+                             f"built yet), got {self.kind!r}")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
+        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim d must be in 1..{MAX_HEAD_DIM} for the tensor-core backward, got "
+                             f"{self.head_dim}")
+        for name, size in (("block_q", self.block_q), ("block_k", self.block_k)):
+            if size <= 0 or size % 16:
+                raise ValueError(f"{name} must be a positive multiple of 16 (the mma's 16 rows and k-step), got "
+                                 f"{size}")
+        owned, name = (self.block_k, "block_k") if self.role == "kv" else (self.block_q, "block_q")
+        if owned != 16 * self.warps:
+            raise ValueError(f"{name} must be 16 x warps = {16 * self.warps} for the {self.role} kernel (16 rows "
+                             f"per warp), got {owned}")
+        slices = self.block_q // 16
+        if self.role == "kv" and slices % self.warps and self.warps % slices:
+            raise ValueError(f"block_q / 16 = {slices} and warps = {self.warps} must divide one another (the "
+                             f"warps share dQ_i's 16-row slices)")
+        if self.role == "kv" and self.warps > slices and (self.padded_dim // 8) % (self.warps // slices):
+            raise ValueError(f"head dim {self.head_dim}: its {self.padded_dim // 8} 8-column blocks do not split "
+                             f"over {self.warps // slices} warps per dQ slice")
+        if self.async_copy and self.head_dim % 8:
+            raise ValueError(f"async_copy needs the head dim d to be a multiple of 8, got {self.head_dim}")
+        if self.shared_bytes > SHARED_LIMIT:
+            raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
+                             f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
+        return self
+
+
+@cuda.jit(device=True, inline=True)
+def store_pair(tile, index, bits):
+    """Two 16-bit values packed in `bits` (lower index in the low half) at tile[index], tile[index + 1]."""
+    tile[index] = uint16(bits & 0xFFFF)
+    tile[index + 1] = uint16(bits >> 16)
+
+
+def _visible(causal: bool):
+    @cuda.jit(device=True, inline=True)
+    def visible(row, key, n_q, n_k, delta):
+        """Row `row` sees key `key` (both in range; causal: bottom-right, key <= row + N_k - N_q)."""
+        return row < n_q and key < n_k and (not causal or key <= row + delta)
+
+    return visible
+
+
+def kv_source(config: MmaBackwardConfig):
+    """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
+    sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale)."""
+    E = make_ops(config.staging())
+    stage, stage_async, any_bad, mma, pack, to_f32 = E.stage, E.stage_async, E.any_bad, E.mma, E.pack, E.to_f32
+    W, BR, BC, D, DP, SQ, SDS = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
+                                 config.row_stride, config.ds_stride)
+    KS, NQ, DN, KQ, KK = DP // 16, BR // 8, DP // 8, BR // 16, BC // 16
+    SLICES = BR // 16
+    SPLIT = W // SLICES if W > SLICES else 1  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
+    DNS, UNITS = DN // SPLIT, SLICES * SPLIT
+    THREADS, ASYNC, CAUSAL, ATOMIC_DQ = 32 * W, config.async_copy, config.causal, not config.deterministic
+    HOLD = DP <= 64  # K_j's and V_j's A fragments held in registers for the block's life (else read per use)
+    Q_SIZE, KV_SIZE, DS_SIZE, HELD = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1)
+    visible = _visible(CAUSAL)
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows(sds, x, wid, g, t):
+        """This warp's 16 rows of x^T (P^T or dS^T, 16 keys x B_r queries) into sds, rounded to 16 bits: the
+        values its A fragments hold, at rows 16 w + g (+ 8), queries 8 nt + 2t."""
+        for nt in range(NQ):
+            base = (16 * wid + g) * SDS + 8 * nt + 2 * t
+            store_pair(sds, base, pack(x[nt, 0], x[nt, 1]))
+            store_pair(sds, base + 8 * SDS, pack(x[nt, 2], x[nt, 3]))
+
+    @cuda.jit(device=True, inline=True)
+    def exact_reduce(acc, sds, src, key0, local0, r0, n_q, n_k, delta, t):
+        """acc += X^T src over the visible pairs only, on the CUDA cores in float32: X^T the warp's rows of sds
+        (16-bit P^T or dS^T, what the mma path reads), src Q_i or dO_i in shared memory."""
+        for r in range(BR):
+            see0 = visible(r0 + r, key0, n_q, n_k, delta)
+            see1 = visible(r0 + r, key0 + 8, n_q, n_k, delta)
+            if see0 or see1:
+                x0, x1 = to_f32(sds[local0 * SDS + r]), to_f32(sds[(local0 + 8) * SDS + r])
+                for dn in range(DN):
+                    for e in range(2):
+                        y = to_f32(src[r * SQ + 8 * dn + 2 * t + e])
+                        if see0:
+                            acc[dn, e] += x0 * y
+                        if see1:
+                            acc[dn, 2 + e] += x1 * y
+
+    @cuda.jit(device=True, inline=True)
+    def product(acc, x, src, mrow, mat):
+        """acc += X^T src on the tensor cores: X^T's A fragments are the warp's own (x: 16 keys x B_r queries in
+        the C layout, rounded to 16 bits), src (Q_i or dO_i, B_r x DP) B fragments by ldmatrix .trans."""
+        for kk in range(KQ):
+            a = (pack(x[2 * kk, 0], x[2 * kk, 1]), pack(x[2 * kk, 2], x[2 * kk, 3]),
+                 pack(x[2 * kk + 1, 0], x[2 * kk + 1, 1]), pack(x[2 * kk + 1, 2], x[2 * kk + 1, 3]))
+            for dn in range(DN):
+                d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), a,
+                         warp.ldmatrix_x2_trans(src, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn))
+                for e in range(4):
+                    acc[dn, e] = d4[e]
+
+    @cuda.jit(device=True, inline=True)
+    def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t):
+        """dQ_i += scale dS K_j over the visible pairs only, on the CUDA cores in float32, for this lane's entries
+        of the slice's column blocks `part` (dS from shared memory, 16-bit as the mma path reads it)."""
+        for dd in range(DNS):
+            dn = part * DNS + dd
+            for e in range(4):
+                row, local = row0 + 8 * (e >> 1), local0 + 8 * (e >> 1)
+                x = 8 * dn + 2 * t + (e & 1)
+                total = ZERO
+                for c in range(BC):
+                    if visible(row, c0 + c, n_q, n_k, delta):
+                        total += to_f32(sds[c * SDS + local]) * to_f32(sk[c * SQ + x])
+                if row < n_q and x < D:
+                    cuda.atomic.add(dq, (b, h, row, x), scale * total)
+
+    @cuda.jit(device=True, inline=True)
+    def add_dq(dq, b, h, row0, dn, d4, scale, n_q, t):
+        """Atomically add scale x this lane's dQ fragment (rows row0, row0 + 8; 8-column block dn) into dQ."""
+        for e in range(4):
+            row = row0 + 8 * (e >> 1)
+            x = 8 * dn + 2 * t + (e & 1)
+            if row < n_q and x < D:
+                cuda.atomic.add(dq, (b, h, row, x), scale * d4[e])
+
+    def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale):
+        sk = cuda.shared.array(KV_SIZE, uint16)
+        sv = cuda.shared.array(KV_SIZE, uint16)
+        sq = cuda.shared.array(Q_SIZE, uint16)
+        sdo = cuda.shared.array(Q_SIZE, uint16)
+        sds = cuda.shared.array(DS_SIZE, uint16)  # P^T or dS^T of the block's keys, 16-bit, [key][query]
+        slse = cuda.shared.array(BR, float32)
+        sd = cuda.shared.array(BR, float32)
+        kf = cuda.local.array((HELD, 4), uint32)  # K_j's and V_j's A fragments (HOLD)
+        vf = cuda.local.array((HELD, 4), uint32)
+        s = cuda.local.array((NQ, 4), float32)  # P^T: the warp's 16 keys x B_r queries
+        dp = cuda.local.array((NQ, 4), float32)  # dS^T
+        dka = cuda.local.array((DN, 4), float32)  # dK's accumulator (without the scale): 16 keys x DP
+        dva = cuda.local.array((DN, 4), float32)
+        af = cuda.local.array((KK, 4), uint32)  # dS's A fragments of one dQ slice
+        j, bh = cuda.blockIdx.x, cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane, wid = tid & 31, tid >> 5
+        g, t = lane >> 2, lane & 3
+        mrow, mat = lane & 7, lane >> 3
+        heads, heads_kv, n_q, n_k = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+        group = heads // heads_kv
+        b = bh // heads_kv
+        hk = bh - b * heads_kv
+        delta = n_k - n_q
+        c0 = j * BC
+        key0 = c0 + 16 * wid + g  # this lane's keys: key0 and key0 + 8
+        n_row_tiles = (n_q + BR - 1) // BR
+        first = 0
+        if CAUSAL:  # the first row that sees key c0 is c0 - delta
+            first = max(c0 - delta, 0) // BR
+
+        if ASYNC:
+            stage_async(k, b, hk, c0, n_k, sk, BC)
+            stage_async(v, b, hk, c0, n_k, sv, BC)
+            warp.cp_async_commit()
+            warp.cp_async_wait_all()
+        else:
+            stage(k, b, hk, c0, n_k, sk, BC)
+            stage(v, b, hk, c0, n_k, sv, BC)
+        cuda.syncthreads()  # K_j, V_j staged: every thread reaches this barrier
+        kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad(sv, BC)) else 0) != 0
+        if HOLD:
+            for ks in range(KS):
+                index = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
+                a = warp.ldmatrix_x4(sk, index)
+                c = warp.ldmatrix_x4(sv, index)
+                for e in range(4):
+                    kf[ks, e] = a[e]
+                    vf[ks, e] = c[e]
+        for dn in range(DN):
+            for e in range(4):
+                dka[dn, e] = ZERO
+                dva[dn, e] = ZERO
+
+        for hh in range(group):
+            h = hk * group + hh
+            for i in range(first, n_row_tiles):
+                r0 = i * BR
+                cuda.syncthreads()  # the previous visit's Q, dO and sds are no longer read
+                if ASYNC:
+                    stage_async(q, b, h, r0, n_q, sq, BR)
+                    stage_async(do, b, h, r0, n_q, sdo, BR)
+                else:
+                    stage(q, b, h, r0, n_q, sq, BR)
+                    stage(do, b, h, r0, n_q, sdo, BR)
+                for idx in range(tid, BR, THREADS):
+                    row = r0 + idx
+                    slse[idx] = lse[b, h, row] if row < n_q else ZERO
+                    sd[idx] = dvec[b, h, row] if row < n_q else ZERO
+                if ASYNC:
+                    warp.cp_async_commit()
+                    warp.cp_async_wait_all()
+                cuda.syncthreads()  # Q_i, dO_i, LSE_i, D_i staged
+                # some pair of the visit is masked: causal (key c0 + BC - 1 hidden from row r0), or a tail
+                masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
+                guard = False
+                if masked:  # the same for the whole block: every thread reaches this barrier
+                    bad = kv_bad or any_bad(sq, BR) or any_bad(sdo, BR)
+                    guard = cuda.syncthreads_or(1 if bad else 0) != 0
+
+                for nt in range(NQ):  # S^T and dP^T, then P^T and dS^T, 8 queries at a time
+                    d4 = (ZERO, ZERO, ZERO, ZERO)
+                    e4 = (ZERO, ZERO, ZERO, ZERO)
+                    for ks in range(KS):
+                        index_b = (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)
+                        if HOLD:
+                            ak = (kf[ks, 0], kf[ks, 1], kf[ks, 2], kf[ks, 3])
+                            av = (vf[ks, 0], vf[ks, 1], vf[ks, 2], vf[ks, 3])
+                        else:
+                            index_a = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
+                            ak = warp.ldmatrix_x4(sk, index_a)
+                            av = warp.ldmatrix_x4(sv, index_a)
+                        d4 = mma(d4, ak, warp.ldmatrix_x2(sq, index_b))
+                        e4 = mma(e4, av, warp.ldmatrix_x2(sdo, index_b))
+                    for e in range(4):  # 0 at masked pairs
+                        col = 8 * nt + 2 * t + (e & 1)
+                        p, ds = ZERO, ZERO
+                        if not masked or visible(r0 + col, key0 + 8 * (e >> 1), n_q, n_k, delta):
+                            p = math.exp(scale * d4[e] - slse[col])
+                            ds = p * (e4[e] - sd[col])
+                        s[nt, e] = p
+                        dp[nt, e] = ds
+
+                if guard:  # the warp's own rows of sds: P^T for dV, then dS^T for dK (and dQ)
+                    store_rows(sds, s, wid, g, t)
+                    cuda.syncwarp()
+                    exact_reduce(dva, sds, sdo, key0, 16 * wid + g, r0, n_q, n_k, delta, t)
+                    cuda.syncwarp()
+                    store_rows(sds, dp, wid, g, t)
+                    cuda.syncwarp()
+                    exact_reduce(dka, sds, sq, key0, 16 * wid + g, r0, n_q, n_k, delta, t)
+                else:
+                    product(dva, s, sdo, mrow, mat)
+                    product(dka, dp, sq, mrow, mat)
+                    if ATOMIC_DQ:
+                        store_rows(sds, dp, wid, g, t)
+
+                if ATOMIC_DQ:
+                    cuda.syncthreads()  # dS^T of every warp's keys is in shared memory
+                    for unit in range(wid, UNITS, W):  # dQ_i's 16-row slice mi, its column blocks `part`
+                        mi = unit // SPLIT
+                        part = unit - mi * SPLIT
+                        row0 = r0 + 16 * mi + g
+                        if guard:
+                            exact_dq(sds, sk, dq, b, h, row0, 16 * mi + g, c0, part, scale, n_q, n_k, delta, t)
+                        else:
+                            for kk in range(KK):
+                                a = warp.ldmatrix_x4_trans(sds, (16 * kk + mrow + 8 * (mat >> 1)) * SDS + 16 * mi
+                                                           + 8 * (mat & 1))
+                                for e in range(4):
+                                    af[kk, e] = a[e]
+                            for dd in range(DNS):
+                                dn = part * DNS + dd
+                                d4 = (ZERO, ZERO, ZERO, ZERO)
+                                for kk in range(KK):
+                                    bk = warp.ldmatrix_x2_trans(sk, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
+                                    d4 = mma(d4, (af[kk, 0], af[kk, 1], af[kk, 2], af[kk, 3]), bk)
+                                add_dq(dq, b, h, row0, dn, d4, scale, n_q, t)
+
+        for half in range(2):
+            key = key0 + 8 * half
+            if key < n_k:
+                for dn in range(DN):
+                    for e in range(2):
+                        x = 8 * dn + 2 * t + e
+                        if x < D:
+                            dk[b, hk, key, x] = scale * dka[dn, 2 * half + e]
+                            dv[b, hk, key, x] = dva[dn, 2 * half + e]
+
+    return bwd_kv_mma
+
+
+def dq_source(config: MmaBackwardConfig):
+    """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale)."""
+    E = make_ops(config.staging())
+    stage, stage_async, any_bad, mma, pack, to_f32 = E.stage, E.stage_async, E.any_bad, E.mma, E.pack, E.to_f32
+    W, BR, BC, D, DP, SQ = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
+                            config.row_stride)
+    KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
+    ASYNC, CAUSAL = config.async_copy, config.causal
+    SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
+    Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
+    visible = _visible(CAUSAL)
+
+    @cuda.jit(device=True, inline=True)
+    def exact_dq(acc, sds, sk, local0, row0, c0, n_q, n_k, delta, t):
+        """acc += dS K_j over the visible pairs only, on the CUDA cores in float32: dS from the warp's own rows
+        of sds (16-bit, what the mma path reads), K_j from shared memory."""
+        for c in range(BC):
+            see0 = visible(row0, c0 + c, n_q, n_k, delta)
+            see1 = visible(row0 + 8, c0 + c, n_q, n_k, delta)
+            if see0 or see1:
+                x0, x1 = to_f32(sds[local0 * SDK + c]), to_f32(sds[(local0 + 8) * SDK + c])
+                for dn in range(DN):
+                    for e in range(2):
+                        k_x = to_f32(sk[c * SQ + 8 * dn + 2 * t + e])
+                        if see0:
+                            acc[dn, e] += x0 * k_x
+                        if see1:
+                            acc[dn, 2 + e] += x1 * k_x
+
+    def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale):
+        sq = cuda.shared.array(Q_SIZE, uint16)
+        sdo = cuda.shared.array(Q_SIZE, uint16)
+        sk = cuda.shared.array(KV_SIZE, uint16)
+        sv = cuda.shared.array(KV_SIZE, uint16)
+        sds = cuda.shared.array(DS_SIZE, uint16)  # the exact path's dS, each warp its own 16 rows
+        qf = cuda.local.array((KS, 4), uint32)  # this lane's A fragments of Q_i and dO_i
+        of = cuda.local.array((KS, 4), uint32)
+        dp = cuda.local.array((NT, 4), float32)  # dS of the warp's 16 rows x B_c keys
+        acc = cuda.local.array((DN, 4), float32)  # dQ without the scale
+        i, bh = cuda.blockIdx.x, cuda.blockIdx.y
+        lane, wid = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
+        g, t = lane >> 2, lane & 3
+        mrow, mat = lane & 7, lane >> 3
+        heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])
+        delta = n_k - n_q
+        r0 = i * BR
+        row0 = r0 + 16 * wid + g
+        last = min(r0 + BR, n_q) - 1 + delta
+        n_tiles = (n_k + BC - 1) // BC
+        if CAUSAL:
+            n_tiles = min(n_tiles, (last + BC) // BC) if last >= 0 else 0
+
+        if ASYNC:
+            stage_async(q, b, h, r0, n_q, sq, BR)
+            stage_async(do, b, h, r0, n_q, sdo, BR)
+            warp.cp_async_commit()
+            warp.cp_async_wait_all()
+        else:
+            stage(q, b, h, r0, n_q, sq, BR)
+            stage(do, b, h, r0, n_q, sdo, BR)
+        cuda.syncthreads()
+        q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad(sdo, BR)) else 0) != 0
+        for ks in range(KS):
+            index = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
+            a = warp.ldmatrix_x4(sq, index)
+            o = warp.ldmatrix_x4(sdo, index)
+            for e in range(4):
+                qf[ks, e] = a[e]
+                of[ks, e] = o[e]
+        lse0 = lse[b, h, row0] if row0 < n_q else ZERO
+        lse1 = lse[b, h, row0 + 8] if row0 + 8 < n_q else ZERO
+        d0 = dvec[b, h, row0] if row0 < n_q else ZERO
+        d1 = dvec[b, h, row0 + 8] if row0 + 8 < n_q else ZERO
+        for dn in range(DN):
+            for e in range(4):
+                acc[dn, e] = ZERO
+        for j in range(n_tiles):
+            c0 = j * BC
+            cuda.syncthreads()  # the previous K_j, V_j are no longer read
+            if ASYNC:
+                stage_async(k, b, h_kv, c0, n_k, sk, BC)
+                stage_async(v, b, h_kv, c0, n_k, sv, BC)
+                warp.cp_async_commit()
+                warp.cp_async_wait_all()
+            else:
+                stage(k, b, h_kv, c0, n_k, sk, BC)
+                stage(v, b, h_kv, c0, n_k, sv, BC)
+            cuda.syncthreads()
+            masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
+            guard = False
+            if masked:
+                bad = q_bad or any_bad(sk, BC) or any_bad(sv, BC)
+                guard = cuda.syncthreads_or(1 if bad else 0) != 0
+            for nt in range(NT):
+                d4 = (ZERO, ZERO, ZERO, ZERO)
+                e4 = (ZERO, ZERO, ZERO, ZERO)
+                for ks in range(KS):
+                    index = (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)
+                    d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), warp.ldmatrix_x2(sk, index))
+                    e4 = mma(e4, (of[ks, 0], of[ks, 1], of[ks, 2], of[ks, 3]), warp.ldmatrix_x2(sv, index))
+                for e in range(4):
+                    row = row0 + 8 * (e >> 1)
+                    ds = ZERO
+                    if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta):
+                        p = math.exp(scale * d4[e] - (lse0 if e < 2 else lse1))
+                        ds = p * (e4[e] - (d0 if e < 2 else d1))
+                    dp[nt, e] = ds
+            if guard:  # the warp's own rows of sds
+                for nt in range(NT):
+                    base = (16 * wid + g) * SDK + 8 * nt + 2 * t
+                    store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
+                    store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
+                cuda.syncwarp()
+                exact_dq(acc, sds, sk, 16 * wid + g, row0, c0, n_q, n_k, delta, t)
+                cuda.syncwarp()
+            else:
+                for kk in range(PK):
+                    da = (pack(dp[2 * kk, 0], dp[2 * kk, 1]), pack(dp[2 * kk, 2], dp[2 * kk, 3]),
+                          pack(dp[2 * kk + 1, 0], dp[2 * kk + 1, 1]), pack(dp[2 * kk + 1, 2], dp[2 * kk + 1, 3]))
+                    for dn in range(DN):
+                        bk = warp.ldmatrix_x2_trans(sk, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
+                        d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da, bk)
+                        for e in range(4):
+                            acc[dn, e] = d4[e]
+        for half in range(2):
+            row = row0 + 8 * half
+            if row < n_q:
+                for dn in range(DN):
+                    for e in range(2):
+                        x = 8 * dn + 2 * t + e
+                        if x < D:
+                            dq[b, h, row, x] = scale * acc[dn, 2 * half + e]
+
+    return bwd_dq_mma
+
+
+class MmaBackwardKernel:
+    """A compiled tensor-core backward kernel (`role` "kv" or "dq"): its config, the Python `source` and its
+    cuda.jit `kernel`, and the launch's grid."""
+
+    def __init__(self, config: MmaBackwardConfig):
+        self.config = config.check()
+        self.source = (kv_source if config.role == "kv" else dq_source)(config)
+        self.kernel = cuda.jit(self.source)
+        self.GRID_AXES = (("ceil(N_k / block_k)", "batch * heads_kv") if config.role == "kv"
+                          else ("ceil(N_q / block_q)", "batch * heads"))
+
+    def launch_shape(self, batch: int, heads: int, rows: int) -> tuple[tuple, tuple]:
+        """(grid, block) on (batch, heads, rows): kv blocks over (key tiles, B H_kv), dq over (query tiles, B H)."""
+        tile = self.config.block_k if self.config.role == "kv" else self.config.block_q
+        return (-(-rows // tile), batch * heads), (32 * self.config.warps,)
+
+    def check_grid(self, batch: int, heads: int, rows: int) -> None:
+        check_grid(self.launch_shape(batch, heads, rows)[0], self.GRID_AXES, f"bwd-{self.config.role}-mma")
+
+    @staticmethod
+    def argtypes(role: str) -> tuple:
+        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a)."""
+        from numba import types
+
+        bits = types.Array(types.uint16, 4, "C")
+        grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+        if role == "kv":
+            return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32)
+        return (bits, bits, bits, bits, stat, stat, grad, float32)
+
+
+@functools.lru_cache(maxsize=None)
+def make(role: str, kind: str, warps: int, block_q: int, block_k: int, head_dim: int, causal: bool,
+         deterministic: bool = False, async_copy: bool | None = None) -> MmaBackwardKernel:
+    """One tensor-core backward kernel, built once per configuration. async_copy (default: where d % 8 == 0)
+    stages tiles by cp.async; `run` takes the plain-load kernel for inputs not 16-byte aligned."""
+    if async_copy is None:
+        async_copy = head_dim % 8 == 0
+    return MmaBackwardKernel(MmaBackwardConfig(role, kind, warps, block_q, block_k, head_dim, bool(causal),
+                                               bool(deterministic) and role == "kv", bool(async_copy)))
+
+
+def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=None, block_k=None) -> list:
+    """The tensor-core kernels one backward call launches after `preprocess`, each with the side its grid
+    spans: [kv] or, deterministic, [kv without dQ, dq]. block_q / block_k (None: DEFAULTS) are the kv
+    kernel's tiles; the dq pass takes its defaults."""
+    warps, bq, bk = default_tiles("kv", head_dim)
+    if block_k is not None:
+        if block_k <= 0 or block_k % 16 or block_k // 16 not in (1, 2, 4, 8):
+            raise ValueError(f"block_k must be 16, 32, 64 or 128 for the tensor-core backward (16 keys per warp), "
+                             f"got {block_k}")
+        warps, bk = block_k // 16, block_k
+    bq = bq if block_q is None else block_q
+    kernels = [(make("kv", kind, warps, bq, bk, head_dim, causal, deterministic), "kv")]
+    if deterministic:
+        w, q_rows, k_cols = default_tiles("dq", head_dim)
+        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal), "q"))
+    return kernels
+
+
+def _aligned(*arrays) -> bool:
+    from fa_numba.kernels.mma.engine import _aligned16
+
+    return all(_aligned16(x) for x in arrays)
+
+
+def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deterministic=False, block_q=None,
+        block_k=None, stream=0) -> None:
+    """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the
+    uint16 bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); dq
+    (B, H, N_q, d), dk, dv (B, H_kv, N_k, d) float32 outputs, dvec (B, H, N_q) float32 workspace for D."""
+    from fa_numba.kernels import backward as simt
+
+    batch, heads, n_q, d = q.shape
+    heads_kv, n_k = k.shape[1], k.shape[2]
+    check_sequence(n_q, n_k)
+    kernels = plan(kind, d, causal, deterministic, block_q, block_k)
+    for kernel, side in kernels:
+        kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
+    bits = [x.view(np.uint16) if np.dtype(x.dtype) == np.float16 else x for x in (q, k, v, dout)]
+    aligned = _aligned(*bits)
+    scale = float32(scale)
+    pre = simt.make("preprocess", simt.default_backward_tiles(d)[0], d, False, not deterministic)
+    grid, threads = pre.launch_shape(batch, heads, n_q)
+    with backend.serialised(threads[0]):
+        pre.kernel[grid, threads, stream](out, dout, dvec, dq)  # D = rowsum(dO o O), and dQ = 0 for the atomics
+    for kernel, side in kernels:
+        c = kernel.config
+        if c.async_copy and not aligned:  # cp.async needs 16-byte rows
+            kernel = make(c.role, c.kind, c.warps, c.block_q, c.block_k, c.head_dim, c.causal, c.deterministic,
+                          async_copy=False)
+        grid, block = kernel.launch_shape(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
+        args = (*bits, lse, dvec, dq, dk, dv, scale) if c.role == "kv" else (*bits, lse, dvec, dq, scale)
+        with backend.serialised(block[0]):
+            kernel.kernel[grid, block, stream](*args)
+
+
+__all__ = ["DEFAULTS", "MmaBackwardConfig", "MmaBackwardKernel", "default_tiles", "dq_source", "kv_source", "make",
+           "plan", "run"]
