@@ -174,3 +174,29 @@ def test_mma_backward_compiles_to_unrolled_products_without_local_memory():
         assert row["loop_hmma"] == products, row
         assert row["local"] == 0 and row["spill_stores"] == 0 and row["spill_loads"] == 0, row
         assert row["smem"] <= 48 * 1024, row
+
+
+@pytest.mark.lemma("L7")
+@pytest.mark.skipif(not SIMULATOR, reason="element counts are taken with counting arrays in the CUDA simulator")
+@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=SLOW)], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", [Case(n_q=37, n_k=29, d=24, block_q=32, block_k=16, causal=True, seed=8, group=2),
+                                  pytest.param(Case(n_q=20, n_k=45, d=16, block_q=16, block_k=32, causal=False,
+                                                    seed=9), marks=SLOW)],
+                         ids=lambda c: f"{c.n_q}x{c.n_k}-d{c.d}-{c.block_q}x{c.block_k}")
+def test_mma_backward_traffic_equals_iomodel(case, deterministic):
+    """Every element read and written in HBM, counted in the simulator (cp.async copies included), equals the
+    K/V-outer order's model: K_j, V_j once per block, Q_i, dO_i, LSE_i, D_i once per visit, dQ read and
+    written per visit by the atomic adds (or the deterministic dQ pass's own reads and one write)."""
+    from fa_numba import iomodel
+    from fa_numba.kernels.counting import run_counted_backward
+
+    sixteen, exact, out, lse = _problem(case, "float16")
+    dq, dk, dv, ledger = run_counted_backward(*sixteen[:3], out, lse, sixteen[3], 1 / np.sqrt(case.d),
+                                              causal=case.causal, deterministic=deterministic, block=case.block_q,
+                                              engine="mma", kind="float16", block_k=case.block_k)
+    model = iomodel.traffic_backward("kv", case.n_q, case.n_k, case.d, case.block_q, case.block_k, case.causal,
+                                     batch=case.batch, heads=case.heads, heads_kv=case.heads_kv,
+                                     deterministic=deterministic)
+    assert ledger.reads == model.reads
+    assert ledger.writes == model.writes
+    tolerance.check_attention_backward(dq, dk, dv, *exact, causal=case.causal, p_dtype="float16", name="counted")

@@ -118,9 +118,11 @@ def run_counted(kernel, q, k, v, scale, mask=None):
 
 
 def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order="kv", deterministic=False,
-                         block, mask=None):
-    """Run the backward kernels (kernels.backward.run) on host arrays in the simulator, counting the HBM
-    traffic of every tensor of tiled.BACKWARD_TENSORS. mask: a KernelMask, passed through uncounted.
+                         block, mask=None, engine="simt", kind=None, block_k=None):
+    """Run the backward kernels (kernels.backward.run; engine "mma": kernels.mma.backward.run for 16-bit `kind`
+    inputs with tiles block_q = block, block_k, their cp.async copies counted too) on host arrays in the
+    simulator, counting the HBM traffic of every tensor of tiled.BACKWARD_TENSORS. mask: a KernelMask, passed
+    through uncounted.
 
     Outputs and the D workspace start as NaN, so an element no kernel writes is caught. Returns
     (dq, dk, dv, ledger) as plain float32 arrays."""
@@ -140,8 +142,15 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
         "dV": np.full(k.shape, np.nan, np.float32),
     }
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
-    backward.run(dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], dev["dO"], dev["dQ"], dev["dK"], dev["dV"],
-                 dev["D"], scale, causal=causal, order=order, deterministic=deterministic, block=block, mask=mask)
+    grads = (dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], dev["dO"], dev["dQ"], dev["dK"], dev["dV"], dev["D"])
+    if engine == "mma":
+        from fa_numba.kernels.mma import backward as mma_backward
+
+        with counting_async_copies():
+            mma_backward.run(*grads, scale, kind=kind, causal=causal, deterministic=deterministic, block_q=block,
+                             block_k=block_k)
+    else:
+        backward.run(*grads, scale, causal=causal, order=order, deterministic=deterministic, block=block, mask=mask)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
     return plain("dQ"), plain("dK"), plain("dV"), ledger
 

@@ -106,7 +106,7 @@ class MmaBackwardConfig:
     def shared_bytes(self) -> int:
         staged = 2 * self.row_stride * 2 * (self.block_q + self.block_k)
         ds = 2 * self.block_k * self.ds_stride if self.role == "kv" else 2 * self.block_q * (self.block_k + 8)
-        stats = 8 * self.block_q if self.role == "kv" else 0
+        stats = 8 * self.block_q
         return staged + ds + stats
 
     def staging(self) -> MmaConfig:
@@ -431,6 +431,8 @@ def dq_source(config: MmaBackwardConfig):
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
         sds = cuda.shared.array(DS_SIZE, uint16)  # the exact path's dS, each warp its own 16 rows
+        slse = cuda.shared.array(BR, float32)  # LSE_i and D_i, read once per row (not once per lane of a quad)
+        sd = cuda.shared.array(BR, float32)
         qf = cuda.local.array((KS, 4), uint32)  # this lane's A fragments of Q_i and dO_i
         of = cuda.local.array((KS, 4), uint32)
         dp = cuda.local.array((NT, 4), float32)  # dS of the warp's 16 rows x B_c keys
@@ -459,6 +461,9 @@ def dq_source(config: MmaBackwardConfig):
         else:
             stage(q, b, h, r0, n_q, sq, BR)
             stage(do, b, h, r0, n_q, sdo, BR)
+        for idx in range(cuda.threadIdx.x, BR, 32 * W):
+            slse[idx] = lse[b, h, r0 + idx] if r0 + idx < n_q else ZERO
+            sd[idx] = dvec[b, h, r0 + idx] if r0 + idx < n_q else ZERO
         cuda.syncthreads()
         q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad(sdo, BR)) else 0) != 0
         for ks in range(KS):
@@ -468,10 +473,8 @@ def dq_source(config: MmaBackwardConfig):
             for e in range(4):
                 qf[ks, e] = a[e]
                 of[ks, e] = o[e]
-        lse0 = lse[b, h, row0] if row0 < n_q else ZERO
-        lse1 = lse[b, h, row0 + 8] if row0 + 8 < n_q else ZERO
-        d0 = dvec[b, h, row0] if row0 < n_q else ZERO
-        d1 = dvec[b, h, row0 + 8] if row0 + 8 < n_q else ZERO
+        local = 16 * wid + g
+        lse0, lse1, d0, d1 = slse[local], slse[local + 8], sd[local], sd[local + 8]
         for dn in range(DN):
             for e in range(4):
                 acc[dn, e] = ZERO
@@ -579,18 +582,20 @@ def make(role: str, kind: str, warps: int, block_q: int, block_k: int, head_dim:
 
 def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=None, block_k=None) -> list:
     """The tensor-core kernels one backward call launches after `preprocess`, each with the side its grid
-    spans: [kv] or, deterministic, [kv without dQ, dq]. block_q / block_k (None: DEFAULTS) are the kv
-    kernel's tiles; the dq pass takes its defaults."""
+    spans: [kv] or, deterministic, [kv without dQ, dq]. Tiles: both None, each kernel's DEFAULTS; otherwise
+    (the missing one from kv's defaults) kv takes B_r = block_q, B_c = block_k (block_k / 16 warps) and the dq
+    pass the same tiles (block_q / 16 warps), so that both passes visit the pairs iomodel counts."""
     warps, bq, bk = default_tiles("kv", head_dim)
-    if block_k is not None:
-        if block_k <= 0 or block_k % 16 or block_k // 16 not in (1, 2, 4, 8):
-            raise ValueError(f"block_k must be 16, 32, 64 or 128 for the tensor-core backward (16 keys per warp), "
-                             f"got {block_k}")
-        warps, bk = block_k // 16, block_k
+    chosen = block_q is not None or block_k is not None
+    for name, size in (("block_k", block_k), ("block_q", block_q if deterministic else None)):
+        if size is not None and (size <= 0 or size % 16 or size // 16 not in (1, 2, 4, 8)):
+            raise ValueError(f"{name} must be 16, 32, 64 or 128 for the tensor-core backward (16 rows per warp), "
+                             f"got {size}")
+    bk = bk if block_k is None else block_k
     bq = bq if block_q is None else block_q
-    kernels = [(make("kv", kind, warps, bq, bk, head_dim, causal, deterministic), "kv")]
+    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic), "kv")]
     if deterministic:
-        w, q_rows, k_cols = default_tiles("dq", head_dim)
+        w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", head_dim)
         kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal), "q"))
     return kernels
 
