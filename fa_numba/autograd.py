@@ -56,7 +56,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     keep the simulator fast). Returns O in q's dtype, or in out_dtype
     (torch.float32 keeps the kernels' float32 result). engine: "auto" or "simt" (CUDA cores), or "mma"
     (tensor cores, forward and backward: float16 or bfloat16, causal or no mask, d <= 128, backward_order
-    "kv"; the backward takes its own default tiles, not backward_block). mask: as fa_numba.attention's, or a bool tensor broadcastable to
+    "kv"). mask: as fa_numba.attention's, or a bool tensor broadcastable to
     (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; a mask that differs by
     batch or head runs one launch per slice of its batch and head axes)."""
     out, _ = attention_with_lse(q, k, v, causal=causal, scale=scale, order=order, backward_order=backward_order,

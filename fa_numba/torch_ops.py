@@ -107,10 +107,9 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                           scale: float, order: str, deterministic: bool, mask_spec: str,
                           mask_dense: Optional[Tensor], block: int, engine: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), float32, of sum(dout * attention(q, k, v)); arguments as fa_numba.attention_backward
-    (block: its square tile, block_q = block_k, for the CUDA-core kernels; the tensor-core one takes its
-    own default tiles)."""
+    (block: its square tile, block_q = block_k)."""
     dout = dout.contiguous()
-    tiles = dict(block_q=_tile(block)) if engine != "mma" else {}
+    tiles = dict(block_q=_tile(block)) if engine != "mma" else dict(block_q=_tile(block), block_k=_tile(block))
     if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
         dout = dout.to(q.dtype)
     if mask_dense is None or mask_dense.dim() == 2:

@@ -200,3 +200,33 @@ def test_mma_backward_traffic_equals_iomodel(case, deterministic):
     assert ledger.reads == model.reads
     assert ledger.writes == model.writes
     tolerance.check_attention_backward(dq, dk, dv, *exact, causal=case.causal, p_dtype="float16", name="counted")
+
+
+@pytest.mark.lemma("L7")
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=SLOW)])
+def test_autograd_on_tensor_cores_matches_sdpa_in_float64(dtype):
+    """fa_numba.autograd.attention(engine="mma") (both passes on the tensor-core kernels) against torch SDPA's
+    gradients of the same 16-bit values in float64: within the rule with the P and dS terms, plus one
+    rounding of each gradient to the inputs' dtype (autograd returns them in it, as torch does)."""
+    torch = pytest.importorskip("torch")
+    from fa_numba import autograd
+
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(11)
+    q, k, v, dout = (torch.randn(1, 2, 24, 16, generator=g).to(torch_dtype) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = autograd.attention(*leaves, causal=True, engine="mma")
+    assert out.dtype == torch_dtype
+    out.backward(dout)
+    assert all(x.grad.dtype == torch_dtype for x in leaves)
+    wide = [x.double().requires_grad_() for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*wide, is_causal=True).backward(dout.double())
+    exact = [x.double().numpy() for x in (q, k, v, dout)]
+    base = tolerance.baseline_backward(*exact, causal=True, p_dtype=dtype)
+    unit = {"float16": 2.0**-11, "bfloat16": 2.0**-8}[dtype]  # half an ulp, relative: the result's rounding
+    for name, leaf, ref, ours, atol in zip("qkv", leaves, wide, (base.dq, base.dk, base.dv),
+                                          (base.atol_dq, base.atol_dk, base.atol_dv)):
+        sdpa = ref.grad.numpy()
+        np.testing.assert_allclose(ours, sdpa, atol=1e-12, rtol=1e-9)  # the two float64 references agree
+        err = np.abs(leaf.grad.double().numpy() - sdpa).max()
+        assert err <= atol + unit * np.abs(sdpa).max(), (name, err, atol)
