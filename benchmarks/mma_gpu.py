@@ -7,7 +7,10 @@
 2. v2-mma (float16 and bfloat16) and v1-mma (float16) checked against the float64 reference with the derived
    rule (proofs/L6 part 7) at B=1, H=2, N=1024, d in {64, 128}, causal and not;
 3. each configuration that passed timed at B=4, H=16, N=4096 (CUDA events, 3 warm-up calls, median of 20)
-   beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal.
+   beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal;
+4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16) checked with the
+   gradients' rule and its P and dS terms at B=1, H=2, N=1024, then timed at B=4, H=16, N=4096 beside SDPA's
+   backward (flash-attn's count: 2.5 x the forward's FLOPs).
 
 Writes mma_gpu.json and prints one line per configuration. --smoke: tiny shapes, no tests, no timing (runs
 in the simulator, so the script itself is tested).
@@ -116,6 +119,66 @@ def sdpa_ms(kind, b, h, n, d, causal):
     return float(np.median(times))
 
 
+def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") -> dict:
+    """The tensor-core backward checked on (1, heads, n, d) with the gradients' rule and its 16-bit terms,
+    then (shape (B, H, N) given, the check passed) timed, beside torch SDPA's backward."""
+    from numba import cuda
+
+    from fa_numba import reference
+    from fa_numba.kernels.mma import backward as mma_backward
+
+    row = {"order": "bwd-kv-mma", "kind": kind, "d": d, "causal": causal, "deterministic": deterministic}
+    rng = np.random.default_rng(2)
+    values = [rng.standard_normal((1, heads, n, d)).astype(np.float16) for _ in range(4)]
+    exact = [x.astype(np.float64) for x in values]
+    out, lse = reference.attention(*exact[:3], causal=causal)
+    grads = fa_numba.attention_backward(*values[:3], out.astype(np.float32), lse.astype(np.float32), values[3],
+                                        causal=causal, engine="mma", deterministic=deterministic)
+    try:
+        c = tolerance.check_attention_backward(*grads, *exact, causal=causal, p_dtype=kind, contractions=("matmul",))
+        row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
+    except AssertionError as err:
+        return {**row, "passed": False, "error": str(err)[:400]}
+    if shape is None:
+        return row
+    b, h, n = shape
+    q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float16)) for _ in range(4))
+    o = cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32))
+    lse_d = cuda.to_device(np.full((b, h, n), 4.0, np.float32))
+    dq, dk, dv = (cuda.device_array((b, h, n, d), np.float32) for _ in range(3))
+    dvec = cuda.device_array((b, h, n), np.float32)
+    ms = time_it(lambda: mma_backward.run(q, k, v, o, lse_d, do, dq, dk, dv, dvec, 1 / np.sqrt(d), kind=kind,
+                                          causal=causal, deterministic=deterministic))
+    flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+    row.update(ms=ms, tflops=flops / ms / 1e9, sdpa_ms=sdpa_backward_ms(kind, b, h, n, d, causal))
+    return row
+
+
+def sdpa_backward_ms(kind, b, h, n, d, causal):
+    """torch SDPA's backward alone (the forward outside the timed region), median of 20 after 3 warm-ups."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dtype = getattr(torch, kind)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    times = []
+    for i in range(23):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        grad = torch.randn_like(out)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.autograd.grad(out, (q, k, v), grad)
+        stop.record()
+        stop.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(stop))
+    return float(np.median(times))
+
+
 def model_estimates() -> dict:
     """{(order, d, causal): (TFLOP/s, limiter)} of the newest committed whole-kernel estimate of the tensor-core
     kernels (benchmarks/results/estimate_mma_sm90_*.json, float16, B=4 H=16 N=4096; a model, not a timing),
@@ -140,7 +203,8 @@ def main(argv=None) -> int:
     results = {"date": time.strftime("%Y-%m-%d"), "backend": fa_numba.backend.name(), "rows": []}
     if not args.smoke:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
-                               "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py"],
+                               "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py",
+                               "tests/test_mma_backward.py"],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
         results["tests"] = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
         log(f"[tests] {results['tests']}")
@@ -164,6 +228,13 @@ def main(argv=None) -> int:
                     model = models.get((order, d, causal)) if shape == (4, 16, 4096) else None
                     if model:  # the estimate, beside the measurement: not a speed
                         row.update(model_tflops=model[0], model_limiter=model[1])
+                log(json.dumps(row))
+                results["rows"].append(row)
+    for d in ((16,) if args.smoke else (64, 128)):
+        for causal in (False, True):
+            for deterministic in (False, True):
+                row = backward_row(d, causal, deterministic, n_check, None if args.smoke else shape,
+                                   heads=1 if args.smoke else 2)
                 log(json.dumps(row))
                 results["rows"].append(row)
     os.makedirs(args.out, exist_ok=True)
