@@ -36,10 +36,12 @@ Non-finite inputs (proofs/L7.8): a masked pair is never multiplied. S and dP are
 row of each operand), so their masked entries are overwritten with 0; the three reductions are not: the tensor
 core would multiply a masked pair's 0 by the other operand, and 0 x inf is NaN. So a tile that masks some pair
 and holds an inf or NaN among its staged Q_i, dO_i, K_j, V_j takes an exact path on the CUDA cores for those
-reductions over the visible pairs only (`exact_*`: each lane gathers its rows' P and dS from its quad by
-shuffles, or reads dS from shared memory). A NaN then reaches exactly the gradients the dense formula puts it
-in; the other entries of such a tile are computed in another order than the mma path's (within the rule, not
-bitwise the NaN-free run's).
+reductions over the visible pairs only (`exact_*`: the warp's P and dS go through shared memory, rounded to 16
+bits as the mma path reads them, and each lane sums its entries over the visible pairs). Only a causal mask
+hides a key from a row when both hold data: without one, the masked pairs involve a padded row or key, staged
+as zeros, so their products are 0 whatever the data holds, and the non-causal kernels have no exact path. A NaN then reaches exactly the gradients the dense formula puts it in; the other
+entries of such a tile are computed in another order than the mma path's (within the rule, not bitwise the
+NaN-free run's).
 
 Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); causal or no mask (no block-mask
 lists); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 with B_r / 16 and W
@@ -176,6 +178,11 @@ def kv_source(config: MmaBackwardConfig):
     DNS, UNITS = DN // SPLIT, SLICES * SPLIT
     THREADS, ASYNC, CAUSAL, ATOMIC_DQ = 32 * W, config.async_copy, config.causal, not config.deterministic
     HOLD = DP <= 64  # K_j's and V_j's A fragments held in registers for the block's life (else read per use)
+    # Only a causal visit can mask a pair between two rows that hold data: without it the masked pairs are
+    # those of padded rows or keys (staged as zeros), whose products are 0 whatever the data holds, so the
+    # exact path is compiled in for causal kernels only (the module docstring, non-finite inputs)
+    GUARDED = CAUSAL
+    PER_WARP = UNITS // W if UNITS >= W else 1  # dQ units per warp, a constant: the loop unrolls
     Q_SIZE, KV_SIZE, DS_SIZE, HELD = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1)
     visible = _visible(CAUSAL)
 
@@ -284,7 +291,9 @@ def kv_source(config: MmaBackwardConfig):
             stage(k, b, hk, c0, n_k, sk, BC)
             stage(v, b, hk, c0, n_k, sv, BC)
         cuda.syncthreads()  # K_j, V_j staged: every thread reaches this barrier
-        kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad(sv, BC)) else 0) != 0
+        kv_bad = False
+        if GUARDED:
+            kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad(sv, BC)) else 0) != 0
         if HOLD:
             for ks in range(KS):
                 index = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
@@ -320,7 +329,7 @@ def kv_source(config: MmaBackwardConfig):
                 # some pair of the visit is masked: causal (key c0 + BC - 1 hidden from row r0), or a tail
                 masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
                 guard = False
-                if masked:  # the same for the whole block: every thread reaches this barrier
+                if GUARDED and masked:  # the same for the whole block: every thread reaches this barrier
                     bad = kv_bad or any_bad(sq, BR) or any_bad(sdo, BR)
                     guard = cuda.syncthreads_or(1 if bad else 0) != 0
 
@@ -363,7 +372,8 @@ def kv_source(config: MmaBackwardConfig):
 
                 if ATOMIC_DQ:
                     cuda.syncthreads()  # dS^T of every warp's keys is in shared memory
-                    for unit in range(wid, UNITS, W):  # dQ_i's 16-row slice mi, its column blocks `part`
+                    for u in range(PER_WARP):  # dQ_i's 16-row slice mi, its column blocks `part`
+                        unit = wid + u * W
                         mi = unit // SPLIT
                         part = unit - mi * SPLIT
                         row0 = r0 + 16 * mi + g
@@ -405,6 +415,7 @@ def dq_source(config: MmaBackwardConfig):
     KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
     ASYNC, CAUSAL = config.async_copy, config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
+    GUARDED = CAUSAL  # as in the kv kernel: without a causal mask, no pair between data rows is masked
     Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
     visible = _visible(CAUSAL)
 
@@ -465,7 +476,9 @@ def dq_source(config: MmaBackwardConfig):
             slse[idx] = lse[b, h, r0 + idx] if r0 + idx < n_q else ZERO
             sd[idx] = dvec[b, h, r0 + idx] if r0 + idx < n_q else ZERO
         cuda.syncthreads()
-        q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad(sdo, BR)) else 0) != 0
+        q_bad = False
+        if GUARDED:
+            q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad(sdo, BR)) else 0) != 0
         for ks in range(KS):
             index = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
             a = warp.ldmatrix_x4(sq, index)
@@ -492,7 +505,7 @@ def dq_source(config: MmaBackwardConfig):
             cuda.syncthreads()
             masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
             guard = False
-            if masked:
+            if GUARDED and masked:
                 bad = q_bad or any_bad(sk, BC) or any_bad(sv, BC)
                 guard = cuda.syncthreads_or(1 if bad else 0) != 0
             for nt in range(NT):
