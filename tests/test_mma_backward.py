@@ -125,6 +125,24 @@ def test_mma_backward_non_finite_inputs_follow_the_dense_rule(poison, determinis
     tolerance.check_attention_backward(*grads, *exact, causal=True, p_dtype="float16", name="non-finite")
 
 
+@pytest.mark.lemma("L7")
+def test_without_a_causal_mask_padding_keeps_non_finite_inputs_where_they_belong():
+    """The non-causal kernels have no exact path: their only masked pairs are padded rows or keys, staged as
+    zeros. A NaN in the last key of a ragged tile and an inf in the last row of another must still reach
+    exactly the dense formula's gradients (every dQ row sees the NaN key; dV's rows take the inf), and no
+    padded pair may spread them further."""
+    case = Case(n_q=21, n_k=29, d=16, block_q=16, block_k=16, causal=False, seed=12)
+
+    def poison(values):
+        values[2][0, 0, 28, 5] = np.nan  # v: the last key, in the second (ragged) key tile
+        values[3][0, 0, 20, 2] = np.inf  # dout: the last row, in the second (ragged) query tile
+    sixteen, exact, out, lse = _problem(case, "float16", poison)
+    grads = _backward(case, "float16", sixteen, out, lse)
+    ref = reference.attention_backward(*exact, causal=False)
+    assert np.isnan(ref[0]).any() and not np.isfinite(ref[2]).all()  # the poison reaches dq and dv
+    tolerance.check_attention_backward(*grads, *exact, causal=False, p_dtype="float16", name="padded")
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(role="xy"), ValueError, "role must be one of"),
     (dict(kind="float32"), ValueError, "dtype must be one of"),
