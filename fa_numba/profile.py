@@ -257,21 +257,26 @@ DTYPES = ("float32", "float16")
 
 def kernel_names() -> list[str]:
     """Every kernel: the CUDA-core forward variants (kernels.VARIANTS), the tensor-core forwards
-    (whole_kernel.MMA_VARIANTS), then the backward ones (kernels.backward.VARIANTS)."""
+    (whole_kernel.MMA_VARIANTS), then the backward ones (kernels.backward.VARIANTS), then the tensor-core
+    backward's (whole_kernel.MMA_BACKWARD)."""
     from fa_numba.kernels import VARIANTS
     from fa_numba.kernels import backward
 
     forward = [name for name in VARIANTS if name not in whole_kernel.MMA_VARIANTS]
-    return forward + list(whole_kernel.MMA_VARIANTS) + list(backward.VARIANTS)
+    return forward + list(whole_kernel.MMA_VARIANTS) + list(backward.VARIANTS) + list(whole_kernel.MMA_BACKWARD)
 
 
-def _mma_tiles(head_dim: int) -> tuple[int, int] | None:
-    """(block_q, block_k) the tensor-core kernels launch with by default (engines.mma_tiles), or None for a
-    head dim they do not take."""
+def _mma_tiles(head_dim: int, name: str = "v2-mma") -> tuple[int, int] | None:
+    """(block_q, block_k) the tensor-core kernels launch with by default (engines.mma_tiles; the backward's
+    kernels.mma.backward.default_tiles), or None for a head dim they do not take."""
     from fa_numba import engines
 
     if head_dim > engines.MMA_MAX_HEAD_DIM:
         return None
+    if name in whole_kernel.MMA_BACKWARD:
+        from fa_numba.kernels.mma.backward import default_tiles
+
+        return default_tiles("dq" if name == "bwd-dq-mma" else "kv", head_dim)[1:]
     warps, block_k = engines.mma_tiles(head_dim, None, None)
     return 16 * warps, block_k
 
@@ -284,9 +289,9 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
 
     for name in orders or kernel_names():
         is_backward = name in backward.VARIANTS
-        is_mma = name in whole_kernel.MMA_VARIANTS
+        is_mma = name in whole_kernel.MMA_KERNELS
         for head_dim in head_dims:
-            block_q, block_k = (_mma_tiles(head_dim) or (0, 0)) if is_mma else default_tiles(head_dim)
+            block_q, block_k = (_mma_tiles(head_dim, name) or (0, 0)) if is_mma else default_tiles(head_dim)
             if is_backward:
                 block_q = block_k = backward.default_backward_tiles(head_dim)[0]
             if is_mma and not block_q:  # a head dim the tensor-core kernels refuse
@@ -305,6 +310,15 @@ def _build(cfg: dict):
     from fa_numba.kernels import VARIANTS, backward
 
     form = cfg.get("mask_form", "none")  # a block mask's "intervals" / "dense" path, when asked for
+    if cfg["variant"] in whole_kernel.MMA_BACKWARD:
+        from fa_numba.kernels.mma import backward as mma_backward
+
+        if form != "none":
+            raise ValueError(f"{cfg['variant']} has no block-mask path (mask_form {form!r})")
+        role = "dq" if cfg["variant"] == "bwd-dq-mma" else "kv"
+        warps = (cfg["block_k"] if role == "kv" else cfg["block_q"]) // 16
+        return mma_backward.make(role, cfg["dtype"], warps, cfg["block_q"], cfg["block_k"], cfg["head_dim"],
+                                 cfg["causal"], cfg["variant"] == "bwd-kv-mma-det")
     if cfg["variant"] in whole_kernel.MMA_VARIANTS:
         from fa_numba.kernels.mma.engine_v1 import make_v1_mma
         from fa_numba.kernels.mma.engine_v2 import make_v2_mma
@@ -357,7 +371,7 @@ def table(profiles: list[Profile]) -> str:
                      p.occupancy["limiter"], str(len(hot)), f"{issued / ffma:.1f}" if ffma else "-",
                      f"{100 * ffma / issued:.0f}" if issued else "-", str(sum(m["LDS/STS"] for m in mixes)),
                      str(sum(m["LDL/STL"] for m in mixes)),
-                     "-" if c["variant"] in whole_kernel.MMA_VARIANTS else f"{p.bound['tflops']:.1f}",
+                     "-" if c["variant"] in whole_kernel.MMA_KERNELS else f"{p.bound['tflops']:.1f}",
                      (f"{p.estimate['tflops']:.1f}" + ("" if p.estimate["shared_accesses"]["agree"] else "?"))
                      if "tflops" in p.estimate else "-",
                      p.estimate.get("limiter", "n/a" if p.estimate else "-")])

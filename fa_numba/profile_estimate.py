@@ -90,6 +90,6 @@ def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
         in_sass = sum(prof.counts["shared_accesses"].values()) * warps
         agree = abs(in_sass - traced["total"]["accesses"]) <= WIDTH_AGREEMENT * in_sass
         check = {"shared_accesses": {"sass": in_sass, "traced": traced["total"]["accesses"], "agree": agree}}
-        peak = H200.peak_tensor_tflops if cfg["variant"] in whole_kernel.MMA_VARIANTS else H200.peak_fp32_tflops
+        peak = H200.peak_tensor_tflops if cfg["variant"] in whole_kernel.MMA_KERNELS else H200.peak_fp32_tflops
         prof.estimate = {**details, **check} if found is None else {
             **found.as_dict(), **details, **check, "fraction_of_peak": found.tflops / peak}

@@ -33,12 +33,20 @@ from fa_numba.timing import attention_flops
 # Matrix products one tile-loop iteration computes, each B_r x B_c x d multiply-adds: S = Q K^T and P V
 # forward; the backward recomputes S and forms dP = dO V^T, then dV, dK (kv side) and dQ as its flags say.
 PRODUCTS = {"v1": 2, "v2": 2, "v1-rowwise": 2, "v2-rowwise": 2,
-            "bwd-kv": 5, "bwd-kv-det": 4, "bwd-q-dq": 3, "bwd-q": 5, "v1-mma": 2, "v2-mma": 2}
+            "bwd-kv": 5, "bwd-kv-det": 4, "bwd-q-dq": 3, "bwd-q": 5, "v1-mma": 2, "v2-mma": 2,
+            "bwd-kv-mma": 5, "bwd-kv-mma-det": 4, "bwd-dq-mma": 3}
 # FFMAs outside the products (the softmax's scale and rescaling) may add a little; more than this means a loop
 # was counted twice or missed (a remainder loop beside an unrolled one), so the counts are not trusted.
 PRODUCT_SLACK = 0.5
-KV_OUTER = ("v1", "v1-rowwise", "bwd-kv", "bwd-kv-det", "v1-mma")  # the tile loop runs over query tiles
+KV_OUTER = ("v1", "v1-rowwise", "bwd-kv", "bwd-kv-det", "v1-mma", "bwd-kv-mma", "bwd-kv-mma-det")  # over query tiles
 MMA_VARIANTS = ("v1-mma", "v2-mma")  # the tensor-core forwards: products on mma.sync m16n8k16, not FFMA
+# the tensor-core backward's kernels (kernels.mma.backward): kv with atomic dQ, kv without dQ (deterministic),
+# and the deterministic mode's Q-outer dQ pass
+MMA_BACKWARD = ("bwd-kv-mma", "bwd-kv-mma-det", "bwd-dq-mma")
+MMA_KERNELS = MMA_VARIANTS + MMA_BACKWARD
+# the warps of a kernel's block own 16 rows each of the tile it keeps (query rows, or keys in the kv backward);
+# one product of an iteration is then 16 x (the other tile) x D multiply-adds per warp
+_WARP_OWNS_KEYS = ("bwd-kv-mma", "bwd-kv-mma-det")
 
 
 def _loop_axis_tile(cfg: dict) -> int:
@@ -111,37 +119,44 @@ def iteration_counts(text: str, cfg: dict, threads: int, d_pad: int | None = Non
     return counts
 
 
-def mma_iteration_counts(text: str, cfg: dict, d_pad: int) -> dict:
+def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | None = None) -> dict:
     """Per thread, what one tile-loop iteration of a tensor-core kernel issues (the keys of `iteration_counts`,
     and "hmma"). The tile loop is the smallest SASS loop holding every HMMA; its body is counted once, every
-    path (the engine unrolls its fragment loops, so a FULL tile has no inner loop; an inner loop is counted
-    once and listed in `unattributed`). Round trips: dependent global loads and cp.async waits
-    (`sass.async_copy_waits`). "products": the HMMAs as products of B_r B_c D, each warp owning 16 rows and
-    one m16n8k16 covering 16 x 8 x 16 multiply-adds, so exactly 2 for a forward that does S and P V once."""
+    path (the engine unrolls its fragment loops, so a FULL tile has no inner loop). An inner loop runs
+    `inner_trips` times if it holds HMMA and the kernel says how often its layout runs it (the kv backward's
+    dQ column blocks, `MmaBackwardKernel.inner_trips`), else once, listed in `unattributed`. Round trips:
+    dependent global loads and cp.async waits (`sass.async_copy_waits`). "products": the HMMAs as products of
+    B_r B_c D, each warp owning 16 rows of its tile and one m16n8k16 covering 16 x 8 x 16 multiply-adds, so
+    exactly 2 for a forward that does S and P V once."""
     tree = sass.loop_tree(text)
-    holding = [node for node in tree if any(i.base == "HMMA" for i in node.instructions)]
-    if not holding:
-        raise ValueError(f"{cfg['variant']}: no SASS loop holds its HMMA instructions")
+    total = sum(1 for i in sass.parse_sass(text)[0] if i.base == "HMMA")
+    holding = [node for node in tree if sum(i.base == "HMMA" for i in node.instructions) == total]
+    if not total or not holding:
+        raise ValueError(f"{cfg['variant']}: no SASS loop holds all its HMMA instructions")
     tile = min(holding, key=lambda node: len(node.instructions))
     counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
               "unattributed": [], "hmma": 0.0, "shared_accesses": {}}
 
-    def add(node) -> None:
+    def add(node, runs: int) -> None:
         for inst in node.own:
-            counts["instructions"] += 1
-            counts["by_category"][inst.category] += 1
-            counts["hmma"] += inst.base == "HMMA"
+            counts["instructions"] += runs
+            counts["by_category"][inst.category] += runs
+            counts["hmma"] += runs * (inst.base == "HMMA")
             if inst.base in ("LDS", "STS", "LDSM", "LDGSTS"):
-                counts["shared_accesses"][inst.base] = counts["shared_accesses"].get(inst.base, 0) + 1
-        counts["load_round_trips"] += sass.global_load_waits(node.own) + sass.async_copy_waits(node.own)
+                counts["shared_accesses"][inst.base] = counts["shared_accesses"].get(inst.base, 0) + runs
+        counts["load_round_trips"] += runs * (sass.global_load_waits(node.own) + sass.async_copy_waits(node.own))
         for child in node.children:
-            counts["unattributed"].append(f"0x{tree[child].start:04x}-0x{tree[child].end:04x}")
-            add(tree[child])
+            inner = tree[child]
+            known = inner_trips is not None and any(i.base == "HMMA" for i in inner.instructions)
+            if not known:
+                counts["unattributed"].append(f"0x{inner.start:04x}-0x{inner.end:04x}")
+            add(inner, runs * (inner_trips if known else 1))
 
-    add(tile)
+    add(tile, 1)
     counts["ffma"] = counts["by_category"]["FFMA"]
     counts["mufu"] = counts["by_category"]["MUFU"]
-    counts["products"] = counts["hmma"] * 16 * 8 * 16 / (16 * cfg["block_k"] * d_pad)
+    rows = cfg["block_q"] if cfg["variant"] in _WARP_OWNS_KEYS else cfg["block_k"]
+    counts["products"] = counts["hmma"] * 16 * 8 * 16 / (16 * rows * d_pad)
     return counts
 
 
@@ -189,8 +204,8 @@ def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int) -> int:
 def kernel_counts(cfg: dict, text: str, built) -> dict:
     """`iteration_counts` of a built kernel (its block shape, and the engine's padded D from its layout)."""
     config = built.config
-    if cfg["variant"] in MMA_VARIANTS:
-        return mma_iteration_counts(text, cfg, config.padded_dim)
+    if cfg["variant"] in MMA_KERNELS:
+        return mma_iteration_counts(text, cfg, config.padded_dim, getattr(built, "inner_trips", None))
     _, block = built.launch_shape(1, 1, cfg["block_q"])
     d_pad = config.layout.d_pad if getattr(config, "engine", False) else None
     return iteration_counts(text, cfg, math.prod(block), d_pad)
@@ -201,7 +216,7 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     """The whole-kernel estimate of one configuration from its `kernel_counts` and the shared-memory wavefronts
     of one iteration (module docstring), and what it rests on; None, with the reason in "withheld", when the
     tile loop's FFMAs do not amount to the kernel's products."""
-    mma = cfg["variant"] in MMA_VARIANTS
+    mma = cfg["variant"] in MMA_KERNELS
     expected = PRODUCTS[cfg["variant"]]
     if abs(counts["products"] - expected) > (0 if mma else PRODUCT_SLACK):  # the loops are not the products
         return None, {"withheld": f"the SASS loops amount to {counts['products']:.2f} products of B_r B_c D, "

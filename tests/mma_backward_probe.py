@@ -23,8 +23,8 @@ def main() -> int:
         for d in (64, 128):
             warps, block_q, block_k = mb.default_tiles(role, d)
             config = mb.MmaBackwardConfig(role, "float16", warps, block_q, block_k, d, True, False, True).check()
-            source = mb.kv_source(config) if role == "kv" else mb.dq_source(config)
-            p = profile.profile_kernel(source, mb.MmaBackwardKernel.argtypes(role), 32 * warps,
+            kernel = mb.MmaBackwardKernel(config)
+            p = profile.profile_kernel(kernel.source, kernel.argtypes(), 32 * warps,
                                        name=f"bwd-{role}-mma d={d}")
             instructions, _, _ = sass.parse_sass(p.sass)
             # the loop holding the visit's products: the one with the most HMMA (kv's dQ loop holds a few)

@@ -5,7 +5,7 @@ chosen in this one) and need nvdisasm (the `profile` extra, installed by CI): wi
 
 Two tiers. The default run compiles one representative configuration of every registered kernel
 (`REPRESENTATIVES`, about a minute of compiling on 2 idle cores); the whole table of shipped configurations
-(72 today, several minutes) is marked `slow`, which the default run deselects and `.ci/run` runs as its
+(92 today, several minutes) is marked `slow`, which the default run deselects and `.ci/run` runs as its
 second pytest invocation (`python -m pytest -m slow`). Both print a line per configuration compiled.
 """
 
@@ -198,6 +198,12 @@ REPRESENTATIVES = [
      "the dQ-only pass of deterministic=True at its most registers (128) and largest shared memory, causal"),
     (dict(variant="bwd-q", head_dim=256, dtype="float32", causal=True),
      "255 registers, the hardware's cap, with no spill: where a spill shows first"),
+    (dict(variant="bwd-kv-mma", head_dim=128, dtype="float16", causal=True),
+     "the tensor-core kv backward at 254 registers and its largest shared memory (46 KB), causal: its exact path"),
+    (dict(variant="bwd-kv-mma-det", head_dim=64, dtype="float16", causal=False),
+     "the tensor-core kv pass of deterministic=True: no dQ, no atomics, FULL tiles only"),
+    (dict(variant="bwd-dq-mma", head_dim=128, dtype="float16", causal=True),
+     "the tensor-core dQ pass at 255 registers, causal: where it would spill first"),
 ]
 
 # Compiles the given configurations in processes of their own, printing one progress line per configuration
@@ -327,7 +333,7 @@ def test_every_shipped_configuration_is_profiled(shipped):
     # CUDA-core forwards at both dtypes, tensor-core ones at float16 and d <= 128 only, backward at float32;
     # each causal or not
     mma_heads = sum(d <= 128 for d in profile.SHIPPED_HEAD_DIMS)
-    expected = (len(SIMT_VARIANTS) * 2 * heads + len(whole_kernel.MMA_VARIANTS) * mma_heads
+    expected = (len(SIMT_VARIANTS) * 2 * heads + len(whole_kernel.MMA_KERNELS) * mma_heads
                 + len(backward.VARIANTS) * heads) * 2
     assert len(shipped["profiles"]) == len(configs) == expected
     assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs
@@ -395,3 +401,26 @@ def test_the_tensor_core_v2_gets_an_estimate_from_its_hmma_and_traced_ldmatrix(t
     assert est["shared_accesses"]["agree"] and est["limiter"] in LIMITERS
     assert 0 < est["tflops"] < H200.peak_tensor_tflops and est["cycles"]["tensor"] > 0
     assert "no trip-count rule" in causal["estimate"]["withheld"]
+
+
+@pytest.mark.slow
+@NEEDS_NVDISASM
+def test_the_tensor_core_backward_gets_an_estimate_with_its_rolled_dq_loop_counted(tmp_path, pytestconfig):
+    """`profile` of bwd-kv-mma and bwd-dq-mma at d = 64, float16, non-causal (their SASS, one block of each
+    traced in the simulator): kv's visit holds S^T, dP^T, dV and dK unrolled (4 x 16 HMMA per warp at B_r = 32)
+    and dQ's column-block loop, rolled, whose 4 trips (the layout's DN / SPLIT) complete the 5th product: 80
+    HMMA, 5 products; dq's key-tile loop 96 HMMA, 3 products; each estimate positive, under the tensor peak."""
+    from fa_numba.cycle_model import LIMITERS
+    from fa_numba.machine import H200
+
+    path = tmp_path / "mma_bwd.json"
+    argv = ["-m", "fa_numba.profile", "--orders", "bwd-kv-mma,bwd-dq-mma", "--head-dims", "64", "--dtypes",
+            "float16", "--causal", "off", "--json", str(path)]
+    code, table, errors = _compile(pytestconfig, argv, timeout=1800)
+    assert code == 0, errors[-4000:]
+    kv, dq = json.loads(path.read_text())["profiles"]
+    assert kv["counts"]["hmma"] == 80 and kv["counts"]["products"] == 5 and kv["counts"]["unattributed"] == []
+    assert dq["counts"]["hmma"] == 96 and dq["counts"]["products"] == 3 and dq["counts"]["unattributed"] == []
+    for prof in (kv, dq):
+        est = prof["estimate"]
+        assert est["limiter"] in LIMITERS and 0 < est["tflops"] < H200.peak_tensor_tflops, est

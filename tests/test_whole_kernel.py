@@ -98,6 +98,34 @@ def test_a_tensor_core_estimate_is_withheld_when_the_hmma_are_not_two_products_o
     assert found is None and "no trip-count rule" in why["withheld"]
 
 
+# The kv backward on tensor cores (one warp owns 16 keys, B_r = 16, B_c = 16, d = 16): a visit does S^T, dP^T,
+# dV, dK in the visit loop (2 HMMA each: 8) and dQ in a loop the compiler keeps rolled, 1 HMMA per trip and
+# 2 trips (its two 8-column blocks): 10 HMMA = 5 products of 16 keys x B_r x d, when the trips are known.
+KV_CFG = dict(variant="bwd-kv-mma", block_q=16, block_k=16, head_dim=16, dtype="float16", causal=False)
+
+
+def test_the_kv_backward_visit_counts_its_rolled_dq_loop_by_the_layouts_trips():
+    text = _listing(".L_x_0", *[HMMA] * 8, ".L_x_1", "LDSM.16.MT88.4 R8, [R4]", HMMA, "@P1 BRA `(.L_x_1)",
+                    "@P2 BRA `(.L_x_0)", "EXIT", ".L_x_9", "BRA `(.L_x_9)")
+    known = whole_kernel.mma_iteration_counts(text, KV_CFG, d_pad=16, inner_trips=2)
+    assert known["hmma"] == 10 and known["products"] == 5 and known["unattributed"] == []
+    assert known["shared_accesses"] == {"LDSM": 2} and known["instructions"] == 8 + 1 + 2 * 3  # back edges
+    unknown = whole_kernel.mma_iteration_counts(text, KV_CFG, d_pad=16)
+    assert unknown["hmma"] == 9 and len(unknown["unattributed"]) == 1
+
+
+def test_the_tile_loop_holds_every_hmma_not_the_smallest_loop_with_one():
+    """A loop holding some HMMA inside a larger one holding all: the tile loop is the larger (a kernel's
+    products are all in one iteration), and HMMA outside every loop leave no tile loop at all."""
+    text = _listing(".L_x_0", HMMA, ".L_x_1", HMMA, "@P1 BRA `(.L_x_1)", "@P2 BRA `(.L_x_0)", "EXIT",
+                    ".L_x_9", "BRA `(.L_x_9)")
+    counts = whole_kernel.mma_iteration_counts(text, MMA_CFG, d_pad=16)
+    assert counts["hmma"] == 2 and len(counts["unattributed"]) == 1
+    outside = _listing(HMMA, ".L_x_0", HMMA, "@P2 BRA `(.L_x_0)", "EXIT", ".L_x_9", "BRA `(.L_x_9)")
+    with pytest.raises(ValueError, match="no SASS loop holds all its HMMA"):
+        whole_kernel.mma_iteration_counts(outside, MMA_CFG, d_pad=16)
+
+
 def test_a_tensor_core_estimate_charges_four_cycles_per_hmma():
     counts = whole_kernel.mma_iteration_counts(_mma_kernel(*[HMMA] * 4), MMA_CFG, d_pad=16)
     found, _ = whole_kernel.estimate_configuration(MMA_CFG, counts, {"blocks_per_sm": 8}, (4, 1), (32, 1, 1), 0.0,

@@ -63,13 +63,16 @@ from fa_numba.kernels import smem_trace
 
 ENGINE_VARIANTS = ("v1", "v2")
 ROWWISE_VARIANTS = ("v1-rowwise", "v2-rowwise")
-MMA_VARIANTS = ("v1-mma", "v2-mma")  # tensor-core kernels: Q, K, V staged in arrays of their own (their sites)
+MMA_VARIANTS = ("v1-mma", "v2-mma", "bwd-kv-mma", "bwd-kv-mma-det", "bwd-dq-mma")  # tensor-core kernels: each
+# operand staged in an array of its own (their sites)
 # the axis of the tile loop: "k" (key tiles: N_k grows) or "q" (query tiles: N_q grows)
 LOOP_AXIS = {"v2": "k", "v2-rowwise": "k", "bwd-q": "k", "bwd-q-dq": "k",
-             "v1": "q", "v1-rowwise": "q", "bwd-kv": "q", "bwd-kv-det": "q", "v2-mma": "k", "v1-mma": "q"}
+             "v1": "q", "v1-rowwise": "q", "bwd-kv": "q", "bwd-kv-det": "q", "v2-mma": "k", "v1-mma": "q",
+             "bwd-kv-mma": "q", "bwd-kv-mma-det": "q", "bwd-dq-mma": "k"}
 ENGINE_REGIONS = {"q": "Q^T", "k": "K^T", "v": "V", "p": "P^T", "red": "red", "stat": "stat"}
 BACKWARD_REGIONS = {"q": "Q", "do": "dO", "k": "K", "v": "V", "p": "P", "ds": "dS", "lse": "sigma(LSE)", "dd": "D"}
-_BACKWARD_KINDS = {"bwd-kv": "kv", "bwd-kv-det": "kv", "bwd-q-dq": "q", "bwd-q": "q"}  # the main kernel's kind
+_BACKWARD_KINDS = {"bwd-kv": "kv", "bwd-kv-det": "kv", "bwd-q-dq": "q", "bwd-q": "q",  # the main kernel's kind
+                   "bwd-kv-mma": "kv", "bwd-kv-mma-det": "kv", "bwd-dq-mma": "q"}
 OPERANDS = ("q", "k", "v")  # the engine regions its loaders and `scores` touch
 OPERAND_FUNCTIONS = ("put", "scores")  # engine.tile_loader's `put` (the stores of Q^T, K^T, V) and engine.scores
 CAUSAL_NOTE = ("causal cfg measured on its non-causal kernel: a FULL tile runs the same code (the causal kernel "
@@ -245,7 +248,11 @@ def _traced_backward(cfg, built, q, k, v, scale, regions):
     side = _BACKWARD_KINDS[cfg["variant"]]
     grid, threads = built.launch_shape(1, 1, n_q if side == "q" else n_k)
     grads = (dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["dvec"], dev["dq"], dev["dk"], dev["dv"],
-             np.float32(scale), *mask_arrays(None))
+             np.float32(scale))
+    if cfg["variant"] not in MMA_VARIANTS:  # the CUDA-core kernels take the block-mask arrays (none here)
+        grads += tuple(mask_arrays(None))
+    elif cfg["variant"] == "bwd-dq-mma":  # the dq pass takes no dK, dV
+        grads = grads[:7] + grads[9:]
     with backend.serialised(math.prod(threads)):
         with smem_trace.trace_shared() as trace:
             if regions:

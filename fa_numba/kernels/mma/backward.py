@@ -135,6 +135,9 @@ class MmaBackwardConfig:
             raise ValueError(f"{name} must be 16 x warps = {16 * self.warps} for the {self.role} kernel (16 rows "
                              f"per warp), got {owned}")
         slices = self.block_q // 16
+        if self.role == "kv" and self.block_q > 32 * self.warps:
+            raise ValueError(f"block_q must be at most 32 x warps = {32 * self.warps} for the kv kernel (a thread "
+                             f"stages each row's LSE and D), got {self.block_q}")
         if self.role == "kv" and slices % self.warps and self.warps % slices:
             raise ValueError(f"block_q / 16 = {slices} and warps = {self.warps} must divide one another (the "
                              f"warps share dQ_i's 16-row slices)")
@@ -318,10 +321,10 @@ def kv_source(config: MmaBackwardConfig):
                 else:
                     stage(q, b, h, r0, n_q, sq, BR)
                     stage(do, b, h, r0, n_q, sdo, BR)
-                for idx in range(tid, BR, THREADS):
-                    row = r0 + idx
-                    slse[idx] = lse[b, h, row] if row < n_q else ZERO
-                    sd[idx] = dvec[b, h, row] if row < n_q else ZERO
+                if tid < BR:  # B_r <= 32 W threads (DEFAULTS): one row each, no loop in the visit
+                    row = r0 + tid
+                    slse[tid] = lse[b, h, row] if row < n_q else ZERO
+                    sd[tid] = dvec[b, h, row] if row < n_q else ZERO
                 if ASYNC:
                     warp.cp_async_commit()
                     warp.cp_async_wait_all()
@@ -472,9 +475,10 @@ def dq_source(config: MmaBackwardConfig):
         else:
             stage(q, b, h, r0, n_q, sq, BR)
             stage(do, b, h, r0, n_q, sdo, BR)
-        for idx in range(cuda.threadIdx.x, BR, 32 * W):
-            slse[idx] = lse[b, h, r0 + idx] if r0 + idx < n_q else ZERO
-            sd[idx] = dvec[b, h, r0 + idx] if r0 + idx < n_q else ZERO
+        tid = cuda.threadIdx.x
+        if tid < BR:  # B_r = 16 W rows for 32 W threads: one row each
+            slse[tid] = lse[b, h, r0 + tid] if r0 + tid < n_q else ZERO
+            sd[tid] = dvec[b, h, r0 + tid] if r0 + tid < n_q else ZERO
         cuda.syncthreads()
         q_bad = False
         if GUARDED:
@@ -570,16 +574,28 @@ class MmaBackwardKernel:
     def check_grid(self, batch: int, heads: int, rows: int) -> None:
         check_grid(self.launch_shape(batch, heads, rows)[0], self.GRID_AXES, f"bwd-{self.config.role}-mma")
 
-    @staticmethod
-    def argtypes(role: str) -> tuple:
-        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a)."""
+    def argtypes(self, dtype: str | None = None) -> tuple:
+        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
+        both 16-bit dtypes (the inputs are their bits)."""
         from numba import types
 
+        if dtype is not None and dtype != self.config.kind:
+            raise ValueError(f"dtype must be {self.config.kind!r} for this kernel (compiled for it), got {dtype!r}")
         bits = types.Array(types.uint16, 4, "C")
         grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
-        if role == "kv":
+        if self.config.role == "kv":
             return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32)
         return (bits, bits, bits, bits, stat, stat, grad, float32)
+
+    @property
+    def inner_trips(self) -> int | None:
+        """How often the loop left inside a visit runs (whole_kernel.mma_iteration_counts): the kv kernel's dQ
+        unit loops over its DN / SPLIT column blocks, which the compiler keeps rolled; None for the others."""
+        c = self.config
+        if c.role != "kv" or c.deterministic:
+            return None
+        slices, warps, blocks = c.block_q // 16, c.warps, c.padded_dim // 8
+        return blocks // (warps // slices if warps > slices else 1)
 
 
 @functools.lru_cache(maxsize=None)
