@@ -151,6 +151,7 @@ def test_without_a_causal_mask_padding_keeps_non_finite_inputs_where_they_belong
     (dict(block_q=24), ValueError, "block_q must be a positive multiple of 16"),
     (dict(block_k=32), ValueError, "block_k must be 16 x warps = 16"),
     (dict(warps=4, block_k=64, block_q=48), ValueError, "must divide one another"),
+    (dict(block_q=64), ValueError, "block_q must be at most 32 x warps = 32"),
     (dict(block_q=128, head_dim=128, warps=8, block_k=128), ValueError, "over the 49152 static limit"),
 ])
 def test_mma_backward_config_errors_name_the_argument(kwargs, error, message):
