@@ -30,6 +30,17 @@ a NaN in column x of a visible value makes O[:, x] NaN and leaves the LSE alone;
 NaN (exp(inf - inf)); visible scores that are all -inf give O = 0/0 = NaN and LSE = log 0 = -inf. A masked
 key is never touched: its scores are -inf by the mask and its value row is never multiplied (0 * NaN would
 be NaN).
+
+Score mods (`fa_numba.mods`, proofs/L13_score_mods.md): `dense`, `attention`, `dense_backward`,
+`attention_backward` and the float32 twins take `score_mod=` (a `mods.ScoreMod`; None, the default, leaves
+every result bit for bit as without it). The forward then uses S'_bhij = mod(S_bhij, b, h, i, j) on the
+visible pairs, after the scale and before the mask and the max (FlexAttention's order), and softmax(S') V;
+mod is evaluated at visible pairs only, so what it would give at a masked pair (NaN, inf, an exception)
+cannot reach anything. The backward takes dS' = P (dP - D) from the softmax as before and dS = dS' mod'(S)
+(the chain rule, L13), so dQ = scale dS K and dK = scale dS^T Q; `attention_backward_mod` also returns the
+captured arrays' gradients (sums of dS' d mod / d entry over the pairs that read each entry, in a fixed
+order). The mod is called from Python once per visible pair and function (about a microsecond each):
+test sizes.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fa_numba import shapes
+from fa_numba import mods, shapes
 
 
 def causal_mask(n_q: int, n_k: int) -> np.ndarray:
@@ -118,10 +129,12 @@ def _contract(a, b, contraction):
 class Dense:
     """What the dense forward materialises, 4-D (B, H, ...), K/V heads repeated per query head (GQA).
 
-    s: (B, H, N_q, N_k) the scores S, -inf on masked pairs; p: the same shape, P = exp(S - m) / l, 0 on masked
-    pairs and on rows with no visible key; v: (B, H, N_k, d) the values as each query head reads them;
-    visible: (N_q, N_k) bool, the visible pairs; out: (B, H, N_q, d) O; lse: (B, H, N_q) LSE; lead: q's axes
-    before N (q.shape[:-2]), which `result` gives back.
+    s: (B, H, N_q, N_k) the scores the softmax sees, -inf on masked pairs: S, or S' = mod(S) with a score_mod;
+    p: the same shape, P = exp(s - m) / l, 0 on masked pairs and on rows with no visible key; v: (B, H, N_k, d)
+    the values as each query head reads them; visible: (N_q, N_k) bool, the visible pairs; out: (B, H, N_q, d)
+    O; lse: (B, H, N_q) LSE; lead: q's axes before N (q.shape[:-2]), which `result` gives back. With a
+    score_mod: s_raw, the scores S = scale Q K^T before it (-inf on masked pairs), and score_mod itself; both
+    None without one.
     """
 
     s: np.ndarray
@@ -131,6 +144,8 @@ class Dense:
     out: np.ndarray
     lse: np.ndarray
     lead: tuple
+    s_raw: np.ndarray | None = None
+    score_mod: mods.ScoreMod | None = None
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(out, lse) in the caller's layout: out like q, lse like q without its last axis."""
@@ -138,16 +153,20 @@ class Dense:
 
 
 def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, dtype=np.float64,
-          contraction: str = "matmul") -> Dense:
+          contraction: str = "matmul", score_mod=None) -> Dense:
     """The dense forward in `dtype`, its sums in the `contraction` order, with what it materialises.
 
     `attention` (float64) and `attention_naive_f32` (float32) return its `result()`; the tolerance rule's
     derived terms (`fa_numba.tolerance`) read its S, P and O. Materialises S and P: B H N_q N_k elements each.
+    score_mod: a `mods.ScoreMod`, evaluated on `dtype` scalars at the visible pairs (module docstring).
     """
     if contraction not in CONTRACTIONS:
         raise ValueError(f"contraction must be one of {CONTRACTIONS}, got {contraction!r}")
     prob = shapes.problem(q, k, v)
     causal, mask = shapes.check_mask(causal, mask)
+    score_mod = mods.check_score_mod(score_mod)
+    if score_mod is not None:
+        score_mod.check_sizes(prob.batch, prob.heads, prob.n_q, prob.n_k)
     scale = dtype(shapes.resolve_scale(scale, prob.d))
     q4, k4, v4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v))
     # GQA: query head h reads K/V head h // group.
@@ -158,6 +177,9 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
     visible = visible_mask(prob.n_q, prob.n_k, causal, mask)
     alive = visible.any(axis=-1)  # rows with a visible key: decided by the mask, never by the values
     s = np.where(visible, s, dtype(-np.inf))
+    s_raw = None
+    if score_mod is not None:  # S' = mod(S) on the visible pairs, -inf on the masked ones, mod never called there
+        s_raw, s = s, mods.scores(score_mod, s, visible, dtype)
     with np.errstate(invalid="ignore", divide="ignore"):  # IEEE: NaN and log 0 = -inf where the inputs say so
         m = s.max(axis=-1)  # row max over visible scores: -inf on a dead row, NaN if a visible score is
         shift = np.where(m == -np.inf, dtype(0), m)  # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN
@@ -166,13 +188,15 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
         lse = np.where(alive, shift + np.log(l), dtype(-np.inf))
         p = np.where(alive[:, None], p / l[..., None], dtype(0))
     out = visible_matmul(p, v4, visible, contraction)
-    return Dense(s, p, v4, visible, out, lse, tuple(np.shape(q)[:-2]))
+    return Dense(s, p, v4, visible, out, lse, tuple(np.shape(q)[:-2]), s_raw, score_mod)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None):
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, score_mod=None):
     """Float64 dense attention. Returns (out, lse) with out like q and lse like q without its last axis.
 
     mask: a `fa_numba.masks` mask applied densely (not with causal=True; that is mask=masks.causal()).
+    score_mod: a `fa_numba.mods.ScoreMod`: softmax(mod(S)) V with mod applied after the scale, at the visible
+    pairs only (module docstring); LSE is then log sum_j exp(mod(S_ij)).
 
     >>> import numpy as np
     >>> q = k = v = np.eye(2)
@@ -180,11 +204,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     >>> out[0].tolist(), round(float(lse[0]), 6)   # query 0 sees only key 0: LSE = S_00 = 1/sqrt(2)
     ([1.0, 0.0], 0.707107)
     """
-    return dense(q, k, v, causal=causal, scale=scale, mask=mask).result()
+    return dense(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod).result()
 
 
 def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = None, contraction: str = "matmul",
-                        mask=None):
+                        mask=None, score_mod=None):
     """The same dense computation in float32: the baseline the tolerance rule scales with (`tolerance`).
 
     contraction picks how the three sums (over d for S, over keys for l and for P V) are evaluated:
@@ -193,9 +217,11 @@ def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = 
     "pairwise" (a balanced tree of rounded sums, as SIMD reductions do) or "fma" (index order, one rounding
     per fused multiply-add, as a GPU's FFMA loop does; emulated by an exact float64 product and a float64 sum
     rounded to float32, which differs from one rounding only in rare double-rounding ties).
+    score_mod: evaluated on float32 scalars, its result rounded to float32 once (a kernel's own evaluation of
+    the mod may round more: proofs/L13, after claim 5).
     """
     return dense(q, k, v, causal=causal, scale=scale, mask=mask, dtype=np.float32,
-                 contraction=contraction).result()
+                 contraction=contraction, score_mod=score_mod).result()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -216,7 +242,11 @@ class DenseBackward:
     q, k, v, dout, out: the operands in the backward's dtype, (B, H, N, d); shift: (B, H, N_q) sigma(LSE), the
     forward's LSE with 0 where it is -inf; p: (B, H, N_q, N_k) P recomputed from it; dp: dP = dO V^T, the same
     shape; d_row: (B, H, N_q) D = rowsum(dO o O); visible: (N_q, N_k) bool; scale: the resolved scale, in the
-    backward's dtype; problem: the sizes (`shapes.Problem`).
+    backward's dtype; problem: the sizes (`shapes.Problem`). With a score_mod (None or () without one): p is
+    recomputed from S' = mod(S); s_raw: (B, H, N_q, N_k) S before the mod, -inf on masked pairs; ds_mod: dS' =
+    P (dP - D), the gradient with respect to S'; mod_grad: mod'(S) on visible pairs, 0 on masked ones (the
+    dS behind dq and dk is ds_mod * mod_grad); dcaptured: one entry per captured array of the mod, its
+    gradient (an array like it, in the backward's dtype) or None where it takes none.
     """
 
     dq: np.ndarray
@@ -234,21 +264,31 @@ class DenseBackward:
     visible: np.ndarray
     scale: np.floating
     problem: shapes.Problem
+    s_raw: np.ndarray | None = None
+    ds_mod: np.ndarray | None = None
+    mod_grad: np.ndarray | None = None
+    dcaptured: tuple = ()
 
 
 def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None, dtype=np.float64,
-                   contraction: str = "matmul") -> DenseBackward:
+                   contraction: str = "matmul", score_mod=None) -> DenseBackward:
     """The dense gradients in `dtype`, from their own forward (`dense`) in the same dtype and contraction order.
 
     `attention_backward` (float64) and `attention_backward_naive_f32` (float32) return its dq, dk, dv; the
     gradients' rule (`fa_numba.tolerance`) reads its P, dP, D and operands for its floors. Materialises S, P,
-    dP and dS: B H N_q N_k elements each.
+    dP and dS: B H N_q N_k elements each. score_mod: a `mods.ScoreMod` with a grad (ValueError without one):
+    dS = dS' mod'(S), and the captured arrays' gradients in `dcaptured` (module docstring, proofs/L13).
     """
     prob = shapes.problem(q, k, v)
     shapes.check_like("dout", dout, q.shape, "as q")
     causal, mask = shapes.check_mask(causal, mask)
+    score_mod = mods.check_score_mod(score_mod)
+    if score_mod is not None and score_mod.grad is None:
+        raise ValueError(f"score_mod {score_mod.name} has no grad: the backward needs d fn / d score "
+                         "(mods.ScoreMod(fn, grad=...))")
     # Its own forward, in the same dtype and contraction order: O and LSE as `attention` computes them.
-    forward = dense(q, k, v, causal=causal, scale=scale, mask=mask, dtype=dtype, contraction=contraction)
+    forward = dense(q, k, v, causal=causal, scale=scale, mask=mask, dtype=dtype, contraction=contraction,
+                    score_mod=score_mod)
     out4, lse4 = forward.out, forward.lse  # (B, H, N_q, d), (B, H, N_q)
     del forward  # its S and P: the backward recomputes its own
     scale = dtype(shapes.resolve_scale(scale, prob.d))
@@ -261,6 +301,9 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     # about ulp(LSE) in every exponent that the forward's exp(S - m) / l does not have: the baseline must
     # carry it, as every implementation that recomputes P from a float32 LSE does (proofs/L7, FP section).
     s = np.where(visible, scale * _contract(q4, np.swapaxes(k4, -1, -2), contraction), dtype(-np.inf))
+    s_raw = None
+    if score_mod is not None:  # P from S' = mod(S), as the forward's (L13)
+        s_raw, s = s, mods.scores(score_mod, s, visible, dtype)
     shift = np.where(lse4 == -np.inf, dtype(0), lse4)  # sigma: a dead row computes exp(-inf - 0) = 0
     with np.errstate(invalid="ignore"):  # NaN where the inputs hold one
         p = np.where(visible, np.exp(s - shift[..., None]), dtype(0))
@@ -271,6 +314,14 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     dp = _contract(do4, np.swapaxes(v4, -1, -2), contraction)  # dP: (B, H, N_q, N_k)
     with np.errstate(invalid="ignore"):
         ds = np.where(visible, p * (dp - d_row[..., None]), dtype(0))  # dS
+    ds_mod = mod_grad = None
+    dcaptured = ()
+    if score_mod is not None:  # the chain rule through S' = mod(S) (L13): dS = dS' mod'(S), on visible pairs only
+        ds_mod = ds
+        mod_grad = mods.derivatives(score_mod, s_raw, visible, dtype)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf where the inputs hold them
+            ds = np.where(visible, ds_mod * mod_grad, dtype(0))
+        dcaptured = mods.captured_gradients(score_mod, s_raw, ds_mod, visible, dtype)
     dv = visible_matmul(np.swapaxes(p, -1, -2), do4, visible.T, contraction)
     dk = scale * visible_matmul(np.swapaxes(ds, -1, -2), q4, visible.T, contraction)
     dq = scale * visible_matmul(ds, k4, visible, contraction)
@@ -280,10 +331,12 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     dv = dv.reshape(grouped).sum(axis=2)
     dq, dk, dv = (shapes.drop_lead(g, x.shape[:-2]) for g, x in ((dq, q), (dk, k), (dv, v)))
     return DenseBackward(dq, dk, dv,
-                         q4, k4, v4, do4, out4, shift, p, dp, d_row, visible, scale, prob)
+                         q4, k4, v4, do4, out4, shift, p, dp, d_row, visible, scale, prob,
+                         s_raw, ds_mod, mod_grad, dcaptured)
 
 
-def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None):
+def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,
+                       score_mod=None):
     """Float64 gradients (dq, dk, dv) of <dout, O(q, k, v)>, densely from its own float64 forward (O, LSE).
 
     dout is like q; dq comes out like q, dk and dv like k and v (H_kv heads: with GQA each is the sum over
@@ -292,6 +345,9 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     visible key (causal with N_q > N_k, or any mask's empty row) gives a zero row of dq and nothing to dk,
     dv. The formulas and their proof: proofs/L7_backward.md. Materialises S, P, dP, dS:
     B H N_q N_k elements each (it is the definition, not a memory-efficient algorithm).
+    score_mod: a `fa_numba.mods.ScoreMod` with a grad: the gradients of <dout, O> with O = softmax(mod(S)) V,
+    dS = P (dP - D) mod'(S) (proofs/L13). Always returns (dq, dk, dv); `attention_backward_mod` adds the
+    captured arrays' gradients.
 
     >>> import numpy as np
     >>> q = k = v = np.eye(2)
@@ -300,17 +356,45 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     >>> np.allclose(dv, [[1 + p10] * 2, [1 - p10] * 2], rtol=1e-15, atol=0)   # dV_j = sum_i P_ij dO_i
     True
     """
-    grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask)
+    grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
     return grads.dq, grads.dk, grads.dv
 
 
+def attention_backward_mod(q, k, v, dout, *, score_mod, causal: bool = False, scale: float | None = None,
+                           mask=None):
+    """Float64 gradients of <dout, O> with a score_mod, its captured arrays' included: (dq, dk, dv, dcaptured).
+
+    dq, dk, dv: as `attention_backward(..., score_mod=score_mod)`. dcaptured: a tuple with one entry per array
+    in score_mod.captured: for an array with a captured_grad, a float64 array of its shape,
+
+        dcaptured[k][e] = sum over the visible pairs (b, h, i, j) whose captured_grad[k] names entry e of
+                          dS'_bhij * (the derivative it gives),   dS' = P (dP - D),
+
+    summed in the order (b, h, i, j) lexicographic (bitwise repeatable; proofs/L13, claim 4); None for an
+    array without one (e.g. relative_bias's int offset). Masked pairs and rows with no visible key add
+    nothing.
+
+    >>> import numpy as np
+    >>> from fa_numba import mods
+    >>> q = k = v = np.eye(2)
+    >>> dq, dk, dv, (dslopes,) = attention_backward_mod(q, k, v, np.ones((2, 2)), score_mod=mods.alibi([0.5]))
+    >>> dslopes.shape, bool(np.isfinite(dslopes).all())
+    ((1,), True)
+    """
+    if score_mod is None:
+        raise ValueError("attention_backward_mod needs a score_mod (attention_backward without one)")
+    grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
+    return grads.dq, grads.dk, grads.dv, grads.dcaptured
+
+
 def attention_backward_naive_f32(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                                 contraction: str = "matmul", mask=None):
+                                 contraction: str = "matmul", mask=None, score_mod=None):
     """The same dense gradients in float32: the baseline of the gradients' tolerance rule.
 
     contraction picks how every sum (over d for S, dP and D; over keys for l, O and dQ; over queries for
-    dK and dV) is evaluated, as in `attention_naive_f32`: one of CONTRACTIONS.
+    dK and dV) is evaluated, as in `attention_naive_f32`: one of CONTRACTIONS. score_mod: evaluated on
+    float32 scalars, as in `attention_naive_f32`.
     """
     grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, dtype=np.float32,
-                           contraction=contraction)
+                           contraction=contraction, score_mod=score_mod)
     return grads.dq, grads.dk, grads.dv
