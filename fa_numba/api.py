@@ -68,8 +68,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
     and H_kv heads dividing H (GQA/MQA). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy
     arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
-    bfloat16, or float32: None) asks for O in another (NumPy, torch and CuPy results; fa_numba.autograd and
-    the drop-ins return the input dtype, as SDPA does). N_q = 0 or B = 0 gives empty results and N_k = 0
+    bfloat16, or float32: None) asks for O in another (NumPy, torch, CuPy and Numba device results, a Numba
+    one cast by a kernel, its bfloat16 as uint16 bits; fa_numba.autograd and the drop-ins return the input
+    dtype, as SDPA does). N_q = 0 or B = 0 gives empty results and N_k = 0
     O = 0, LSE = -inf (every query sees no key), without a launch, as torch SDPA gives for empty inputs.
     causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); mask is any fa_numba.masks
     mask (sliding_window, documents, prefix_lm, from_function, from_dense; causal=True is the short form of

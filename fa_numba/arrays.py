@@ -272,8 +272,9 @@ def dtype_name(name: str, dtype) -> str:
 
 def cast(call: Call, result, name: str):
     """A float32 result of `call.output` in the dtype `name` (one of OUT_DTYPES): torch and CuPy results
-    by their library, on their device and stream; NumPy results by NumPy (bfloat16 by ml_dtypes). A Numba
-    device array has no cast here and must stay float32."""
+    by their library, on their device and stream; NumPy results by NumPy (bfloat16 by ml_dtypes); a Numba
+    device array by a cast kernel on the call's stream (`kernels.cast`: float16, or bfloat16 as its uint16
+    bits, the form the kernels take bfloat16 in). CuPy has no bfloat16: refused by name."""
     if name == "float32":
         return result
     if call.kind == "torch":
@@ -283,7 +284,11 @@ def cast(call: Call, result, name: str):
     if call.on_device:
         if call.kind == "cupy" and name != "bfloat16":
             return result.astype(name)
-        raise ValueError(f"out_dtype={name!r} is taken for NumPy, torch and CuPy (float16) results; a "
+        if call.kind == "numba":
+            from fa_numba.kernels.cast import cast_device
+
+            return cast_device(result, name, call.stream)
+        raise ValueError(f"out_dtype={name!r} is taken for NumPy, torch, Numba and CuPy (float16) results; a "
                          f"{call.kind} result comes back float32")
     if name == "bfloat16":
         try:

@@ -1,0 +1,62 @@
+"""Casting a float32 result on the device to a 16-bit type, for Numba device arrays (`arrays.cast`: torch and
+CuPy results are cast by their own library, NumPy results by NumPy).
+
+- float16: round to nearest even (Numba's float32 -> float16 conversion, cvt.rn.f16.f32 on a GPU).
+- bfloat16: Numba has no bfloat16 type, so the result is its uint16 bits, as the kernels take bfloat16
+  inputs: the float32 bits rounded to nearest even on the top 16 (u + 0x7FFF + bit 16 of u, shifted), a NaN
+  the canonical quiet NaN 0x7FC0 (a NaN's low mantissa bits could otherwise round it into an infinity).
+A grid-stride loop over the flattened array, 256 threads a block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, uint16, uint32
+
+from fa_numba import backend
+
+THREADS = 256
+MAX_BLOCKS = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    @cuda.jit
+    def to_f16(src, dst):
+        start = cuda.grid(1)
+        for i in range(start, src.size, cuda.gridsize(1)):
+            dst[i] = src[i]  # the store converts: float32 -> float16, round to nearest even
+
+    @cuda.jit
+    def to_bf16_bits(bits, dst):
+        start = cuda.grid(1)
+        for i in range(start, bits.size, cuda.gridsize(1)):
+            u = bits[i]
+            if (u & uint32(0x7F800000)) == uint32(0x7F800000) and (u & uint32(0x007FFFFF)) != 0:
+                dst[i] = uint16(0x7FC0 | ((u >> 16) & 0x8000))  # NaN, its sign kept
+            else:
+                dst[i] = uint16((u + uint32(0x7FFF) + ((u >> 16) & uint32(1))) >> 16)
+
+    return to_f16, to_bf16_bits
+
+
+def cast_device(result, name: str, stream=0):
+    """A new device array: the float32 device array `result` as float16 (name "float16") or as the uint16 bits
+    of bfloat16 (name "bfloat16"), same shape, on `stream`."""
+    if np.dtype(result.dtype) != np.float32:
+        raise TypeError(f"result must be a float32 device array, got {result.dtype}")
+    if name not in ("float16", "bfloat16"):
+        raise ValueError(f"name must be 'float16' or 'bfloat16', got {name!r}")
+    to_f16, to_bf16_bits = _kernels()
+    flat = result.reshape(result.size)
+    out = cuda.device_array(result.size, dtype=np.float16 if name == "float16" else np.uint16, stream=stream)
+    if result.size:
+        blocks = min(MAX_BLOCKS, -(-result.size // THREADS))
+        with backend.serialised(THREADS):
+            if name == "float16":
+                to_f16[blocks, THREADS, stream](flat, out)
+            else:
+                to_bf16_bits[blocks, THREADS, stream](flat.view(np.uint32), out)
+    return out.reshape(result.shape)
