@@ -95,28 +95,54 @@ def time_it(fn, repeats=20) -> float:
     return float(np.median(times))
 
 
-def sdpa_ms(kind, b, h, n, d, causal):
+def _cuda_torch():
+    """torch, if it is installed with CUDA; else None (the SDPA columns stay empty)."""
     try:
         import torch
     except ImportError:
         return None
-    if not torch.cuda.is_available():
-        return None
-    dtype = getattr(torch, kind)
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
-    fn = torch.nn.functional.scaled_dot_product_attention
-    for _ in range(3):
-        fn(q, k, v, is_causal=causal)
-    torch.cuda.synchronize()
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_median(torch, timed, prepare=lambda: None, repeats=20, warm=3) -> float:
+    """Median of `repeats` CUDA-event timings of timed(prepare()) after `warm` untimed calls; prepare runs
+    outside the timed region (the forward before a backward)."""
     times = []
-    for _ in range(20):
+    for i in range(warm + repeats):
+        state = prepare()
+        torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(q, k, v, is_causal=causal)
+        timed(state)
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        if i >= warm:
+            times.append(start.elapsed_time(stop))
     return float(np.median(times))
+
+
+def sdpa_ms(kind, b, h, n, d, causal):
+    torch = _cuda_torch()
+    if torch is None:
+        return None
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, kind)) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return _torch_median(torch, lambda _: sdpa(q, k, v, is_causal=causal))
+
+
+def sdpa_backward_ms(kind, b, h, n, d, causal):
+    """torch SDPA's backward alone (the forward outside the timed region)."""
+    torch = _cuda_torch()
+    if torch is None:
+        return None
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, kind), requires_grad=True)
+               for _ in range(3))
+
+    def forward():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out, torch.randn_like(out)
+
+    return _torch_median(torch, lambda state: torch.autograd.grad(state[0], (q, k, v), state[1]), forward)
 
 
 def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") -> dict:
@@ -152,31 +178,6 @@ def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") ->
     flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
     row.update(ms=ms, tflops=flops / ms / 1e9, sdpa_ms=sdpa_backward_ms(kind, b, h, n, d, causal))
     return row
-
-
-def sdpa_backward_ms(kind, b, h, n, d, causal):
-    """torch SDPA's backward alone (the forward outside the timed region), median of 20 after 3 warm-ups."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    dtype = getattr(torch, kind)
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    times = []
-    for i in range(23):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        grad = torch.randn_like(out)
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.autograd.grad(out, (q, k, v), grad)
-        stop.record()
-        stop.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(stop))
-    return float(np.median(times))
 
 
 def model_estimates() -> dict:

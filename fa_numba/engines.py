@@ -22,18 +22,23 @@ def resolve(engine: str, *, kind: str, order: str, form: str, head_dim: int) -> 
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine != "mma":
         return "simt"
-    if kind not in MMA_KINDS:
-        raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
-                         f"not built yet), got {kind}; use engine='simt' for {kind}")
     if order not in MMA_ORDERS:
         raise ValueError(f"engine='mma' runs orders {MMA_ORDERS} (not the one-thread-per-row kernels), got "
                          f"order={order!r}")
+    _check_mma(kind, form, head_dim, "kernel")
+    return "mma"
+
+
+def _check_mma(kind: str, form: str, head_dim: int, what: str) -> None:
+    """What every tensor-core kernel needs of a call: a 16-bit dtype, causal or no mask, d <= 128."""
+    if kind not in MMA_KINDS:
+        raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
+                         f"not built yet), got {kind}; use engine='simt' for {kind}")
     if form not in ("none", "causal"):
-        raise ValueError("engine='mma' takes causal=True or no mask (block-mask lists are not built yet for "
-                         "the tensor-core kernel); use engine='simt' for this mask")
+        raise ValueError(f"engine='mma' takes causal=True or no mask (block-mask lists are not built yet for "
+                         f"the tensor-core {what}); use engine='simt' for this mask")
     if head_dim > MMA_MAX_HEAD_DIM:
         raise ValueError(f"engine='mma' needs head dim d <= {MMA_MAX_HEAD_DIM}, got {head_dim}")
-    return "mma"
 
 
 def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
@@ -57,17 +62,10 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", form: s
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine != "mma" or kind is None:
         return "simt" if engine != "mma" else "mma"
-    if kind not in MMA_KINDS:
-        raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
-                         f"not built yet), got {kind}; use engine='simt' for {kind}")
     if order != "kv":
         raise ValueError(f"engine='mma' runs the K/V-outer backward (order='kv', deterministic or not), got "
                          f"order={order!r}")
-    if form not in ("none", "causal"):
-        raise ValueError("engine='mma' takes causal=True or no mask (block-mask lists are not built yet for "
-                         "the tensor-core backward); use engine='simt' for this mask")
-    if head_dim > MMA_MAX_HEAD_DIM:
-        raise ValueError(f"engine='mma' needs head dim d <= {MMA_MAX_HEAD_DIM}, got {head_dim}")
+    _check_mma(kind, form, head_dim, "backward")
     return "mma"
 
 

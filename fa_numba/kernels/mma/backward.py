@@ -60,7 +60,7 @@ from numba import cuda, float32, uint16, uint32
 
 from fa_numba import backend, warp
 from fa_numba.kernels.common import ZERO, check_grid, check_sequence
-from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, make_ops
+from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, PaddedRows, make_ops
 
 ROLES = ("kv", "dq")
 # default (warps, block_q, block_k) per role and largest head dim: the largest tiles under 48 KB of static
@@ -79,7 +79,7 @@ def default_tiles(role: str, head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class MmaBackwardConfig:
+class MmaBackwardConfig(PaddedRows):
     """A compile-time configuration of a tensor-core backward kernel."""
 
     role: str  # "kv" (dK, dV on chip; dQ by atomics unless deterministic) or "dq" (the deterministic dQ pass)
@@ -91,14 +91,6 @@ class MmaBackwardConfig:
     causal: bool
     deterministic: bool = False  # kv only: leave dQ to the dq kernel
     async_copy: bool = False
-
-    @property
-    def padded_dim(self) -> int:
-        return -(-self.head_dim // 16) * 16
-
-    @property
-    def row_stride(self) -> int:
-        return self.padded_dim + 8
 
     @property
     def ds_stride(self) -> int:
@@ -168,6 +160,36 @@ def _visible(causal: bool):
     return visible
 
 
+def _exact_product(count: int, stride: int, DN: int, SQ: int, to_f32, visible, lane_owns_keys: bool):
+    """The exact path's product, acc += X src over the visible pairs only, on the CUDA cores in float32 (module
+    docstring, non-finite inputs): X is the warp's two rows local0, local0 + 8 of a 16-bit buffer (`stride`
+    apart; P^T, dS^T or dS as the mma path reads them, rounded), src a staged tile (rows SQ apart), and the
+    reduction runs over `count` entries r, src's rows. The lane's two rows are keys own0, own0 + 8 against
+    queries other0 + r (lane_owns_keys: dV, dK in the kv kernel) or queries own0, own0 + 8 against keys
+    other0 + r (dQ in the dq pass)."""
+
+    @cuda.jit(device=True, inline=True)
+    def exact(acc, buf, src, own0, local0, other0, n_q, n_k, delta, t):
+        for r in range(count):
+            if lane_owns_keys:
+                see0 = visible(other0 + r, own0, n_q, n_k, delta)
+                see1 = visible(other0 + r, own0 + 8, n_q, n_k, delta)
+            else:
+                see0 = visible(own0, other0 + r, n_q, n_k, delta)
+                see1 = visible(own0 + 8, other0 + r, n_q, n_k, delta)
+            if see0 or see1:
+                x0, x1 = to_f32(buf[local0 * stride + r]), to_f32(buf[(local0 + 8) * stride + r])
+                for dn in range(DN):
+                    for e in range(2):
+                        y = to_f32(src[r * SQ + 8 * dn + 2 * t + e])
+                        if see0:
+                            acc[dn, e] += x0 * y
+                        if see1:
+                            acc[dn, 2 + e] += x1 * y
+
+    return exact
+
+
 def kv_source(config: MmaBackwardConfig):
     """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
     sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale)."""
@@ -188,6 +210,7 @@ def kv_source(config: MmaBackwardConfig):
     PER_WARP = UNITS // W if UNITS >= W else 1  # dQ units per warp, a constant: the loop unrolls
     Q_SIZE, KV_SIZE, DS_SIZE, HELD = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1)
     visible = _visible(CAUSAL)
+    exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)
 
     @cuda.jit(device=True, inline=True)
     def store_rows(sds, x, wid, g, t):
@@ -197,23 +220,6 @@ def kv_source(config: MmaBackwardConfig):
             base = (16 * wid + g) * SDS + 8 * nt + 2 * t
             store_pair(sds, base, pack(x[nt, 0], x[nt, 1]))
             store_pair(sds, base + 8 * SDS, pack(x[nt, 2], x[nt, 3]))
-
-    @cuda.jit(device=True, inline=True)
-    def exact_reduce(acc, sds, src, key0, local0, r0, n_q, n_k, delta, t):
-        """acc += X^T src over the visible pairs only, on the CUDA cores in float32: X^T the warp's rows of sds
-        (16-bit P^T or dS^T, what the mma path reads), src Q_i or dO_i in shared memory."""
-        for r in range(BR):
-            see0 = visible(r0 + r, key0, n_q, n_k, delta)
-            see1 = visible(r0 + r, key0 + 8, n_q, n_k, delta)
-            if see0 or see1:
-                x0, x1 = to_f32(sds[local0 * SDS + r]), to_f32(sds[(local0 + 8) * SDS + r])
-                for dn in range(DN):
-                    for e in range(2):
-                        y = to_f32(src[r * SQ + 8 * dn + 2 * t + e])
-                        if see0:
-                            acc[dn, e] += x0 * y
-                        if see1:
-                            acc[dn, 2 + e] += x1 * y
 
     @cuda.jit(device=True, inline=True)
     def product(acc, x, src, mrow, mat):
@@ -419,25 +425,9 @@ def dq_source(config: MmaBackwardConfig):
     ASYNC, CAUSAL = config.async_copy, config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
     GUARDED = CAUSAL  # as in the kv kernel: without a causal mask, no pair between data rows is masked
-    Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
     visible = _visible(CAUSAL)
-
-    @cuda.jit(device=True, inline=True)
-    def exact_dq(acc, sds, sk, local0, row0, c0, n_q, n_k, delta, t):
-        """acc += dS K_j over the visible pairs only, on the CUDA cores in float32: dS from the warp's own rows
-        of sds (16-bit, what the mma path reads), K_j from shared memory."""
-        for c in range(BC):
-            see0 = visible(row0, c0 + c, n_q, n_k, delta)
-            see1 = visible(row0 + 8, c0 + c, n_q, n_k, delta)
-            if see0 or see1:
-                x0, x1 = to_f32(sds[local0 * SDK + c]), to_f32(sds[(local0 + 8) * SDK + c])
-                for dn in range(DN):
-                    for e in range(2):
-                        k_x = to_f32(sk[c * SQ + 8 * dn + 2 * t + e])
-                        if see0:
-                            acc[dn, e] += x0 * k_x
-                        if see1:
-                            acc[dn, 2 + e] += x1 * k_x
+    exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
+    Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
 
     def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale):
         sq = cuda.shared.array(Q_SIZE, uint16)
@@ -532,7 +522,7 @@ def dq_source(config: MmaBackwardConfig):
                     store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
                     store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
                 cuda.syncwarp()
-                exact_dq(acc, sds, sk, 16 * wid + g, row0, c0, n_q, n_k, delta, t)
+                exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t)
                 cuda.syncwarp()
             else:
                 for kk in range(PK):

@@ -49,8 +49,23 @@ SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
 _EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # a 16-bit value is inf or NaN iff these bits are all set
 
 
+class PaddedRows:
+    """The staging layout every tensor-core kernel shares: d padded to whole k-steps of 16, rows 8 elements
+    (16 bytes) longer, so the 8 rows of an ldmatrix start on 8 distinct 4-bank groups."""
+
+    head_dim: int
+
+    @property
+    def padded_dim(self) -> int:
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def row_stride(self) -> int:
+        return self.padded_dim + 8
+
+
 @dataclass(frozen=True)
-class MmaConfig:
+class MmaConfig(PaddedRows):
     """A compile-time configuration of a tensor-core forward kernel (either order)."""
 
     kind: str  # "float16" or "bfloat16": how the 16-bit inputs are read
@@ -63,14 +78,6 @@ class MmaConfig:
     @property
     def block_q(self) -> int:
         return 16 * self.warps
-
-    @property
-    def padded_dim(self) -> int:
-        return -(-self.head_dim // 16) * 16
-
-    @property
-    def row_stride(self) -> int:
-        return self.padded_dim + 8
 
     @property
     def shared_bytes(self) -> int:
