@@ -14,7 +14,7 @@ Two kernels, both on the forward engine's staging and fragment conventions (kern
       dV  += P^T dO_i         A: P^T's own fragments, rounded to 16 bits (no data moves: L10 claim 5)
                                B: dO_i by ldmatrix.x2.trans (as the forward's V)
       dK  += dS^T Q_i         A: dS^T's fragments rounded to 16 bits, B: Q_i by ldmatrix.x2.trans
-      dQ_i += scale dS K_j    the reduction runs over the block's keys, which four warps hold: dS^T goes
+      dQ_i += scale dS K_j    the reduction runs over the block's keys, which all W warps hold: dS^T goes
                                through shared memory (16-bit, rows B_r + 8 apart), A: dS by ldmatrix.x4.trans
                                of it, B: K_j by ldmatrix.x2.trans; each warp takes whole 16-row slices of dQ_i
                                and adds its fragments into the float32 dQ in HBM with atomic adds.
@@ -39,13 +39,14 @@ and holds an inf or NaN among its staged Q_i, dO_i, K_j, V_j takes an exact path
 reductions over the visible pairs only (`exact_*`: the warp's P and dS go through shared memory, rounded to 16
 bits as the mma path reads them, and each lane sums its entries over the visible pairs). Only a causal mask
 hides a key from a row when both hold data: without one, the masked pairs involve a padded row or key, staged
-as zeros, so their products are 0 whatever the data holds, and the non-causal kernels have no exact path. A NaN then reaches exactly the gradients the dense formula puts it in; the other
-entries of such a tile are computed in another order than the mma path's (within the rule, not bitwise the
-NaN-free run's).
+as zeros, so their products are 0 whatever the data holds, and the non-causal kernels have no exact path. A
+NaN then reaches exactly the gradients the dense formula puts it in; the other entries of such a tile are
+computed in another order than the mma path's (within the rule, not bitwise the NaN-free run's).
 
 Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); causal or no mask (no block-mask
-lists); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 with B_r / 16 and W
-dividing one another; dq B_r = 16 W, B_c a multiple of 16.
+lists); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with
+B_r / 16 and W dividing one another; dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
+Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-det,bwd-dq-mma`).
 """
 
 from __future__ import annotations
