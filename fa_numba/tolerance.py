@@ -40,6 +40,9 @@ float64 reference materialises (`reference.dense`):
   weights. O moves by at most u16 sum_j P_ij |V_jx| + eta16 (max_j P_ij) sum_j |V_jx| (sum over the row's
   visible keys; e / l = P exp(m_final - m(t)) <= P and 1 / l = max_j P_ij); LSE does not move. u16 = 2^-11,
   eta16 = 2^-25 (half the smallest subnormal) for float16; 2^-8 and 2^-134 for bfloat16. `p_dtype=`.
+- with a score mod (`score_mod=`, a `fa_numba.mods.ScoreMod`; proofs/L13 claim 5): the reference and the naive
+  evaluations apply it, and the score term's W becomes W' = P u |S| |mod'(S)| (the score's rounding seen
+  through the mod). The gradients' rule takes no score_mod yet.
 
 The gradients' rule (proofs/L7_backward.md): `baseline_backward` / `judge_backward` /
 `check_attention_backward` judge (dq, dk, dv) by err <= 3 err(naive float32) + floor, err(naive) from
@@ -58,7 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fa_numba import reference, shapes
+from fa_numba import mods, reference, shapes
 
 
 U32 = 2.0**-24  # unit roundoff of float32, the kernels' arithmetic: |fl(x) - x| <= U32 |x|
@@ -238,7 +241,10 @@ def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None) -> Terms:
         online_out = compound * _finite_max(sums.rescaled)
         online_lse = compound * _finite_max(sums.rescaled_lse)
     with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN, and are skipped
-        w = np.abs(s, out=s)  # reuse S's memory for W = P u |S|, 0 where P = 0 (a masked P |S| would be 0 inf)
+        if dense.score_mod is None:
+            w = np.abs(s, out=s)  # reuse S's memory for W = P u |S|, 0 where P = 0 (a masked P |S| is 0 inf)
+        else:  # the score's rounding reaches S' = mod(S) times |mod'(S)| (proofs/L13, claim 5): W' = P u |S| |mod'(S)|
+            w = np.abs(dense.s_raw) * np.abs(mods.derivatives(dense.score_mod, dense.s_raw, visible))
         np.copyto(w, 0, where=p == 0)
         w *= p
         w *= U32
@@ -369,21 +375,27 @@ class Baseline:
 
 def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contractions=reference.CONTRACTIONS,
              mask=None, block_q: int | None = None, block_k: int | None = None,
-             p_dtype: str | None = None) -> Baseline:
+             p_dtype: str | None = None, score_mod=None) -> Baseline:
     """Reference and tolerances, computed once per problem and shared by every implementation checked.
 
     The naive float32 baseline is evaluated once per contraction order; pass contractions=("matmul",) on
     large tensors, where one evaluation already samples the rounding noise well and the loops are slow.
     Give the tiles (block_q and block_k) to judge a v1 implementation: its round-trip term depends on them.
     p_dtype ("float16" or "bfloat16"): the implementation rounds P to that type before P V (tensor cores).
+    score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it, and
+    the score term carries the mod's derivative, W' = P u |S| |mod'(S)| (proofs/L13, claim 5).
     """
+    if score_mod is not None and mods.check_score_mod(score_mod).grad is None:
+        raise ValueError(f"score_mod {score_mod.name} has no grad: the rule's score term needs d fn / d score "
+                         "(proofs/L13, claim 5)")
     if (block_q is None) != (block_k is None):
         raise ValueError("give both block_q and block_k, or neither")
     tiles = None if block_q is None else (block_q, block_k)
-    dense = reference.dense(q, k, v, causal=causal, scale=scale, mask=mask)
+    dense = reference.dense(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
     (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles, p_dtype)
     del dense  # its S and P (B H N_q N_k each): the naive evaluations need not hold them beside their own
-    naive = [reference.attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c, mask=mask)
+    naive = [reference.attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c, mask=mask,
+                                           score_mod=score_mod)
              for c in contractions]
     return Baseline(ref_out, ref_lse, tolerance(ref_out, [n[0] for n in naive], terms.score_out),
                     tolerance(ref_lse, [n[1] for n in naive], terms.score_lse), terms)
@@ -399,14 +411,15 @@ def judge(out, lse, base: Baseline, *, name: str = "kernel", order: str | None =
 
 def check_attention(out, lse, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "kernel",
                     contractions=reference.CONTRACTIONS, mask=None, order: str | None = None,
-                    block_q: int | None = None, block_k: int | None = None, p_dtype: str | None = None) -> Check:
+                    block_q: int | None = None, block_k: int | None = None, p_dtype: str | None = None,
+                    score_mod=None) -> Check:
     """Check (out, lse) from any implementation against the float64 reference with the derived rule.
 
     For a v1 implementation pass order="v1" and its tiles, so that its round-trip term is allowed for; for a
-    tensor-core one p_dtype, the 16-bit type its P V takes P in.
+    tensor-core one p_dtype, the 16-bit type its P V takes P in; for one that applies a score mod, score_mod.
     """
     base = baseline(q, k, v, causal=causal, scale=scale, contractions=contractions, mask=mask, block_q=block_q,
-                    block_k=block_k, p_dtype=p_dtype)
+                    block_k=block_k, p_dtype=p_dtype, score_mod=score_mod)
     return judge(out, lse, base, name=name, order=order)
 
 
