@@ -130,7 +130,11 @@ def test_a_block_trains_under_torch_compile_fullgraph_as_in_eager():
                     reason="inductor on CPU compiles C++: no C++ compiler on this machine")
 def test_a_block_trains_under_inductor_as_in_eager():
     """The default backend, inductor: the operators stay opaque nodes (their own kernels) and the ops around
-    them become generated C++; training steps match eager."""
+    them become generated C++; training steps match eager. In a fresh inductor cache: torch 2.13's FX graph
+    cache kept a graph compiled against the backward operator's previous schema (before its `engine`
+    argument) and replayed it (2026-12-02); a user who upgrades fa_numba may need to clear it the same way."""
+    from torch._inductor.utils import fresh_inductor_cache
+
     torch.manual_seed(0)
     eager = _Block()
     compiled_model = copy.deepcopy(eager)
@@ -138,7 +142,8 @@ def test_a_block_trains_under_inductor_as_in_eager():
     compiled = torch.compile(compiled_model, fullgraph=True, backend="inductor")
     x, y = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
     want = _train(eager, 3, x, y)
-    got = _train(compiled, 3, x, y)
+    with fresh_inductor_cache():
+        got = _train(compiled, 3, x, y)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=1e-3, atol=1e-5, err_msg=name)
