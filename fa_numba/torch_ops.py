@@ -105,9 +105,11 @@ def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine
 @torch.library.custom_op("fa_numba::attention_backward", mutates_args=())
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool,
                           scale: float, order: str, deterministic: bool, mask_spec: str,
-                          mask_dense: Optional[Tensor], block: int, engine: str) -> tuple[Tensor, Tensor, Tensor]:
+                          mask_dense: Optional[Tensor], block: int, engine: str = "auto"
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), float32, of sum(dout * attention(q, k, v)); arguments as fa_numba.attention_backward
-    (block: its square tile, block_q = block_k)."""
+    (block: its square tile, block_q = block_k). engine defaults to "auto", the schema before it existed, so a
+    graph compiled and cached against that schema still calls this operator correctly."""
     dout = dout.contiguous()
     tiles = dict(block_q=_tile(block)) if engine != "mma" else dict(block_q=_tile(block), block_k=_tile(block))
     if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
@@ -129,7 +131,7 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec, mask_dense,
-                             block, engine):
+                             block, engine="auto"):
     return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v))
 
 

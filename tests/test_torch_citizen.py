@@ -130,9 +130,9 @@ def test_a_block_trains_under_torch_compile_fullgraph_as_in_eager():
                     reason="inductor on CPU compiles C++: no C++ compiler on this machine")
 def test_a_block_trains_under_inductor_as_in_eager():
     """The default backend, inductor: the operators stay opaque nodes (their own kernels) and the ops around
-    them become generated C++; training steps match eager. In a fresh inductor cache: torch 2.13's FX graph
-    cache kept a graph compiled against the backward operator's previous schema (before its `engine`
-    argument) and replayed it (2026-12-02); a user who upgrades fa_numba may need to clear it the same way."""
+    them become generated C++; training steps match eager. In a fresh inductor cache, so that the graphs
+    judged are this run's: torch 2.13's FX graph cache replayed one compiled against the backward operator's
+    schema before its `engine` argument (2026-12-02; the argument now has a default, so such a graph runs)."""
     from torch._inductor.utils import fresh_inductor_cache
 
     torch.manual_seed(0)
