@@ -195,14 +195,14 @@ def kv_source(config: MmaBackwardConfig):
     """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
     sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale)."""
     E = make_ops(config.staging())
-    stage, stage_async, any_bad, mma, pack, to_f32 = E.stage, E.stage_async, E.any_bad, E.mma, E.pack, E.to_f32
+    stage_two, any_bad, mma, pack, to_f32 = E.stage_two, E.any_bad, E.mma, E.pack, E.to_f32
     W, BR, BC, D, DP, SQ, SDS = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
                                  config.row_stride, config.ds_stride)
     KS, NQ, DN, KQ, KK = DP // 16, BR // 8, DP // 8, BR // 16, BC // 16
     SLICES = BR // 16
     SPLIT = W // SLICES if W > SLICES else 1  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
     DNS, UNITS = DN // SPLIT, SLICES * SPLIT
-    THREADS, ASYNC, CAUSAL, ATOMIC_DQ = 32 * W, config.async_copy, config.causal, not config.deterministic
+    CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
     HOLD = DP <= 64  # K_j's and V_j's A fragments held in registers for the block's life (else read per use)
     # Only a causal visit can mask a pair between two rows that hold data: without it the masked pairs are
     # those of padded rows or keys (staged as zeros), whose products are 0 whatever the data holds, so the
@@ -292,14 +292,7 @@ def kv_source(config: MmaBackwardConfig):
         if CAUSAL:  # the first row that sees key c0 is c0 - delta
             first = max(c0 - delta, 0) // BR
 
-        if ASYNC:
-            stage_async(k, b, hk, c0, n_k, sk, BC)
-            stage_async(v, b, hk, c0, n_k, sv, BC)
-            warp.cp_async_commit()
-            warp.cp_async_wait_all()
-        else:
-            stage(k, b, hk, c0, n_k, sk, BC)
-            stage(v, b, hk, c0, n_k, sv, BC)
+        stage_two(k, v, b, hk, c0, n_k, sk, sv, BC)
         cuda.syncthreads()  # K_j, V_j staged: every thread reaches this barrier
         kv_bad = False
         if GUARDED:
@@ -322,19 +315,11 @@ def kv_source(config: MmaBackwardConfig):
             for i in range(first, n_row_tiles):
                 r0 = i * BR
                 cuda.syncthreads()  # the previous visit's Q, dO and sds are no longer read
-                if ASYNC:
-                    stage_async(q, b, h, r0, n_q, sq, BR)
-                    stage_async(do, b, h, r0, n_q, sdo, BR)
-                else:
-                    stage(q, b, h, r0, n_q, sq, BR)
-                    stage(do, b, h, r0, n_q, sdo, BR)
                 if tid < BR:  # B_r <= 32 W threads (DEFAULTS): one row each, no loop in the visit
                     row = r0 + tid
                     slse[tid] = lse[b, h, row] if row < n_q else ZERO
                     sd[tid] = dvec[b, h, row] if row < n_q else ZERO
-                if ASYNC:
-                    warp.cp_async_commit()
-                    warp.cp_async_wait_all()
+                stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
                 cuda.syncthreads()  # Q_i, dO_i, LSE_i, D_i staged
                 # some pair of the visit is masked: causal (key c0 + BC - 1 hidden from row r0), or a tail
                 masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
@@ -419,11 +404,11 @@ def kv_source(config: MmaBackwardConfig):
 def dq_source(config: MmaBackwardConfig):
     """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale)."""
     E = make_ops(config.staging())
-    stage, stage_async, any_bad, mma, pack, to_f32 = E.stage, E.stage_async, E.any_bad, E.mma, E.pack, E.to_f32
+    stage_two, any_bad, mma, pack, to_f32 = E.stage_two, E.any_bad, E.mma, E.pack, E.to_f32
     W, BR, BC, D, DP, SQ = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
                             config.row_stride)
     KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
-    ASYNC, CAUSAL = config.async_copy, config.causal
+    CAUSAL = config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
     GUARDED = CAUSAL  # as in the kv kernel: without a causal mask, no pair between data rows is masked
     visible = _visible(CAUSAL)
@@ -458,14 +443,7 @@ def dq_source(config: MmaBackwardConfig):
         if CAUSAL:
             n_tiles = min(n_tiles, (last + BC) // BC) if last >= 0 else 0
 
-        if ASYNC:
-            stage_async(q, b, h, r0, n_q, sq, BR)
-            stage_async(do, b, h, r0, n_q, sdo, BR)
-            warp.cp_async_commit()
-            warp.cp_async_wait_all()
-        else:
-            stage(q, b, h, r0, n_q, sq, BR)
-            stage(do, b, h, r0, n_q, sdo, BR)
+        stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
         tid = cuda.threadIdx.x
         if tid < BR:  # B_r = 16 W rows for 32 W threads: one row each
             slse[tid] = lse[b, h, r0 + tid] if r0 + tid < n_q else ZERO
@@ -489,14 +467,7 @@ def dq_source(config: MmaBackwardConfig):
         for j in range(n_tiles):
             c0 = j * BC
             cuda.syncthreads()  # the previous K_j, V_j are no longer read
-            if ASYNC:
-                stage_async(k, b, h_kv, c0, n_k, sk, BC)
-                stage_async(v, b, h_kv, c0, n_k, sv, BC)
-                warp.cp_async_commit()
-                warp.cp_async_wait_all()
-            else:
-                stage(k, b, h_kv, c0, n_k, sk, BC)
-                stage(v, b, h_kv, c0, n_k, sv, BC)
+            stage_two(k, v, b, h_kv, c0, n_k, sk, sv, BC)
             cuda.syncthreads()
             masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
             guard = False

@@ -151,6 +151,19 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - 8), nbytes)
 
     @cuda.jit(device=True, inline=True)
+    def stage_two(x, y, b, h, r0, n, tile_x, tile_y, rows):
+        """Stage two tiles of the same rows (K_j and V_j, or Q_i and dO_i) and wait for this thread's part:
+        on the cp.async path one commit and one wait for both. The caller's barrier makes them visible."""
+        if ASYNC:
+            stage_async(x, b, h, r0, n, tile_x, rows)
+            stage_async(y, b, h, r0, n, tile_y, rows)
+            warp.cp_async_commit()
+            warp.cp_async_wait_all()
+        else:
+            stage(x, b, h, r0, n, tile_x, rows)
+            stage(y, b, h, r0, n, tile_y, rows)
+
+    @cuda.jit(device=True, inline=True)
     def any_bad(tile, rows):
         """Whether a staged element (this thread's share of them) is inf or NaN."""
         bad = False
@@ -288,7 +301,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=visible,
-                           stage=stage, stage_async=stage_async, any_bad=any_bad, mma=mma, pack=pack, to_f32=to_f32,
+                           stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad, mma=mma, pack=pack, to_f32=to_f32,
                            sizes=SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN,
                                                  Q_SIZE=Q_SIZE, KV_SIZE=KV_SIZE))
 
