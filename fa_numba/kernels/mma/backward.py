@@ -161,6 +161,24 @@ def _visible(causal: bool):
     return visible
 
 
+def _row_writer(D: int, DN: int):
+    """write_rows(dst, b, h, row0, n, acc, factor, t): this lane's accumulator fragments (rows row0, row0 + 8
+    of the C layout, columns 8 dn + 2t, 8 dn + 2t + 1) times factor into dst[b, h], rows < n and columns < d."""
+
+    @cuda.jit(device=True, inline=True)
+    def write_rows(dst, b, h, row0, n, acc, factor, t):
+        for half in range(2):
+            row = row0 + 8 * half
+            if row < n:
+                for dn in range(DN):
+                    for e in range(2):
+                        x = 8 * dn + 2 * t + e
+                        if x < D:
+                            dst[b, h, row, x] = factor * acc[dn, 2 * half + e]
+
+    return write_rows
+
+
 def _exact_product(count: int, stride: int, DN: int, SQ: int, to_f32, visible, lane_owns_keys: bool):
     """The exact path's product, acc += X src over the visible pairs only, on the CUDA cores in float32 (module
     docstring, non-finite inputs): X is the warp's two rows local0, local0 + 8 of a 16-bit buffer (`stride`
@@ -212,6 +230,7 @@ def kv_source(config: MmaBackwardConfig):
     Q_SIZE, KV_SIZE, DS_SIZE, HELD = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1)
     visible = _visible(CAUSAL)
     exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)
+    write_rows = _row_writer(D, DN)
 
     @cuda.jit(device=True, inline=True)
     def store_rows(sds, x, wid, g, t):
@@ -388,15 +407,8 @@ def kv_source(config: MmaBackwardConfig):
                                     d4 = mma(d4, (af[kk, 0], af[kk, 1], af[kk, 2], af[kk, 3]), bk)
                                 add_dq(dq, b, h, row0, dn, d4, scale, n_q, t)
 
-        for half in range(2):
-            key = key0 + 8 * half
-            if key < n_k:
-                for dn in range(DN):
-                    for e in range(2):
-                        x = 8 * dn + 2 * t + e
-                        if x < D:
-                            dk[b, hk, key, x] = scale * dka[dn, 2 * half + e]
-                            dv[b, hk, key, x] = dva[dn, 2 * half + e]
+        write_rows(dk, b, hk, key0, n_k, dka, scale, t)
+        write_rows(dv, b, hk, key0, n_k, dva, float32(1), t)
 
     return bwd_kv_mma
 
@@ -413,6 +425,7 @@ def dq_source(config: MmaBackwardConfig):
     GUARDED = CAUSAL  # as in the kv kernel: without a causal mask, no pair between data rows is masked
     visible = _visible(CAUSAL)
     exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
+    write_rows = _row_writer(D, DN)
     Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
 
     def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale):
@@ -505,14 +518,7 @@ def dq_source(config: MmaBackwardConfig):
                         d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da, bk)
                         for e in range(4):
                             acc[dn, e] = d4[e]
-        for half in range(2):
-            row = row0 + 8 * half
-            if row < n_q:
-                for dn in range(DN):
-                    for e in range(2):
-                        x = 8 * dn + 2 * t + e
-                        if x < D:
-                            dq[b, h, row, x] = scale * acc[dn, 2 * half + e]
+        write_rows(dq, b, h, row0, n_q, acc, scale, t)
 
     return bwd_dq_mma
 
