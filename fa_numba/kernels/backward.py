@@ -55,6 +55,7 @@ from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZE
                                      check_mask_form, check_sequence, mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, tuple_type
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
 FLOAT_BYTES = 4
@@ -90,6 +91,7 @@ class BackwardConfig:
     causal: bool
     flag: bool = False
     mask_form: str = "none"  # "none" / "causal" (closed forms) or a block mask's "intervals" / "dense"
+    mod: KernelMod | None = None  # a score mod compiled into kv and q (kernels.score_mod), with its grad
 
     @property
     def lists(self) -> bool:
@@ -261,14 +263,19 @@ def _kernel_parts(config: BackwardConfig):
             smem[u64(LSE + r)] = shift
             smem[u64(DD + r)] = dd
 
+    MOD = config.mod is not None
+    modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
+
     @cuda.jit(device=True, inline=True)
     def probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
-                      scale, marked, store_p):
+                      scale, marked, store_p, b, h, captured):
         """s := P = exp(scale S - sigma(LSE)) and dp := dS = P (dP - D) on the thread's micro-tile, both 0 at
         masked pairs (causal, or in a PARTIAL tile of a block mask the row's interval and, dense, the mask)
         and past the tile's rows and keys; dS (and P if store_p or marked) go to shared memory [r][c].
         marked (a PARTIAL tile): P is stored as -0.0 at every pair that is not visible, the guard of the
-        guarded products (exp never returns -0.0: a visible weight that underflowed is +0.0)."""
+        guarded products (exp never returns -0.0: a visible weight that underflowed is +0.0).
+        With a score mod (proofs/L13): P = exp(mod(scale S) - sigma(LSE)) and dS = P (dP - D) mod'(scale S),
+        the mod and its derivative called at the visible pairs only, at (b, h, r0 + r, c0 + col)."""
         for a in range(t):
             r = ty * t + a
             shift = smem[u64(LSE + r)]
@@ -284,8 +291,13 @@ def _kernel_parts(config: BackwardConfig):
                 p = ZERO
                 ds = ZERO
                 if visible:
-                    p = math.exp(scale * s[a, c] - shift)  # <= 0 exponent: S <= LSE on a visible pair
-                    ds = p * (dp[a, c] - dd)
+                    x = scale * s[a, c]
+                    if MOD:  # the forward's S' = mod(S), rounded to float32 as there; then the chain rule
+                        p = math.exp(modded(x, b, h, r0 + r, c0 + col, captured) - shift)
+                        ds = p * (dp[a, c] - dd) * slope(x, b, h, r0 + r, c0 + col, captured)
+                    else:
+                        p = math.exp(x - shift)  # <= 0 exponent: S <= LSE on a visible pair
+                        ds = p * (dp[a, c] - dd)
                 elif marked:
                     p = NEG_ZERO
                 s[a, c] = p
@@ -298,7 +310,7 @@ def _kernel_parts(config: BackwardConfig):
 
     @cuda.jit(device=True, inline=True)
     def recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense, scale,
-                  marked, store_p):
+                  marked, store_p, b, h, captured):
         """S and dP of the thread's micro-tile from the tiles in shared memory, then P and dS
         (`probabilities`): the tile's recomputation, the same in every backward kernel."""
         for a in range(t):
@@ -308,7 +320,7 @@ def _kernel_parts(config: BackwardConfig):
         gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
         gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
         probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
-                      scale, marked, store_p)
+                      scale, marked, store_p, b, h, captured)
 
     parts.update(load_tile=load_tile, load_stats=load_stats, recompute=recompute)
     return parts
@@ -327,7 +339,7 @@ def kv_source(config: BackwardConfig):
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
 
     def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
-                          row_kind, lohi, dense):
+                          row_kind, lohi, dense, captured):
         j = cuda.blockIdx.x  # key tile
         bhk = cuda.blockIdx.y  # (batch, K/V head)
         tx = cuda.threadIdx.x
@@ -385,7 +397,7 @@ def kv_source(config: BackwardConfig):
                 # horizon) takes the guarded products, a FULL tile the fast unguarded ones (L7.8)
                 marked = partial_lists or (CAUSAL and c0 + cols - 1 > r0 + delta)
                 recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
-                          DENSE and partial_lists, dense, scale, marked, True)
+                          DENSE and partial_lists, dense, scale, marked, True, b, h, captured)
                 # P and dS are complete in shared memory before the products read them
                 cuda.syncthreads()
                 if marked:
@@ -434,7 +446,7 @@ def q_source(config: BackwardConfig):
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
 
     def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
-                         row_kind, lohi, dense):
+                         row_kind, lohi, dense, captured):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, query head)
         tx = cuda.threadIdx.x
@@ -485,7 +497,7 @@ def q_source(config: BackwardConfig):
             # guard), a FULL tile the unguarded ones (L7.8)
             marked = partial_lists or (CAUSAL and c0 + cols - 1 > r0 + delta)
             recompute(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, CAUSAL, partial_lists, lohi,
-                      DENSE and partial_lists, dense, scale, marked, not DQ_ONLY)
+                      DENSE and partial_lists, dense, scale, marked, not DQ_ONLY, b, h, captured)
             # dS (and P) are complete in shared memory before the products read them
             cuda.syncthreads()
             if marked:
@@ -615,24 +627,26 @@ class CompiledBackward(CompiledKernel):
             return (out, inp, stat, out)
         if self.config.kind == "zero":
             return (out, out)
-        return (inp, inp, inp, inp, stat, stat, out, out, out, types.float32) + self.mask_types()
+        return ((inp, inp, inp, inp, stat, stat, out, out, out, types.float32) + self.mask_types()
+                + (tuple_type(self.config.mod),))
 
     def launch(self, *args, **kwargs):
         raise TypeError("call a backward kernel through kernels.backward.run, not as a forward kernel")
 
 
 @functools.lru_cache(maxsize=None)
-def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False, mask_form: str = "none"
-         ) -> CompiledBackward:
-    """Build (once per configuration) one backward kernel."""
-    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag), mask_form).check())
+def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False, mask_form: str = "none",
+         mod: KernelMod | None = None) -> CompiledBackward:
+    """Build (once per configuration) one backward kernel (mod: a score mod with its grad, kv and q only)."""
+    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag), mask_form, mod).check())
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv", deterministic=False, block=None,
-        stream=0, mask=None):
+        stream=0, mask=None, mod: KernelMod | None = None, captured=NO_CAPTURED):
     """Launch the backward of one call on (B, H, N, d) device arrays: dq (B, H, N_q, d), dk, dv (B, H_kv, N_k,
     d) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q";
-    mask: the KernelMask of a block mask (its tiles must be block x block), None for none or causal."""
+    mask: the KernelMask of a block mask (its tiles must be block x block), None for none or causal; mod and
+    captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's."""
     batch, heads, n_q, d = q.shape
     heads_kv, n_k = k.shape[1], k.shape[2]
     block = block or default_backward_tiles(d)[0]
@@ -640,32 +654,35 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv",
 
     form = mask.form if mask is not None else "none"
     check_launches(batch, heads, heads_kv, n_q, n_k, block=block, head_dim=d, causal=causal, order=order,
-                   deterministic=deterministic, mask_form=form)
-    grads = (q, k, v, dout, lse, dvec, dq, dk, dv, scale, *mask_arrays(mask))
+                   deterministic=deterministic, mask_form=form, mod=mod)
+    if len(captured) != (0 if mod is None else len(mod.captured)):
+        raise ValueError(f"captured must hold the score mod's device arrays, {0 if mod is None else len(mod.captured)}"
+                         f", got {len(captured)}")
+    grads = (q, k, v, dout, lse, dvec, dq, dk, dv, scale, *mask_arrays(mask), tuple(captured))
     arguments = {"preprocess": (out, dout, dvec, dq), "zero": (dk, dv), "kv": grads, "q": grads}
-    for kernel, side in _launches(block, d, causal, order, deterministic, form):
+    for kernel, side in _launches(block, d, causal, order, deterministic, form, mod):
         heads_, rows = (heads, n_q) if side == "q" else (heads_kv, n_k)
         grid, threads = kernel.launch_shape(batch, heads_, rows)
         with backend.serialised(math.prod(threads)):  # the simulator runs one launch at a time
             kernel.kernel[grid, threads, stream](*arguments[kernel.config.kind])
 
 
-def _launches(block, d, causal, order, deterministic, form) -> list:
+def _launches(block, d, causal, order, deterministic, form, mod=None) -> list:
     """The kernels one backward call launches, in order, each with the side its grid spans ("q": heads and
     N_q rows, "kv": K/V heads and N_k rows)."""
     plan = [(make("preprocess", block, d, False, order == "kv" and not deterministic), "q")]
     if order == "q":
-        return plan + [(make("zero", block, d, False), "kv"), (make("q", block, d, causal, False, form), "q")]
-    plan.append((make("kv", block, d, causal, deterministic, form), "kv"))
+        return plan + [(make("zero", block, d, False), "kv"), (make("q", block, d, causal, False, form, mod), "q")]
+    plan.append((make("kv", block, d, causal, deterministic, form, mod), "kv"))
     if deterministic:
-        plan.append((make("q", block, d, causal, True, form), "q"))
+        plan.append((make("q", block, d, causal, True, form, mod), "q"))
     return plan
 
 
 def check_launches(batch, heads, heads_kv, n_q, n_k, *, block, head_dim, causal, order="kv", deterministic=False,
-                   mask_form="none") -> None:
+                   mask_form="none", mod=None) -> None:
     """Every launch of one backward call fits CUDA's grid and the kernels' sizes, else a ValueError before
     any of them runs (api calls it before copying anything to the device)."""
     check_sequence(n_q, n_k)
-    for kernel, side in _launches(block, head_dim, causal, order, deterministic, mask_form):
+    for kernel, side in _launches(block, head_dim, causal, order, deterministic, mask_form, mod):
         kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))

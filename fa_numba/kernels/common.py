@@ -20,6 +20,7 @@ import numpy as np
 from numba import cuda, float32
 
 from fa_numba import backend
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, tuple_type
 
 NEG_INF = float32(-math.inf)
 NAN = float32(math.nan)
@@ -68,6 +69,7 @@ class Config:
     smem_budget: int = SHARED_BYTES_LIMIT  # the engine's static shared-memory budget (tests lower it)
     mask_form: str = "none"  # "none", "causal", or a block mask's "intervals" / "dense" (KernelMask)
     micro: tuple | None = None  # the engine's (TM, TN); None: layout.micro_for's (v2 at a decode layout sets it)
+    mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod); its arrays come at the launch
 
     @property
     def form(self) -> str:
@@ -149,21 +151,26 @@ class CompiledKernel:
         self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
         self.kernel = cuda.jit(self.source)
 
-    def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0, mask=None):
+    def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0, mask=None, captured=NO_CAPTURED):
         """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs,
         queued on `stream` (a Numba stream; 0: the default stream). mask: the KernelMask of a block-mask
-        configuration (mask_form "intervals" or "dense"), None otherwise."""
+        configuration (mask_form "intervals" or "dense"), None otherwise. captured: the score mod's arrays on
+        the device (`score_mod.device_arrays`) for a kernel compiled with one (config.mod), () otherwise."""
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
         if self.config.lists != (mask is not None):
             raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
                              else f"this kernel (mask_form {self.config.form!r}) takes no mask")
+        mod = getattr(self.config, "mod", None)
+        if len(captured) != (0 if mod is None else len(mod.captured)):
+            raise ValueError(f"captured must hold the score mod's {0 if mod is None else len(mod.captured)} "
+                             f"device arrays for this kernel, got {len(captured)}")
         check_sequence(q.shape[2], k.shape[2])
         self.check_grid(q.shape[0], q.shape[1], q.shape[2])
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
         with backend.serialised(math.prod(block)):  # the simulator runs one launch at a time
             self.launch(self.kernel[grid, block, stream], q, k, v, o, lse, float32(scale), workspace,
-                        mask_arrays(mask))
+                        mask_arrays(mask) + (tuple(captured),))
 
     def check_grid(self, batch: int, heads: int, n_rows: int) -> None:
         """The launch for (batch, heads, n_rows) fits CUDA's grid (check_grid), else a ValueError."""
@@ -189,34 +196,38 @@ class CompiledKernel:
 
 
 class V1Kernel(CompiledKernel):
-    """A v1 (K/V outer) kernel's arguments: q, k, v, o, lse, the l and m workspaces, scale, the mask arrays;
-    the l, m workspace is allocated unless given. Grid (B H,): one block per (batch, head)."""
+    """A v1 (K/V outer) kernel's arguments: q, k, v, o, lse, the l and m workspaces, scale, the mask arrays,
+    the score mod's captured arrays (a tuple, empty without a mod); the l, m workspace is allocated unless
+    given. Grid (B H,): one block per (batch, head)."""
 
     GRID_AXES = ("batch * heads",)
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types()
+        return (inp, inp, inp, out, stat, stat, stat, float32) + self.mask_types() + (tuple_type(self.config.mod),)
 
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, trailing):
+        """trailing: the mask arrays and the captured-array tuple (CompiledKernel.__call__)."""
         if workspace is None:
             workspace = (cuda.device_array(lse.shape, dtype="float32"), cuda.device_array(lse.shape, dtype="float32"))
         l_hbm, m_hbm = workspace
-        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *masks)
+        kernel(q, k, v, o, lse, l_hbm, m_hbm, scale, *trailing)
 
 
 class V2Kernel(CompiledKernel):
-    """A v2 (Q outer) kernel's arguments: q, k, v, o, lse, scale, the mask arrays (no workspace). Grid
-    (T_r, B H): one block per (query tile, batch, head)."""
+    """A v2 (Q outer) kernel's arguments: q, k, v, o, lse, scale, the mask arrays, the score mod's captured
+    arrays (a tuple, empty without a mod; no workspace). Grid (T_r, B H): one block per (query tile, batch,
+    head)."""
 
     GRID_AXES = ("ceil(N_q / block_q)", "batch * heads")
 
     def argtypes(self, dtype):
         inp, out, stat = self.array_types(dtype)
-        return (inp, inp, inp, out, stat, float32) + self.mask_types()
+        return (inp, inp, inp, out, stat, float32) + self.mask_types() + (tuple_type(self.config.mod),)
 
-    def launch(self, kernel, q, k, v, o, lse, scale, workspace, masks):
-        kernel(q, k, v, o, lse, scale, *masks)
+    def launch(self, kernel, q, k, v, o, lse, scale, workspace, trailing):
+        """trailing: the mask arrays and the captured-array tuple (CompiledKernel.__call__)."""
+        kernel(q, k, v, o, lse, scale, *trailing)
 
 
 LIST_FORMS = ("intervals", "dense")

@@ -33,6 +33,7 @@ import functools
 from numba import boolean, cuda, float32, uint64 as u64
 
 from fa_numba.kernels.common import NAN, NEG_INF, ZERO, Config, V1Kernel, log_sum_exp
+from fa_numba.kernels.score_mod import tile_mod
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.tiling import PARTIAL
 
@@ -50,11 +51,13 @@ def kernel_source(config: Config):
     # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
     GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
     PARTIAL_KIND = int(PARTIAL)
+    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod): applied after the mask
+    modded_tile = tile_mod(config.mod, TM, TN)
     OFF = layout.offsets
     SMEM, Q, K, V, RED, STAT = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"], OFF["stat"]
 
     def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
-                        row_kind, lohi, dense):
+                        row_kind, lohi, dense, captured):
         bh = cuda.blockIdx.x  # (batch, head)
         tid = cuda.threadIdx.y * CX + cuda.threadIdx.x  # the hardware's thread (and lane) order
         ty, tx = owner(tid)  # layout.owner: the row group and the column group of the thread
@@ -136,6 +139,8 @@ def kernel_source(config: Config):
                 partial = row_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
                 masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, CAUSAL, LISTS, lohi,
                               dense, DENSE)
+                if MOD:  # S' = mod(S) at the visible pairs (the masked ones keep their -inf)
+                    modded_tile(s, dead, b, h, row, c0 + tx * TN, n_q, n_k, delta, partial, CAUSAL, LISTS, captured)
                 if ALIASED:
                     # P^T, red and stat live in Q^T's space: every thread has read Q^T before they are written
                     cuda.syncthreads()
@@ -210,7 +215,10 @@ class FlashV1Engine(V1Kernel):
 
 
 @functools.lru_cache(maxsize=None)
-def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV1Engine:
-    """Build (once per configuration) the register-tiled v1 kernel for these compile-time tile sizes."""
-    return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form).check(),
+def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
+                   mod=None) -> FlashV1Engine:
+    """Build (once per configuration) the register-tiled v1 kernel for these compile-time tile sizes (mod: a
+    score_mod.KernelMod compiled in, or None)."""
+    return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
+                                mod=mod).check(),
                          kernel_source)

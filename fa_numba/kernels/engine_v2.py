@@ -25,6 +25,7 @@ import functools
 from numba import boolean, cuda, float32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, Config, V2Kernel, log_sum_exp, output
+from fa_numba.kernels.score_mod import tile_mod
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.tiling import PARTIAL
 
@@ -43,8 +44,11 @@ def kernel_source(config: Config):
     # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
     GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
     PARTIAL_KIND = int(PARTIAL)
+    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod): applied after the mask
+    modded_tile = tile_mod(config.mod, TM, TN)
 
-    def flash_v2_engine(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense):
+    def flash_v2_engine(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense,
+                        captured):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
         tid = cuda.threadIdx.y * CX + cuda.threadIdx.x  # the hardware's thread (and lane) order
@@ -101,6 +105,8 @@ def kernel_source(config: Config):
             partial = col_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
             masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, CAUSAL, LISTS, lohi,
                           dense, DENSE)
+            if MOD:  # S' = mod(S) at the visible pairs (the masked ones keep their -inf)
+                modded_tile(s, dead, b, h, row, c0 + tx * TN, n_q, n_k, delta, partial, CAUSAL, LISTS, captured)
             if ALIASED:
                 # P^T and red live in K^T's space: every thread has read K^T before they are written
                 cuda.syncthreads()
@@ -146,8 +152,9 @@ class FlashV2Engine(V2Kernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
-                   micro: tuple | None = None) -> FlashV2Engine:
+                   micro: tuple | None = None, mod=None) -> FlashV2Engine:
     """Build (once per configuration) the register-tiled v2 kernel for these compile-time tile sizes (micro:
-    the (TM, TN) micro-tile, by default layout.micro_for's; the decode kernels' layouts choose their own)."""
+    the (TM, TN) micro-tile, by default layout.micro_for's; the decode kernels' layouts choose their own; mod:
+    a score_mod.KernelMod compiled in, or None)."""
     return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
-                                micro=micro).check(), kernel_source)
+                                micro=micro, mod=mod).check(), kernel_source)

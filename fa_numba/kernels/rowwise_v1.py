@@ -34,6 +34,7 @@ from numba import cuda, float32
 
 from fa_numba.kernels.common import (NAN, NEG_INF, ZERO, Config, V1Kernel, load_kv_tile, log_sum_exp,
                                      online_update, score_row, to_f32, visible_range)
+from fa_numba.kernels.score_mod import row_mod
 from fa_numba.tiling import PARTIAL
 
 
@@ -41,9 +42,11 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.form == "dense", int(PARTIAL)
+    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod)
+    modded_row = row_mod(config.mod)
 
     def flash_v1(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi,
-                 dense):
+                 dense, captured):
         bh = cuda.blockIdx.x  # (batch, head)
         tid = cuda.threadIdx.x
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]  # d == D (checked at launch)
@@ -102,6 +105,8 @@ def kernel_source(config: Config):
                     for x in range(d):  # O is stored normalised: acc = O l (O itself where l = 0)
                         acc[x] = o[b, h, row, x] * l if l > ZERO else o[b, h, row, x]
                     score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense)
+                    if MOD:  # S' = mod(S) at the visible keys
+                        modded_row(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured)
                     m, l = online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense)
                     for x in range(d):
                         o[b, h, row, x] = acc[x] / l if l > ZERO else acc[x]
@@ -132,6 +137,9 @@ class FlashV1(V1Kernel):
 
 
 @functools.lru_cache(maxsize=None)
-def make_v1(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV1:
-    """Build (once per configuration) the v1 kernel for these compile-time tile sizes."""
-    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal), mask_form=mask_form).check(), kernel_source)
+def make_v1(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
+            mod=None) -> FlashV1:
+    """Build (once per configuration) the v1 kernel for these compile-time tile sizes (mod: a
+    score_mod.KernelMod compiled in, or None)."""
+    return FlashV1(Config("v1", block_q, block_k, head_dim, bool(causal), mask_form=mask_form, mod=mod).check(),
+               kernel_source)

@@ -29,6 +29,7 @@ from numba import cuda, float32
 
 from fa_numba.kernels.common import (NEG_INF, ZERO, Config, V2Kernel, load_kv_tile, log_sum_exp,
                                      online_update, output, score_row, to_f32, visible_range)
+from fa_numba.kernels.score_mod import row_mod
 from fa_numba.tiling import PARTIAL
 
 
@@ -36,8 +37,11 @@ def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.form == "dense", int(PARTIAL)
+    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod)
+    modded_row = row_mod(config.mod)
 
-    def flash_v2(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense):
+    def flash_v2(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense,
+                 captured):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
         tid = cuda.threadIdx.x  # query row within the tile
@@ -90,6 +94,8 @@ def kernel_source(config: Config):
                 c_lo, c_hi = visible_range(row, c0, cols, delta, partial and not LISTS, partial and LISTS, lohi)
                 use_dense = DENSE and partial
                 score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense)
+                if MOD:  # S' = mod(S) at the visible keys
+                    modded_row(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured)
                 m, l = online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense)
 
         if active:  # O_i and LSE_i written once; a row with no visible key (by the mask) gets 0 and -inf
@@ -111,6 +117,9 @@ class FlashV2(V2Kernel):
 
 
 @functools.lru_cache(maxsize=None)
-def make_v2(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none") -> FlashV2:
-    """Build (once per configuration) the v2 kernel for these compile-time tile sizes."""
-    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal), mask_form=mask_form).check(), kernel_source)
+def make_v2(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
+            mod=None) -> FlashV2:
+    """Build (once per configuration) the v2 kernel for these compile-time tile sizes (mod: a
+    score_mod.KernelMod compiled in, or None)."""
+    return FlashV2(Config("v2", block_q, block_k, head_dim, bool(causal), mask_form=mask_form, mod=mod).check(),
+               kernel_source)

@@ -228,6 +228,7 @@ def _traced_backward(cfg, built, q, k, v, scale, regions):
     from numba import cuda
 
     from fa_numba.kernels.common import mask_arrays
+    from fa_numba.kernels.score_mod import NO_CAPTURED
 
     d = cfg["head_dim"]
     n_q, n_k = q.shape[2], k.shape[2]
@@ -249,8 +250,8 @@ def _traced_backward(cfg, built, q, k, v, scale, regions):
     grid, threads = built.launch_shape(1, 1, n_q if side == "q" else n_k)
     grads = (dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["dvec"], dev["dq"], dev["dk"], dev["dv"],
              np.float32(scale))
-    if cfg["variant"] not in MMA_VARIANTS:  # the CUDA-core kernels take the block-mask arrays (none here)
-        grads += tuple(mask_arrays(None))
+    if cfg["variant"] not in MMA_VARIANTS:  # the CUDA-core kernels take the block-mask arrays (none here) and
+        grads += tuple(mask_arrays(None)) + (NO_CAPTURED,)  # a score mod's captured arrays (none either)
     elif cfg["variant"] == "bwd-dq-mma":  # the dq pass takes no dK, dV
         grads = grads[:7] + grads[9:]
     with backend.serialised(math.prod(threads)):

@@ -1,0 +1,228 @@
+"""A score mod as the kernels call it (issue 27, proofs/L13): the user's Python function compiled into the
+kernel as an inlined device function, and its captured arrays passed as one tuple argument.
+
+    S'_bhij = fn(S_bhij, b, h, i, j, *captured)        S = scale Q K^T, in float32
+
+Where the kernels apply it: after the scale, at the visible pairs only (in bounds, and not masked: the causal
+rule or the block mask's, decided exactly as the kernel's own mask), before the row max. The function's
+result is rounded to float32 once, as the reference's float32 twin does (`reference.attention_float32`), so
+the forward's rule takes the mod through `tolerance.baseline(score_mod=)`. A masked pair never calls fn: a
+mod that is undefined or reads out of bounds there (log(i - j + 1) above a causal diagonal, a table index
+past its end for a key past N_k) is never evaluated.
+
+Compile-time identity (`KernelMod`): the function objects (fn, and grad for the backward) and the dtype and
+number of axes of each captured array; the array values are runtime arguments. So the built-ins (module-level
+functions) compile once per kind, whatever slopes or cap they hold, and a kernel is cached per KernelMod
+beside its tiles (`Config.mod`).
+
+Numba limits this module works around: a kernel cannot call an inlined device function with *args, so the
+call is spelled out per number of captured arrays (`MAX_CAPTURED`); a device function that is not inlined
+needs a GPU to be compiled (numba-cuda asks the current device for its compute capability), so every device
+function here is `inline=True`, which also lets `fa_numba.profile` compile a modded kernel for sm_90a on a
+machine without one.
+
+`check_compiles(mod)` compiles fn and grad for the CPU with the kernel's argument types before any launch,
+so a function Numba cannot compile raises `ModCompileError` naming the mod and the function, not a Numba
+traceback from inside the kernel's compilation (the simulator never compiles: this is its only check).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32
+
+MAX_CAPTURED = 4  # captured arrays a kernel takes (the spelled-out calls below)
+NO_CAPTURED = ()  # the captured-array argument of a kernel without a mod
+
+
+class ModCompileError(TypeError):
+    """Numba cannot compile a score mod's function (the message names the mod, the function and Numba's
+    first line of explanation)."""
+
+
+@dataclass(frozen=True)
+class KernelMod:
+    """What a kernel compiles from a ScoreMod: fn, grad (None for a forward-only mod) and the (dtype name,
+    number of axes) of each captured array. Equal for mods with the same functions and array kinds."""
+
+    fn: object
+    grad: object
+    captured: tuple  # ((dtype name, ndim), ...)
+
+    @classmethod
+    def of(cls, mod) -> "KernelMod | None":
+        """The KernelMod of a ScoreMod (None for None); ValueError for more than MAX_CAPTURED arrays."""
+        if mod is None:
+            return None
+        if len(mod.captured) > MAX_CAPTURED:
+            raise ValueError(f"score_mod {mod.name}: the kernels take at most {MAX_CAPTURED} captured arrays, got "
+                             f"{len(mod.captured)} (stack arrays of one dtype into one)")
+        return cls(mod.fn, mod.grad, tuple((a.dtype.name, a.ndim) for a in mod.captured))
+
+    def numba_types(self) -> tuple:
+        """The Numba types of the captured arrays as a kernel receives them (C-contiguous device arrays)."""
+        from numba import types
+
+        return tuple(types.Array(getattr(types, dtype), ndim, "C") for dtype, ndim in self.captured)
+
+    def tuple_type(self):
+        """The Numba type of the kernel's captured-array argument (fa_numba.profile's argtypes)."""
+        from numba import types
+
+        return types.Tuple(self.numba_types())
+
+
+def tuple_type(kmod: KernelMod | None):
+    """The captured-array argument's Numba type for a kernel with `kmod` (the empty tuple without a mod)."""
+    from numba import types
+
+    return types.Tuple(()) if kmod is None else kmod.tuple_type()
+
+
+def device_arrays(mod, stream=0) -> tuple:
+    """The captured arrays of a ScoreMod (None: none) as C-contiguous device arrays, copied at this call (a
+    hand-built ScoreMod reads its arrays as they are now, like q, k, v)."""
+    if mod is None:
+        return NO_CAPTURED
+    return tuple(cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in mod.captured)
+
+
+@functools.lru_cache(maxsize=None)
+def _caller(f, n: int):
+    """An inlined device function call(score, b, h, i, j, captured) -> float32(f(score, b, h, i, j, *captured))
+    for n captured arrays (spelled out: an inlined call takes no *args)."""
+    g = cuda.jit(device=True, inline=True)(f)
+    if n == 0:
+        def call(score, b, h, i, j, captured):
+            return float32(g(score, b, h, i, j))
+    elif n == 1:
+        def call(score, b, h, i, j, captured):
+            return float32(g(score, b, h, i, j, captured[0]))
+    elif n == 2:
+        def call(score, b, h, i, j, captured):
+            return float32(g(score, b, h, i, j, captured[0], captured[1]))
+    elif n == 3:
+        def call(score, b, h, i, j, captured):
+            return float32(g(score, b, h, i, j, captured[0], captured[1], captured[2]))
+    else:
+        def call(score, b, h, i, j, captured):
+            return float32(g(score, b, h, i, j, captured[0], captured[1], captured[2], captured[3]))
+    return cuda.jit(device=True, inline=True)(call)
+
+
+@cuda.jit(device=True, inline=True)
+def _identity(score, b, h, i, j, captured):
+    return score
+
+
+@cuda.jit(device=True, inline=True)
+def _one(score, b, h, i, j, captured):
+    return float32(1.0)
+
+
+def apply_fn(kmod: KernelMod | None):
+    """fn as a device function call(score, b, h, i, j, captured) -> float32 (the identity without a mod)."""
+    return _identity if kmod is None else _caller(kmod.fn, len(kmod.captured))
+
+
+def apply_grad(kmod: KernelMod | None):
+    """grad (d fn / d score) as a device function like `apply_fn`'s (1 without a mod); a forward-only mod
+    has none, and a backward kernel is never built for it (`check_backward`)."""
+    if kmod is None:
+        return _one
+    if kmod.grad is None:
+        raise ValueError("a score_mod without grad has no backward (ScoreMod(fn, grad=...))")
+    return _caller(kmod.grad, len(kmod.captured))
+
+
+@functools.lru_cache(maxsize=None)
+def tile_mod(kmod: KernelMod | None, TM: int, TN: int):
+    """The mod on a TM x TN micro-tile of S (the tile engine's): a device function
+
+        tile_mod(s, dead, b, h, row, col, n_q, n_k, delta, partial, causal, lists, captured)
+
+    s[a, c] := fn(s[a, c], b, h, row + a, col + c) at the visible pairs (row + a < N_q, col + c < N_k and, in a
+    PARTIAL tile, not masked: causal col + c <= row + a + delta, or for a block mask not dead[a, c], which
+    the kernel's mask step has set). Called after the mask, whose -inf it leaves at the masked pairs."""
+    apply = apply_fn(kmod)
+
+    @cuda.jit(device=True, inline=True)
+    def modded_tile(s, dead, b, h, row, col, n_q, n_k, delta, partial, causal, lists, captured):
+        for a in range(TM):
+            r = row + a
+            for c in range(TN):
+                key = col + c
+                visible = r < n_q and key < n_k
+                if partial:
+                    if lists:
+                        visible = visible and not dead[a, c]
+                    elif causal:
+                        visible = visible and key <= r + delta
+                if visible:
+                    s[a, c] = apply(s[a, c], b, h, r, key, captured)
+
+    return modded_tile
+
+
+@functools.lru_cache(maxsize=None)
+def row_mod(kmod: KernelMod | None):
+    """The mod on one query row's scores (the one-thread-per-row kernels'): a device function
+
+        row_mod(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured)
+
+    s[c] := fn(s[c], b, h, row, c0 + c) for the visible keys c in [c_lo, c_hi) (those `visible_range` gives,
+    less the pairs a dense block mask hides, whose -inf it leaves)."""
+    from fa_numba.kernels.common import dense_visible
+
+    apply = apply_fn(kmod)
+
+    @cuda.jit(device=True, inline=True)
+    def modded_row(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured):
+        for c in range(c_lo, c_hi):
+            if dense_visible(use_dense, dense, row, c0 + c):
+                s[c] = apply(s[c], b, h, row, c0 + c, captured)
+
+    return modded_row
+
+
+# ----------------------------------------------------------------------------------------------------
+# Before any launch: does Numba compile the mod?
+
+
+@functools.lru_cache(maxsize=None)
+def _compiles(f, types_key: tuple) -> str | None:
+    """None if Numba compiles f for the CPU with (float32, int64 x 4, *captured) arguments, else the first
+    line of its explanation."""
+    import numba
+    from numba import types
+
+    arrays = tuple(types.Array(getattr(types, dtype), ndim, "C") for dtype, ndim in types_key)
+    try:
+        numba.njit(f).compile((types.float32,) + (types.int64,) * 4 + arrays)
+    except Exception as exc:  # noqa: BLE001 - Numba raises several kinds (TypingError, UnsupportedError, ...)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        return next((line for line in lines if not line.startswith("Failed in")), lines[0] if lines else repr(exc))
+    return None
+
+
+def check_compiles(mod, *, backward: bool = False) -> None:
+    """ModCompileError if Numba cannot compile the mod's fn (and grad, for the backward) with the types a
+    kernel calls it with: score float32; b, h, i, j int64; the captured arrays as they are. Checked on the
+    CPU target, which compiles what a CUDA device function can and somewhat more (NumPy calls on arrays,
+    allocation): those few still fail on a GPU, at the kernel's compilation."""
+    kmod = KernelMod.of(mod)
+    functions = [("fn", mod.fn)] + ([("grad", mod.grad)] if backward else [])
+    for what, f in functions:
+        why = _compiles(f, kmod.captured)
+        if why is not None:
+            name = getattr(f, "__name__", type(f).__name__)
+            raise ModCompileError(f"score_mod {mod.name}: Numba cannot compile {what} ({name}) into the kernels: "
+                                  f"{why} (a mod must be plain Python on scalars: fa_numba.mods says what "
+                                  f"compiles)")
+
+
+__all__ = ["KernelMod", "MAX_CAPTURED", "ModCompileError", "NO_CAPTURED", "apply_fn", "apply_grad",
+           "check_compiles", "device_arrays", "row_mod", "tile_mod", "tuple_type"]
