@@ -447,6 +447,8 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
     Carried into dQ = scale dS K, dK = scale dS^T Q and dV = P^T dO, over the visible pairs only as the
     gradients are (L7.8): a NaN or inf that a row or key cannot see (padding, say) must not make its
     floor NaN, which _finite_max would drop, leaving the row judged without its floor.
+    With a score mod (proofs/L13) dS = dS' mod'(S): both floors enter dq and dk times |mod'(S)| (dv's, through
+    P only, is unchanged).
     """
     q4, k4, v4, do4, out4 = grads.q, grads.k, grads.v, grads.dout, grads.out
     p, dp, d_row, shift, visible, scale = grads.p, grads.dp, grads.d_row, grads.shift, grads.visible, grads.scale
@@ -459,6 +461,8 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
         p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], zero)  # P ulp(LSE)
         e = np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]) + p_lse * np.abs(dp - d_row[..., None]),
                      zero)
+        if grads.mod_grad is not None:  # dS = dS' mod'(S) (L13): the floors of dS' carried through mod'
+            e = np.where(visible, e * np.abs(grads.mod_grad), zero)
         # magnitudes: |scale|, so that a negative scale gives the same (non-negative) floor as its opposite
         floor_dq = abs(scale) * reference.visible_matmul(e, np.abs(k4), visible)
         floor_dk = (abs(scale) * reference.visible_matmul(np.swapaxes(e, -1, -2), np.abs(q4), visible.T)
@@ -538,19 +542,28 @@ class BaselineBackward:
 
 
 def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                      contractions=reference.CONTRACTIONS, mask=None, p_dtype: str | None = None) -> BaselineBackward:
+                      contractions=reference.CONTRACTIONS, mask=None, p_dtype: str | None = None,
+                      score_mod=None) -> BaselineBackward:
     """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward).
 
     p_dtype ("float16" or "bfloat16"): the implementation rounds P (before dV) and dS (before dK and dQ) to
     that type (a tensor-core backward); each gradient's atol gets `grad_rounding_terms`' term. None: float32.
+    score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it
+    (the mod and its derivative on float32 scalars, each rounded to float32 once, as the kernels evaluate
+    them), and the recomputation floors carry |mod'(S)| (`_recompute_floors`; proofs/L13, the kernels).
+    The 16-bit terms (p_dtype) are not derived with a mod: both together are a ValueError.
     """
     if p_dtype is not None:
         _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
-    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask)
+        if score_mod is not None:
+            raise ValueError("p_dtype and score_mod together: the 16-bit rounding terms are not derived with a "
+                             "score mod (no tensor-core kernel takes one)")
+    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
     ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
     terms = (0.0, 0.0, 0.0) if p_dtype is None else grad_rounding_terms(grads, p_dtype)
     del grads  # its P and dP (B H N_q N_k each): the naive evaluations need not hold them beside their own
-    naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask)
+    naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask,
+                                                    score_mod=score_mod)
              for c in contractions]
     atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) + terms[t] for t, r in enumerate(ref)]
     return BaselineBackward(*ref, *atols)
@@ -566,9 +579,10 @@ def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") 
 
 def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False, scale: float | None = None,
                              name: str = "kernel", contractions=reference.CONTRACTIONS, mask=None,
-                             p_dtype: str | None = None) -> CheckBackward:
+                             p_dtype: str | None = None, score_mod=None) -> CheckBackward:
     """Check gradients from any implementation against the float64 reference with the 3x rule (mask as
-    in `attention_backward`; p_dtype for a tensor-core backward, the 16-bit type P and dS are rounded to)."""
+    in `attention_backward`; p_dtype for a tensor-core backward, the 16-bit type P and dS are rounded to;
+    score_mod for one that applies a score mod, `baseline_backward`)."""
     base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask,
-                             p_dtype=p_dtype)
+                             p_dtype=p_dtype, score_mod=score_mod)
     return judge_backward(dq, dk, dv, base, name=name)
