@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, engines, masks, shapes
+from fa_numba import arrays, backend, engines, masks, mods, shapes
 from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
+from fa_numba.kernels import score_mod as kernel_mods
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence, kernel_mask
 
 
@@ -62,7 +63,7 @@ def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None,
-              engine: str = "auto", out_dtype=None):
+              engine: str = "auto", out_dtype=None, score_mod=None):
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
     q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
@@ -88,7 +89,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
     bfloat16 inputs, order "v1" or "v2", causal or no mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
     of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (today: "simt";
-    `fa_numba.engines` says why).
+    `fa_numba.engines` says why). score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias,
+    temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
+    at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
+    CUDA-core kernels take it (every order), the tensor-core ones not yet (a ValueError).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
@@ -97,12 +101,33 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     ((2, 8, 16), dtype('float32'))
     """
     out_dtype = arrays.dtype_name("out_dtype", out_dtype)
-    call, out, lse = _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine)
+    call, out, lse = _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod)
     out = arrays.cast(call, out, out_dtype)
     return (out, lse) if return_lse else out
 
 
-def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine):
+def _check_mod(score_mod, prob, *, backward: bool = False):
+    """The ScoreMod (None: none) checked against the problem's sizes and compiled for the CPU before any
+    launch (kernels.score_mod.check_compiles), with its KernelMod."""
+    score_mod = mods.check_score_mod(score_mod)
+    if score_mod is None:
+        return None, None
+    if backward and score_mod.grad is None:
+        raise ValueError(f"score_mod {score_mod.name} has no grad: the backward needs d fn / d score "
+                         "(ScoreMod(fn, grad=...))")
+    score_mod.check_sizes(prob.batch, prob.heads, prob.n_q, prob.n_k)
+    kmod = kernel_mods.KernelMod.of(score_mod)
+    kernel_mods.check_compiles(score_mod, backward=backward)
+    return score_mod, kmod
+
+
+def _refuse_mma_mod(score_mod) -> None:
+    if score_mod is not None:
+        raise ValueError(f"score_mod {score_mod.name}: the tensor-core kernels (engine='mma') do not take a score "
+                         "mod yet; use engine='simt' (or 'auto')")
+
+
+def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod=None):
     """(call, O, LSE) for `attention`, O and LSE float32 in the caller's layout and library."""
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
@@ -116,10 +141,13 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine):
     if 0 in (prob.batch, prob.n_q, prob.n_k):
         causal, mask = shapes.check_mask(causal, mask)
         form = "causal" if causal else "none" if mask is None else mask.kernel_form()
-        engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d)  # its errors, as for any size
+        if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":  # as for any size
+            _refuse_mma_mod(mods.check_score_mod(score_mod))
         return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
+    score_mod, kmod = _check_mod(score_mod, prob)
     if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
+        _refuse_mma_mod(score_mod)
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
@@ -127,7 +155,7 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine):
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
     VARIANTS[order].config(block_q, block_k, prob.d, causal, form)  # threads, shared memory: before any allocation
-    kernel = VARIANTS[order].make(block_q, block_k, prob.d, causal, form)
+    kernel = VARIANTS[order].make(block_q, block_k, prob.d, causal, form, mod=kmod)
     check_sequence(prob.n_q, prob.n_k)
     kernel.check_grid(prob.batch, prob.heads, prob.n_q)  # CUDA's grid limits, before any copy
 
@@ -139,7 +167,8 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine):
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k) if mask is not None else None
-        kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks)
+        captured = kernel_mods.device_arrays(score_mod, stream=call.stream)
+        kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks, captured=captured)
         return call, call.output(out, layout + (prob.d,)), call.output(lse, layout)
 
 
@@ -221,7 +250,7 @@ def _saved_inputs(call, q, named: dict) -> tuple:
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                        order: str = "kv", deterministic: bool = False, block_q: int | None = None,
-                       block_k: int | None = None, mask=None, engine: str = "auto"):
+                       block_k: int | None = None, mask=None, engine: str = "auto", score_mod=None):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
     q, k, v as for `attention`; out and lse are that forward's outputs (out like q, float32 or q's dtype;
@@ -243,6 +272,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7; block_k = 16 x
     warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim). "auto" keeps the CUDA
     cores, as the forward's does (engines.py says why).
+
+    score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13), the
+    mod and its derivative compiled into the CUDA-core kernels (every order; engine='mma' refuses it). The
+    gradients of its captured arrays are not computed by the kernels (`reference.attention_backward_mod`
+    gives them in float64).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
@@ -272,9 +306,12 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     if deterministic and order != "kv":
         raise ValueError("deterministic=True is the K/V-outer order's mode (a Q-outer pass for dQ): use order='kv'")
     if empty:  # every gradient is a sum over no pair: zero (or empty)
+        mods.check_score_mod(score_mod)
         return tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
+    score_mod, kmod = _check_mod(score_mod, prob, backward=True)
     dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
     if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d) == "mma":
+        _refuse_mma_mod(score_mod)
         return _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
                                        block_q, block_k, dtype)
     if prob.d > MAX_HEAD_DIM:
@@ -289,7 +326,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form).check()
     backward.check_launches(prob.batch, prob.heads, prob.heads_kv, prob.n_q, prob.n_k, block=block_q,
                             head_dim=prob.d, causal=causal, order=order, deterministic=bool(deterministic),
-                            mask_form=form)  # CUDA's grid limits, before any copy
+                            mask_form=form, mod=kmod)  # CUDA's grid limits, before any copy
 
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
@@ -302,8 +339,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
         blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q) if mask is not None else None
+        captured = kernel_mods.device_arrays(score_mod, stream=call.stream)
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
-                     deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks)
+                     deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks, mod=kmod,
+                     captured=captured)
         return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
                 call.output(grad_v, tuple(v.shape)))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from fa_numba import engines, shapes, torch_ops
+from fa_numba import engines, mods, shapes, torch_ops
 
 BACKWARD_ORDERS = ("kv", "q")
 
@@ -46,7 +46,7 @@ def _flatten(name: str, x):
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto",
               out_dtype=None, block_q: int | None = None, block_k: int | None = None,
-              backward_block: int | None = None):
+              backward_block: int | None = None, score_mod=None):
     """softmax(scale Q K^T) V for torch tensors, differentiable in q, k and v (see the module docstring).
 
     Arguments as `fa_numba.attention` (layouts, GQA, bottom-right causal alignment, masks) and, for the backward,
@@ -58,17 +58,20 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     (tensor cores, forward and backward: float16 or bfloat16, causal or no mask, d <= 128, backward_order
     "kv"). mask: as fa_numba.attention's, or a bool tensor broadcastable to
     (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; a mask that differs by
-    batch or head runs one launch per slice of its batch and head axes)."""
+    batch or head runs one launch per slice of its batch and head axes). score_mod: a `fa_numba.mods.ScoreMod`
+    (with its grad for the backward), compiled into the CUDA-core kernels (fa_numba.attention's); gradients
+    reach q, k, v, not its captured arrays (NumPy arrays, outside autograd); keep the mod referenced while
+    a compiled graph that uses it may run (torch_ops.mod_key)."""
     out, _ = attention_with_lse(q, k, v, causal=causal, scale=scale, order=order, backward_order=backward_order,
                                 deterministic=deterministic, mask=mask, engine=engine, out_dtype=out_dtype,
-                                block_q=block_q, block_k=block_k, backward_block=backward_block)
+                                block_q=block_q, block_k=block_k, backward_block=backward_block, score_mod=score_mod)
     return out
 
 
 def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
                        backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto",
                        out_dtype=None, block_q: int | None = None, block_k: int | None = None,
-                       backward_block: int | None = None):
+                       backward_block: int | None = None, score_mod=None):
     """`attention`, and LSE (float32, q's shape without d, not differentiable: the backward takes no dLSE)."""
     engines.backward(engine)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -94,6 +97,7 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     mask_spec, mask_dense = torch_ops.mask_arguments(mask, q.shape, k.shape[-2])
     tiles = [0 if b is None else shapes.check_block(name, b)
              for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]
+    key = torch_ops.mod_key(mods.check_score_mod(score_mod))
     out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
-                                      tiles[1], backward_order, deterministic, tiles[2])
+                                      tiles[1], backward_order, deterministic, tiles[2], key)
     return out.reshape(shape).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])

@@ -3,9 +3,9 @@
 Two operators, registered with `torch.library.custom_op`:
 
     fa_numba::attention(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k,
-                        backward_order, deterministic, backward_block) -> (out, lse)
+                        backward_order, deterministic, backward_block, score_mod="") -> (out, lse)
     fa_numba::attention_backward(q, k, v, out, lse, dout, causal, scale, order, deterministic,
-                                 mask_spec, mask_dense, block, engine) -> (dq, dk, dv)
+                                 mask_spec, mask_dense, block, engine="auto", score_mod="") -> (dq, dk, dv)
 
 Tile sizes are ints, 0 for the default: the shipped tiles of the head dim on a GPU, 16 in the CUDA
 simulator (SIMULATOR_TILE), where the shipped tiles cost seconds (forward) to minutes (backward) per
@@ -26,6 +26,12 @@ tensor, True where the query sees the key: (N_q, N_k) for one mask (any mask wit
 from_function or from_dense, evaluated once by the caller), or (B_m, H_m, N_q, N_k) with B_m in {1, B} and
 H_m in {1, H} for masks that differ by batch or head (SDPA's attn_mask), run as one launch per slice of
 the mask's own (B_m, H_m) axes (`_mask_slices`; slices with equal content are not merged).
+
+A score mod (`fa_numba.mods.ScoreMod`) crosses it as its `key`, a text unique to it in this process
+("alibi#3"), and the operators look it up (`mods.lookup`). The registry holds the mod weakly: the caller
+keeps it alive as long as a call (or a compiled graph) may run it; a key whose mod is gone is a clear
+error, never another mod. Its captured arrays are NumPy arrays, not tensors: they take
+no torch gradient (reference.attention_backward_mod computes theirs).
 """
 
 from __future__ import annotations
@@ -37,9 +43,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fa_numba import api, backend, masks
+from fa_numba import api, backend, masks, mods
 
 SIMULATOR_TILE = 16  # the default tile in the simulator: 16 threads per block keep a launch to a second or so
+
+
+def mod_key(score_mod) -> str:
+    """The operators' text for a ScoreMod: its `key` ("" for None)."""
+    return "" if score_mod is None else score_mod.key
+
+
+def _score_mod(key: str):
+    """The ScoreMod whose key this is (None for ""), or mods.lookup's RuntimeError if it is gone."""
+    return mods.lookup(key) if key else None
 
 
 def _tile(block: int):
@@ -58,6 +74,14 @@ def _mask(mask_spec: str, mask_dense: Optional[Tensor]):
 
 def _part(x: Tensor, index) -> Tensor:
     return x[index].contiguous()  # a (batch, head) slice, contiguous for the launch (a copy unless it is already)
+
+
+def _no_mod_per_slice(mod) -> None:
+    """A score mod sees positions (b, h) within its launch: a per-slice launch would shift them."""
+    if mod is not None:
+        raise ValueError(f"score_mod {mod.name} with a mask that differs by batch or head is not supported (each "
+                         "slice is its own launch, whose b and h would start at 0): pass one (N_q, N_k) mask, or "
+                         "read the per-slice mask inside the mod")
 
 
 def _mask_slices(q: Tensor, k: Tensor, mask_dense: Tensor):
@@ -80,14 +104,15 @@ def _mask_slices(q: Tensor, k: Tensor, mask_dense: Tensor):
 @torch.library.custom_op("fa_numba::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, order: str, mask_spec: str,
                  mask_dense: Optional[Tensor], engine: str, block_q: int, block_k: int, backward_order: str,
-                 deterministic: bool, backward_block: int) -> tuple[Tensor, Tensor]:
-    """O and LSE (float32) of softmax(scale Q K^T) V; arguments as fa_numba.attention. backward_order,
-    deterministic and backward_block are not the forward's: they say how its autograd formula runs the
-    backward."""
-    tiles = dict(block_q=_tile(block_q), block_k=_tile(block_k))
+                 deterministic: bool, backward_block: int, score_mod: str = "") -> tuple[Tensor, Tensor]:
+    """O and LSE (float32) of softmax(scale Q K^T) V; arguments as fa_numba.attention (score_mod: a
+    `mod_key`). backward_order, deterministic and backward_block are not the forward's: they say how its
+    autograd formula runs the backward."""
+    tiles = dict(block_q=_tile(block_q), block_k=_tile(block_k), score_mod=_score_mod(score_mod))
     if mask_dense is None or mask_dense.dim() == 2:
         return api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True,
                              mask=_mask(mask_spec, mask_dense), engine=engine, **tiles)
+    _no_mod_per_slice(tiles.pop("score_mod"))
     out = q.new_empty(q.shape, dtype=torch.float32)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     for rows, keys, mask in _mask_slices(q, k, mask_dense):
@@ -98,26 +123,28 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, or
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order,
-                    deterministic, backward_block):
+                    deterministic, backward_block, score_mod=""):
     return (q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op("fa_numba::attention_backward", mutates_args=())
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool,
                           scale: float, order: str, deterministic: bool, mask_spec: str,
-                          mask_dense: Optional[Tensor], block: int, engine: str = "auto"
+                          mask_dense: Optional[Tensor], block: int, engine: str = "auto", score_mod: str = ""
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), float32, of sum(dout * attention(q, k, v)); arguments as fa_numba.attention_backward
-    (block: its square tile, block_q = block_k). engine defaults to "auto", the schema before it existed, so a
-    graph compiled and cached against that schema still calls this operator correctly."""
+    (block: its square tile, block_q = block_k; score_mod: a `mod_key`). engine and score_mod default to the
+    schema before they existed, so a graph compiled and cached against it still calls this operator correctly."""
     dout = dout.contiguous()
     tiles = dict(block_q=_tile(block)) if engine != "mma" else dict(block_q=_tile(block), block_k=_tile(block))
+    tiles["score_mod"] = _score_mod(score_mod)
     if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
         dout = dout.to(q.dtype)
     if mask_dense is None or mask_dense.dim() == 2:
         return api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
                                       deterministic=deterministic, mask=_mask(mask_spec, mask_dense), engine=engine,
                                       **tiles)
+    _no_mod_per_slice(tiles.pop("score_mod"))
     dq = q.new_empty(q.shape, dtype=torch.float32)
     dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (k, v))
     for rows, keys, mask in _mask_slices(q, k, mask_dense):  # query heads of one K/V head: their sum
@@ -131,25 +158,25 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec, mask_dense,
-                             block, engine="auto"):
+                             block, engine="auto", score_mod=""):
     return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order, deterministic,
-     backward_block) = inputs
+     backward_block, score_mod) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask_dense)
-    ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block, engine)
+    ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block, engine, score_mod)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask_dense = ctx.saved_tensors
-    causal, scale, order, deterministic, mask_spec, block, engine = ctx.settings
+    causal, scale, order, deterministic, mask_spec, block, engine, score_mod = ctx.settings
     dq, dk, dv = attention_backward_op(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec,
-                                       mask_dense, block, engine)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 11
+                                       mask_dense, block, engine, score_mod)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

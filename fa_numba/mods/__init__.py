@@ -77,7 +77,7 @@ True
 from fa_numba.mods.builtins import alibi, relative_bias, softcap, temperature
 from fa_numba.mods.check import check
 from fa_numba.mods.core import (ModCheckError, ModError, ScoreMod, captured_gradients, check_score_mod, derivatives,
-                                scores)
+                                lookup, scores)
 
 __all__ = ["ModCheckError", "ModError", "ScoreMod", "alibi", "captured_gradients", "check", "check_score_mod",
-           "derivatives", "relative_bias", "scores", "softcap", "temperature"]
+           "derivatives", "lookup", "relative_bias", "scores", "softcap", "temperature"]

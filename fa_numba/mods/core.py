@@ -4,13 +4,17 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 U64 = 2.0**-53  # float64 unit roundoff: the central differences' rounding term
+_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # ScoreMod.key -> the mod, while it lives
+_SERIAL = itertools.count(1)
 
 
 class ModError(RuntimeError):
@@ -73,6 +77,7 @@ class ScoreMod:
     captured: tuple = ()
     captured_names: tuple | None = None
     fits: Callable | None = field(default=None, repr=False)
+    key: str = field(default="", init=False, repr=False)  # "name#serial": unique in this process (`lookup`)
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -123,6 +128,8 @@ class ScoreMod:
         if self.fits is not None and not callable(self.fits):
             raise TypeError(f"fits must be a function (batch, heads, n_q, n_k) or None, got "
                             f"{type(self.fits).__name__}")
+        object.__setattr__(self, "key", f"{name}#{next(_SERIAL)}")
+        _LIVE[self.key] = self
 
     def _named(self, k: int) -> str:
         """The suffix ' (name)' of captured array k in messages, or '' when it has no name."""
@@ -143,6 +150,16 @@ class ScoreMod:
 
     def __repr__(self) -> str:
         return f"ScoreMod({self.name})"
+
+
+def lookup(key: str) -> ScoreMod:
+    """The live ScoreMod whose `key` this is (what crosses an operator boundary as text: fa_numba.torch_ops);
+    a RuntimeError if it is gone (a key is never reused, so it never finds another mod)."""
+    mod = _LIVE.get(key)
+    if mod is None:
+        raise RuntimeError(f"score_mod {key!r} is no longer alive: keep the ScoreMod object referenced while a "
+                           "call or a compiled graph that uses it may run")
+    return mod
 
 
 def check_score_mod(score_mod) -> ScoreMod | None:
