@@ -306,10 +306,31 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                                causal=causal)
 
 
+SCORE_MODS = ("alibi", "softcap", "relative_bias", "temperature")  # the built-ins a configuration may compile in
+
+
+def kernel_mod(name: str | None):
+    """The KernelMod of built-in score mod `name` (None: none), for cfg["score_mod"]: what a kernel compiles
+    depends on the mod's functions and its arrays' kinds only, so any values do."""
+    if name is None:
+        return None
+    from fa_numba import mods
+    from fa_numba.kernels.score_mod import KernelMod
+
+    made = {"alibi": lambda: mods.alibi([0.5]), "softcap": lambda: mods.softcap(30.0),
+            "relative_bias": lambda: mods.relative_bias([[0.0, 0.0, 0.0]]), "temperature": lambda: mods.temperature(2.0)}
+    if name not in made:
+        raise ValueError(f"score_mod must be one of {SCORE_MODS} or None, got {name!r}")
+    return KernelMod.of(made[name]())
+
+
 def _build(cfg: dict):
     from fa_numba.kernels import VARIANTS, backward
 
     form = cfg.get("mask_form", "none")  # a block mask's "intervals" / "dense" path, when asked for
+    mod = kernel_mod(cfg.get("score_mod"))  # a built-in score mod compiled in (the CUDA-core kernels only)
+    if mod is not None and cfg["variant"] in whole_kernel.MMA_KERNELS:
+        raise ValueError(f"{cfg['variant']}: the tensor-core kernels take no score mod yet")
     if cfg["variant"] in whole_kernel.MMA_BACKWARD:
         from fa_numba.kernels.mma import backward as mma_backward
 
@@ -329,10 +350,10 @@ def _build(cfg: dict):
         return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"])
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
-        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form)
+        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form, mod)
     micro = {"micro": tuple(cfg["micro"])} if cfg.get("micro") else {}  # v2 at a decode layout (decode_estimate)
     return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"], form,
-                                         **micro)
+                                         mod=mod, **micro)
 
 
 def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:
@@ -365,7 +386,8 @@ def table(profiles: list[Profile]) -> str:
         mixes = [loop.mix for loop in hot]
         issued = sum(loop.issued for loop in hot)
         ffma = sum(loop.ffma for loop in hot)
-        rows.append([p.name, str(c["head_dim"]), c["dtype"], "on" if c["causal"] else "off",
+        name = p.name + (f"+{c['score_mod']}" if c.get("score_mod") else "")
+        rows.append([name, str(c["head_dim"]), c["dtype"], "on" if c["causal"] else "off",
                      f"{c['block_q']}x{c['block_k']}", str(p.threads), str(p.registers),
                      f"{p.spill_stores}/{p.spill_loads}", str(p.stack), str(p.smem), str(p.occupancy["warps_per_sm"]),
                      p.occupancy["limiter"], str(len(hot)), f"{issued / ffma:.1f}" if ffma else "-",
@@ -407,6 +429,9 @@ def parser() -> argparse.ArgumentParser:
                    help="N_q of the launch shape of the bound (default: %(default)s)")
     p.add_argument("--jobs", type=arguments.positive, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
+    p.add_argument("--score-mod", choices=SCORE_MODS, default=None,
+                   help="compile this built-in score mod into the CUDA-core kernels (the tensor-core ones take none "
+                        "and are left out); default: none")
     p.add_argument("--no-estimate", action="store_true",
                    help="skip the whole-kernel estimate, which traces one block of each kernel in the simulator "
                         "(default: off, the estimate is computed; traced wavefronts are cached)")
@@ -440,6 +465,11 @@ def main(argv=None) -> int:
     causals = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
     launch = dict(batch=args.batch, heads=args.heads, n=args.n)
     configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
+    if args.score_mod:  # the CUDA-core kernels with the mod compiled in; the tensor-core ones take none
+        configs = [dict(c, score_mod=args.score_mod) for c in configs if c["variant"] not in whole_kernel.MMA_KERNELS]
+        if not configs:
+            parser().error("argument --score-mod: no CUDA-core kernel among --orders (the tensor-core ones take no "
+                           "score mod)")
     start = time.perf_counter()
     tracing = None if args.no_estimate else start_wavefronts(configs)  # in the simulator, while we compile
     jobs = max(1, min(args.jobs, len(configs)))
