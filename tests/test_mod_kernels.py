@@ -1,0 +1,327 @@
+"""Score mods compiled into the CUDA-core kernels (issue 27, proofs/L13; fa_numba/kernels/score_mod.py):
+every forward order and every backward variant, with every built-in and three user-written mods (one with a
+captured table, one without captured arrays, one reading the batch index), against the float64 reference
+with the derived rules (`tolerance.check_attention(score_mod=)`, `check_attention_backward(score_mod=)`).
+
+Problems are ragged on purpose (N_q = 13, N_k = 11, tiles of 4): a mod evaluated past N reads its captured
+table out of bounds, which the simulator raises on. GQA (4 query heads over 2 K/V heads) and two batch
+entries, so that a mod reading h or b at the wrong index shows. The default tier runs each (mod, mask) pair
+on one order (the orders taken in turn); the slow tier runs every order.
+"""
+
+import fractions
+import math
+
+import numpy as np
+import pytest
+
+import fa_numba
+from fa_numba import backend, masks, mods, reference, tolerance
+from fa_numba.kernels import SIMT_VARIANTS
+from fa_numba.kernels.score_mod import MAX_CAPTURED, ModCompileError
+from test_mods import DECAY, key_bias
+
+B, H, H_KV, N_Q, N_K, D = 2, 4, 2, 13, 11, 6
+TILE = 4
+BACKWARD_VARIANTS = (("kv", False), ("kv", True), ("q", False))
+SIMULATOR = backend.name() == "simulator"
+
+
+def _batch_bias(score, b, h, i, j, bias):
+    return score + bias[b] * (i - j)
+
+
+def _batch_bias_grad(score, b, h, i, j, bias):
+    return 1.0
+
+
+def batch_bias() -> mods.ScoreMod:
+    """A user mod reading the batch index: a per-batch slope of (i - j)."""
+    return mods.ScoreMod(_batch_bias, _batch_bias_grad, name="batch_bias", captured=(np.array([0.3, -0.2]),))
+
+
+def _mods():
+    rng = np.random.default_rng(7)
+    return {
+        "alibi": mods.alibi(2.0 ** (-8.0 * np.arange(1, H + 1) / H)),
+        "softcap": mods.softcap(1.5),
+        "relative_bias": mods.relative_bias(rng.standard_normal((H, N_Q + N_K - 1)), n_k=N_K),
+        "temperature": mods.temperature(0.6),
+        "key_bias": key_bias(rng.standard_normal((H, N_K))),
+        "decay": DECAY,
+        "batch_bias": batch_bias(),
+    }
+
+
+MODS = _mods()
+MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "window": masks.sliding_window(3, 2),  # the block-mask path, "intervals" form
+    "dense": masks.from_dense(np.random.default_rng(3).random((N_Q, N_K)) < 0.7),  # "dense" form
+}
+PAIRS = [(m, k) for m in MODS for k in MASKS]
+
+
+def _inputs(seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, N_Q, D)).astype(dtype)
+    k = rng.standard_normal((B, H_KV, N_K, D)).astype(dtype)
+    v = rng.standard_normal((B, H_KV, N_K, D)).astype(dtype)
+    dout = rng.standard_normal((B, H, N_Q, D)).astype(dtype)
+    return q, k, v, dout
+
+
+def _forward_case(order, mod_name, mask_name):
+    q, k, v, _ = _inputs()
+    mod, mask = MODS[mod_name], MASKS[mask_name]
+    out, lse = fa_numba.attention(q, k, v, order=order, block_q=TILE, block_k=TILE, return_lse=True, mask=mask,
+                                  score_mod=mod)
+    tiles = dict(order="v1", block_q=TILE, block_k=TILE) if order.startswith("v1") else {}
+    tolerance.check_attention(out, lse, q, k, v, mask=mask, score_mod=mod, name=f"{order} {mod_name}", **tiles)
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
+def test_every_mod_and_mask_on_a_forward_order(pair):
+    mod_name, mask_name = PAIRS[pair]  # every order meets every mask (and every mod) across the pairs
+    _forward_case(SIMT_VARIANTS[(pair + pair // len(MASKS)) % len(SIMT_VARIANTS)], mod_name, mask_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", SIMT_VARIANTS)
+@pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
+def test_every_mod_and_mask_on_every_forward_order(order, pair):
+    _forward_case(order, *PAIRS[pair])
+
+
+def _backward_case(variant, mod_name, mask_name):
+    order, deterministic = variant
+    q, k, v, dout = _inputs(1)
+    mod, mask = MODS[mod_name], MASKS[mask_name]
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, mask=mask, score_mod=mod)
+    grads = fa_numba.attention_backward(q, k, v, out, lse, dout, order=order, deterministic=deterministic,
+                                        block_q=TILE, mask=mask, score_mod=mod)
+    tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mask, score_mod=mod,
+                                       name=f"{order}{' deterministic' if deterministic else ''} {mod_name}")
+    return grads
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
+def test_every_mod_and_mask_on_a_backward_variant(pair):
+    mod_name, mask_name = PAIRS[pair]  # 3 variants against 4 masks: every variant meets every mask
+    _backward_case(BACKWARD_VARIANTS[pair % len(BACKWARD_VARIANTS)], mod_name, mask_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS, ids=["kv", "kv-deterministic", "q"])
+@pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
+def test_every_mod_and_mask_on_every_backward_variant(variant, pair):
+    grads = _backward_case(variant, *PAIRS[pair])
+    if variant == ("kv", True):  # the deterministic mode stays bitwise repeatable with a mod
+        again = _backward_case(variant, *PAIRS[pair])
+        for first, second in zip(grads, again):
+            np.testing.assert_array_equal(first, second)
+
+
+def _identity(score, b, h, i, j):
+    return score
+
+
+def _one(score, b, h, i, j):
+    return 1.0
+
+
+IDENTITY = mods.ScoreMod(_identity, _one, name="identity")
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("order", SIMT_VARIANTS)
+def test_the_identity_mod_gives_the_bits_of_no_mod(order):
+    """The mod step changes nothing else: the identity gives the kernel's own bits without a mod (forward,
+    and with the backward's chain rule times 1)."""
+    q, k, v, dout = _inputs(2)
+    run = dict(order=order, block_q=TILE, block_k=TILE, return_lse=True, mask=MASKS["window"])
+    plain, modded = fa_numba.attention(q, k, v, **run), fa_numba.attention(q, k, v, score_mod=IDENTITY, **run)
+    for x, y in zip(plain, modded):
+        np.testing.assert_array_equal(x, y)
+    if order == "v2":
+        out, lse = plain
+        for variant in BACKWARD_VARIANTS:
+            back = dict(order=variant[0], deterministic=variant[1], block_q=TILE, causal=True)
+            g0 = fa_numba.attention_backward(q, k, v, out, lse, dout, **back)
+            g1 = fa_numba.attention_backward(q, k, v, out, lse, dout, score_mod=IDENTITY, **back)
+            if variant != ("kv", False) or SIMULATOR:  # the atomic dQ's order is the GPU's to choose
+                for x, y in zip(g0, g1):
+                    np.testing.assert_array_equal(x, y)
+
+
+def _sqrt_of_distance(score, b, h, i, j):
+    return score + math.sqrt(i - j)  # a ValueError in the simulator, NaN on a GPU, above the diagonal
+
+
+def _sqrt_grad(score, b, h, i, j):
+    return 1.0
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("order", SIMT_VARIANTS)
+def test_a_mod_is_never_evaluated_at_a_masked_pair(order):
+    """L13 claim 2 in the kernels: above the causal diagonal the mod is undefined (the simulator raises, a
+    GPU gives NaN), and a table NaN at the pairs a dense mask hides; neither reaches a result."""
+    q, k, v, dout = _inputs(3)
+    q, k, v, dout = (x[:, :, :N_K] for x in (q, k, v, dout))  # N_q = N_k: the diagonal i = j
+    mod = mods.ScoreMod(_sqrt_of_distance, _sqrt_grad, name="sqrt_distance")
+    out, lse = fa_numba.attention(q, k, v, order=order, block_q=TILE, block_k=TILE, causal=True, return_lse=True,
+                                  score_mod=mod)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    tiles = dict(order="v1", block_q=TILE, block_k=TILE) if order.startswith("v1") else {}
+    tolerance.check_attention(out, lse, q, k, v, causal=True, score_mod=mod, **tiles)
+    if order == "v2":
+        for variant in BACKWARD_VARIANTS:
+            grads = fa_numba.attention_backward(q, k, v, out, lse, dout, order=variant[0], deterministic=variant[1],
+                                                block_q=TILE, causal=True, score_mod=mod)
+            assert all(np.isfinite(g).all() for g in grads)
+            tolerance.check_attention_backward(*grads, q, k, v, dout, causal=True, score_mod=mod)
+    visible = np.random.default_rng(4).random((N_K, N_K)) < 0.6
+    table = np.where(visible, 0.5, np.nan)[None].repeat(H, axis=0)  # NaN exactly where the mask hides the pair
+    dense = key_table(table)
+    out = fa_numba.attention(q, k, v, order=order, block_q=TILE, block_k=TILE, mask=masks.from_dense(visible),
+                             score_mod=dense)
+    assert np.isfinite(out).all()
+
+
+def _pair_table(score, b, h, i, j, table):
+    return score + table[h, i, j]
+
+
+def _pair_table_grad(score, b, h, i, j, table):
+    return 1.0
+
+
+def key_table(table):
+    return mods.ScoreMod(_pair_table, _pair_table_grad, name="pair_table", captured=(table,))
+
+
+def test_rows_that_see_no_key_stay_zero_with_a_mod():
+    """A row the mask hides completely gets O = 0, LSE = -inf, and zero gradients, mod or not."""
+    q, k, v, dout = _inputs(5)
+    visible = np.ones((N_Q, N_K), bool)
+    visible[[0, 5, 12]] = False
+    mask, mod = masks.from_dense(visible), MODS["softcap"]
+    for order in SIMT_VARIANTS:
+        out, lse = fa_numba.attention(q, k, v, order=order, block_q=TILE, block_k=TILE, return_lse=True, mask=mask,
+                                      score_mod=mod)
+        assert (out[:, :, [0, 5, 12]] == 0).all() and (lse[:, :, [0, 5, 12]] == -np.inf).all(), order
+    dq, _, _ = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, mask=mask, score_mod=mod)
+    assert (dq[:, :, [0, 5, 12]] == 0).all()
+
+
+def _fraction(score, b, h, i, j):
+    return score + float(fractions.Fraction(i, 3))
+
+
+def test_a_mod_numba_cannot_compile_is_named_before_any_launch():
+    q, k, v, _ = _inputs()
+    bad = mods.ScoreMod(_fraction, name="thirds")
+    with pytest.raises(ModCompileError, match=r"score_mod thirds: Numba cannot compile fn \(_fraction\)"):
+        fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=bad)
+
+
+def _grad_only(score, b, h, i, j):
+    return float(fractions.Fraction(1, 1))
+
+
+def test_a_grad_numba_cannot_compile_is_named_by_the_backward():
+    q, k, v, dout = _inputs()
+    mod = mods.ScoreMod(_identity, _grad_only, name="bad_grad")
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, score_mod=mod)  # fn compiles
+    with pytest.raises(ModCompileError, match=r"score_mod bad_grad: Numba cannot compile grad \(_grad_only\)"):
+        fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=mod)
+
+
+def test_what_the_kernels_refuse_is_named():
+    q, k, v, dout = _inputs()
+    forward_only = mods.ScoreMod(_identity, name="forward_only")
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, score_mod=forward_only)
+    with pytest.raises(ValueError, match="score_mod forward_only has no grad"):
+        fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=forward_only)
+    half = tuple(x.astype(np.float16) for x in (q, k, v))
+    with pytest.raises(ValueError, match="score_mod alibi: the tensor-core kernels"):
+        fa_numba.attention(*half, engine="mma", score_mod=MODS["alibi"])
+    many = mods.ScoreMod(_identity_many, name="many", captured=(np.zeros(1),) * (MAX_CAPTURED + 1))
+    with pytest.raises(ValueError, match=f"at most {MAX_CAPTURED} captured arrays"):
+        fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=many)
+    with pytest.raises(ValueError, match="alibi: slopes must have one entry per query head"):
+        fa_numba.attention(q[:, :2], k[:, :1], v[:, :1], block_q=TILE, block_k=TILE, score_mod=MODS["alibi"])
+    with pytest.raises(TypeError, match="score_mod must be a fa_numba.mods.ScoreMod"):
+        fa_numba.attention(q, k, v, score_mod=_identity)
+
+
+def _identity_many(score, b, h, i, j, *captured):
+    return score
+
+
+def test_leading_batch_axes_give_the_mod_the_flattened_batch_index():
+    """b is the index over the flattened leading axes (mods' convention): (2, 1, H, N, d) is (2, H, N, d)."""
+    q, k, v, _ = _inputs(6)
+    mod = MODS["batch_bias"]
+    flat = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=mod)
+    nested = fa_numba.attention(q[:, None], k[:, None], v[:, None], block_q=TILE, block_k=TILE, score_mod=mod)
+    np.testing.assert_array_equal(flat, nested[:, 0])
+
+
+def test_a_hand_built_mod_reads_its_arrays_at_every_call():
+    q, k, v, _ = _inputs(8)
+    table = np.zeros((H, N_K))
+    mod = key_bias(table)
+    before = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=mod)
+    mod.captured[0][:] = 2.0 * np.arange(N_K) / N_K  # in place: the next call sees it
+    after = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=mod)
+    assert not np.array_equal(before, after)
+    expected, _ = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), score_mod=mod)
+    np.testing.assert_allclose(after, expected, atol=1e-5)
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="needs PyTorch (the 'torch' extra)")
+
+
+def test_autograd_with_a_mod_matches_the_rule_and_compiles_in_one_graph():
+    torch = _torch()
+    import fa_numba.autograd as fa
+
+    q, k, v, dout = _inputs(9)
+    mod = MODS["relative_bias"]
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    out = fa.attention(tq, tk, tv, causal=True, score_mod=mod, block_q=TILE, block_k=TILE, backward_block=TILE)
+    out.backward(torch.from_numpy(dout))
+    _, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, score_mod=mod)
+    tolerance.check_attention(out.detach().numpy(), lse, q, k, v, causal=True, score_mod=mod)
+    tolerance.check_attention_backward(tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy(), q, k, v, dout,
+                                       causal=True, score_mod=mod)
+    compiled = torch.compile(lambda a, b, c: fa.attention(a, b, c, causal=True, score_mod=mod, block_q=TILE,
+                                                          block_k=TILE), fullgraph=True, backend="eager")
+    again = compiled(*(torch.from_numpy(x) for x in (q, k, v)))
+    np.testing.assert_array_equal(again.numpy(), out.detach().numpy())
+
+
+def test_a_mod_that_is_gone_or_meets_a_per_head_mask_is_a_clear_error():
+    torch = _torch()
+    import fa_numba.autograd as fa
+    from fa_numba import torch_ops
+
+    q, k, v, _ = (torch.from_numpy(x) for x in _inputs(10))
+    mod = mods.softcap(2.0)
+    key = mod.key
+    assert mods.lookup(key) is mod
+    del mod
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"score_mod '{key}' is no longer alive"):
+        torch_ops.attention_op(q, k, v, False, 0.5, "v2", "", None, "auto", TILE, TILE, "kv", False, TILE, key)
+    per_head = torch.rand(H, N_Q, N_K) < 0.7
+    with pytest.raises(ValueError, match="score_mod softcap with a mask that differs by batch or head"):
+        fa.attention(q, k, v, mask=per_head, score_mod=MODS["softcap"])
