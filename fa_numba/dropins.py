@@ -16,19 +16,47 @@ in conventions:
 | causal alignment       | top-left: query i sees keys j <= i     | bottom-right: j <= i + N_k - N_q (ours)  |
 | GQA (H_kv < H)         | only with enable_gqa=True              | always                                   |
 | masks                  | attn_mask: bool, broadcastable         | window_size=(left, right), -1 unbounded  |
+| score modifications    | attn_mask float: added to the scores   | softcap, alibi_slopes                    |
 | a row that sees no key | O = 0 (torch >= 2.5's SDPA too)        | O = 0, LSE = -inf (flash-attn: +inf)     |
 
 Both return O in the input dtype, computed in float32 (flash-attn takes only float16 and bfloat16; these
-take float32 too). What is refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba is
-exact), a float attn_mask (an additive bias is a score modification, not built yet), softcap and
-alibi_slopes, a value head dim other than q's (not built yet), float64.
+take float32 too). A float attn_mask, softcap and alibi_slopes are score mods (`mods.conventions`) compiled
+into the CUDA-core kernels; their mod is built in eager Python from the tensors' values (a graph break
+under torch.compile, which fullgraph=True refuses) and cached by value, so repeated calls reuse one mod
+and one compiled graph; no gradient reaches the float mask or the slopes (a float attn_mask that requires
+grad is refused). What is refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba
+is exact), a value head dim other than q's (not built yet), float64.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+
+import numpy as np
 import torch
 
 from fa_numba import autograd, masks
+from fa_numba.mods import conventions
+
+_MOD_CACHE: "collections.OrderedDict" = collections.OrderedDict()  # value -> ScoreMod, the latest CACHED_MODS
+CACHED_MODS = 32
+
+
+@torch.compiler.disable
+def _cached_mod(kind: str, array, **params):
+    """The drop-in's ScoreMod for these values (`mods.conventions.<kind>`), made once per distinct value and
+    kept while among the latest CACHED_MODS used: an equal mod keeps its key, so a compiled graph that bakes
+    the key in is reused. Eager (a graph break under torch.compile): it reads the tensor's values."""
+    host = None if array is None else np.ascontiguousarray(array.detach().cpu().numpy(), dtype=np.float64)
+    digest = None if host is None else (host.shape, hashlib.sha256(host.tobytes()).hexdigest())
+    key = (kind, digest, tuple(sorted(params.items())))
+    if key not in _MOD_CACHE:
+        _MOD_CACHE[key] = getattr(conventions, kind)(host, **params)
+        while len(_MOD_CACHE) > CACHED_MODS:
+            _MOD_CACHE.popitem(last=False)
+    _MOD_CACHE.move_to_end(key)
+    return _MOD_CACHE[key]
 
 
 def _no_dropout(dropout_p) -> None:
@@ -57,7 +85,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
     query (..., H, L, d), key and value (..., H_kv, S, d), the same leading axes; attn_mask a bool tensor
     broadcastable to (..., H, L, S), True where the query takes part in attention with the key (a mask that
-    differs by batch or head runs one launch per slice of its batch and head axes); is_causal the top-left causal mask (query
+    differs by batch or head runs one launch per slice of its batch and head axes), or a float tensor
+    broadcastable to it, added to the scores (-inf masks a pair; a score mod, `mods.conventions.additive`,
+    taking no gradient); is_causal the top-left causal mask (query
     i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d); H_kv < H (GQA) only with
     enable_gqa=True, as SDPA. A row that sees no key gets O = 0 (so does torch SDPA's, since torch 2.5).
     Returns O, (..., H, L, d), in query's dtype. Differentiable and traced by torch.compile (see the module
@@ -70,7 +100,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                          "enable_gqa=True for grouped-query attention, as torch SDPA asks")
     if is_causal and attn_mask is not None:
         raise ValueError("pass attn_mask or is_causal=True, not both (torch SDPA refuses both too)")
-    mask, causal = attn_mask, False
+    mask, causal, mod = attn_mask, False, None
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+        mask, mod = None, _additive(query, key, attn_mask)
     if is_causal:
         n_q, n_k = query.shape[-2], key.shape[-2]
         if n_q == n_k:
@@ -79,7 +111,33 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             mask = masks.sliding_window(None, n_q - n_k)
         else:
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device="cpu").tril()
-    return autograd.attention(query, key, value, causal=causal, scale=scale, mask=mask)
+    return autograd.attention(query, key, value, causal=causal, scale=scale, mask=mask, score_mod=mod)
+
+
+def _additive(query, key, attn_mask):
+    """The ScoreMod of a float attn_mask broadcastable to (..., H, L, S): (B_m, H_m, L, S) with the batch axes
+    flattened, B_m in {1, B}, H_m in {1, H}."""
+    if attn_mask.requires_grad:
+        raise ValueError("attn_mask: a float mask that requires grad is not supported (no gradient reaches it)")
+    lead, n_q, n_k = tuple(query.shape[:-2]), query.shape[-2], key.shape[-2]
+    full = lead + (n_q, n_k)
+    try:
+        fits = attn_mask.dim() <= len(full) and torch.broadcast_shapes(tuple(attn_mask.shape), full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask must be broadcastable to {full} (query's axes before d, then S), got "
+                         f"{tuple(attn_mask.shape)}")
+    heads = lead[-1] if lead else 1
+    batch = int(np.prod(lead[:-1])) if len(lead) > 1 else 1
+    aligned = attn_mask.reshape((1,) * (len(full) - attn_mask.dim()) + tuple(attn_mask.shape))  # full's rank
+    per_batch = any(n != 1 for n in aligned.shape[:-3])
+    if per_batch:
+        aligned = aligned.expand(lead[:-1] + tuple(aligned.shape[-3:]))
+    per_head = aligned.shape[-3] if aligned.dim() >= 3 else 1
+    bias = aligned.reshape(batch if per_batch else 1, per_head, aligned.shape[-2], aligned.shape[-1])
+    bias = bias.expand(bias.shape[0], per_head, n_q, n_k)
+    return _cached_mod("additive", bias, batch=batch, heads=heads, n_q=n_q, n_k=n_k)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -91,18 +149,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     unbounded; causal means right = 0); softmax_scale default 1/sqrt(d); deterministic=True runs the
     backward's deterministic mode (no atomic adds). Returns O (B, S_q, H, d) in q's dtype, contiguous; with
     return_attn_probs=True (out, softmax_lse, None): LSE (B, H, S_q) float32, and None where flash-attn
-    returns its testing-only S_dmask (fa_numba never materialises P). dropout_p must be 0, softcap 0 and
-    alibi_slopes None (see the module docstring)."""
+    returns its testing-only S_dmask (fa_numba never materialises P). dropout_p must be 0, softcap and
+    alibi_slopes as (see the module docstring): softcap > 0 gives S' = softcap tanh(S / softcap), and
+    alibi_slopes (H,) or (B, H) subtracts slope |i + S_k - S_q - j| after it, as flash-attn does (a score mod,
+    `mods.conventions.flash_attn`; no gradient reaches the slopes)."""
     _float_inputs(("q", q), ("k", k), ("v", v))
     _no_dropout(dropout_p)
     _same_head_dim(q, v, "v")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must have shape (B, N, H, d) (flash-attn's layout), got {tuple(x.shape)}")
-    if softcap != 0.0:
-        raise ValueError(f"softcap must be 0.0 (a soft cap is a score modification, not built yet), got {softcap!r}")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes must be None (ALiBi is a score modification, not built yet)")
+    mod = None
+    if softcap != 0.0 or alibi_slopes is not None:
+        if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
+                            f"{type(alibi_slopes).__name__}")
+        mod = _cached_mod("flash_attn", alibi_slopes, softcap=softcap, delta=k.shape[1] - q.shape[1],
+                          batch=q.shape[0], heads=q.shape[2])
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
@@ -110,6 +173,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     right = 0 if causal else right
     mask = None if (left, right) == (None, None) else masks.sliding_window(left, right)
     out, lse = autograd.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
-                                           mask=mask, deterministic=bool(deterministic))
+                                           mask=mask, deterministic=bool(deterministic), score_mod=mod)
     out = out.transpose(1, 2).contiguous()
     return (out, lse, None) if return_attn_probs else out

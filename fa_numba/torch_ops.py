@@ -29,8 +29,8 @@ the mask's own (B_m, H_m) axes (`_mask_slices`; slices with equal content are no
 
 A score mod (`fa_numba.mods.ScoreMod`) crosses it as its `key`, a text unique to it in this process
 ("alibi#3"), and the operators look it up (`mods.lookup`). The registry holds the mod weakly: the caller
-keeps it alive as long as a call (or a compiled graph) may run it; a key whose mod is gone is a clear
-error, never another mod. Its captured arrays are NumPy arrays, not tensors: they take
+keeps it alive as long as a call (or a compiled graph) may run it, and the autograd formula holds it from the
+forward to the backward; a key whose mod is gone is a clear error, never another mod. Its captured arrays are NumPy arrays, not tensors: they take
 no torch gradient (reference.attention_backward_mod computes theirs).
 """
 
@@ -168,6 +168,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask_dense)
     ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block, engine, score_mod)
+    ctx.score_mod = _score_mod(score_mod)  # held until the backward: a mod made for one call stays alive
     ctx.mark_non_differentiable(lse)
 
 
@@ -203,7 +204,8 @@ def _bool_mask(mask: Tensor, lead: tuple, n_q: int, n_k: int) -> Tensor:
     H_m in {1, H} (B: the product of the batch axes)."""
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True: the query sees the key), got dtype {mask.dtype}; a "
-                        "float mask added to the scores is a score modification, not built yet")
+                        "float mask added to the scores is a score modification: pass it to fa_numba.sdpa as "
+                        "attn_mask, or as score_mod=fa_numba.mods.conventions.additive(...)")
     full = tuple(lead) + (n_q, n_k)
     try:
         fits = mask.dim() <= len(full) and torch.broadcast_shapes(tuple(mask.shape), full) == full

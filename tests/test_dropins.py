@@ -76,7 +76,9 @@ def test_sdpa_gradients_match_torch_and_the_dtype_comes_back():
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(dropout_p=0.1), ValueError, "dropout_p must be 0.0"),
     (dict(is_causal=True, attn_mask=torch.ones(4, 4, dtype=torch.bool)), ValueError, "not both"),
-    (dict(attn_mask=torch.zeros(4, 4)), TypeError, "bool tensor.*score modification"),
+    (dict(attn_mask=torch.zeros(4, 4, requires_grad=True)), ValueError, "attn_mask: a float mask that requires grad"),
+    (dict(attn_mask=torch.zeros(3, 4)), ValueError, r"attn_mask must be broadcastable to \(1, 2, 4, 4\)"),
+    (dict(attn_mask=torch.full((4, 4), float("nan"))), ValueError, "attn_mask must hold no NaN"),
 ])
 def test_sdpa_refuses_what_it_does_not_do_by_name(kwargs, error, message):
     q = torch.zeros(1, 2, 4, 4)
@@ -132,10 +134,13 @@ def test_flash_attn_func_is_bottom_right_in_its_layout(causal, window):
 
 def test_flash_attn_func_refuses_what_it_does_not_do_by_name():
     q = torch.zeros(1, 4, 2, 4, dtype=torch.float16)
-    for kwargs, message in [(dict(dropout_p=0.5), "dropout_p"), (dict(softcap=1.0), "softcap"),
-                            (dict(alibi_slopes=torch.zeros(2)), "alibi_slopes")]:
+    for kwargs, message in [(dict(dropout_p=0.5), "dropout_p"), (dict(softcap=-1.0), "softcap must be >= 0"),
+                            (dict(alibi_slopes=torch.zeros(3)), r"alibi_slopes must have shape \(2,\) or \(1, 2\)"),
+                            (dict(alibi_slopes=torch.tensor([0.5, float("inf")])), "alibi_slopes must be finite")]:
         with pytest.raises(ValueError, match=message):
             fa_numba.flash_attn_func(q, q, q, **kwargs)
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor"):
+        fa_numba.flash_attn_func(q, q, q, alibi_slopes=[0.5, 0.25])
     with pytest.raises(TypeError, match="window_size must be a pair of ints"):
         fa_numba.flash_attn_func(q, q, q, window_size=3)
     with pytest.raises(ValueError, match=r"q must have shape \(B, N, H, d\)"):
@@ -152,3 +157,86 @@ def test_the_drop_ins_compile_fullgraph():
                           backend="aot_eager")
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     assert torch.equal(flash(qt, kt, vt), fa_numba.flash_attn_func(qt, kt, vt, window_size=(2, 0)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Score modifications: SDPA's float attn_mask, flash-attn's softcap and alibi_slopes (mods.conventions).
+# The expected values are written here from the originals' documented formulas, in float64 torch; the rule's
+# atol comes from tolerance.baseline with the mod (how far float32 may move them), not the expected value.
+
+
+def _rule_check(out, lse, want, want_lse, q, k, v, mod, name, causal=False):
+    base = tolerance.baseline(*(x.detach().float().numpy() for x in (q, k, v)), causal=causal, score_mod=mod)
+    tolerance.assert_close(out.detach().double().numpy(), want.numpy(), base.atol_out, name=f"{name} out")
+    if lse is not None:
+        tolerance.assert_close(lse.numpy(), want_lse.numpy(), base.atol_lse, name=f"{name} lse")
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 5, 7), (2, 1, 5, 7), (2, 3, 5, 7), (1, 7)])
+def test_sdpa_adds_a_float_attn_mask_as_torch_does(shape):
+    q, k, v = _tensors((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8), seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(shape, generator=g)
+    bias[..., 0, 1] = -np.inf  # -inf masks a pair, as in torch
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = fa_numba.sdpa(*leaves, attn_mask=bias)
+    wide = [x.double().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*wide, attn_mask=bias.double())
+    from fa_numba.dropins import _additive
+    mod = _additive(q, k, bias)
+    _rule_check(out, None, want.detach(), None, q, k, v, mod, f"sdpa float mask {shape}")
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    want.backward(dout.double())
+    base = tolerance.baseline_backward(*(x.numpy() for x in (q, k, v)), dout.numpy(), score_mod=mod)
+    for name, ours, theirs, atol in zip("qkv", leaves, wide, (base.atol_dq, base.atol_dk, base.atol_dv)):
+        tolerance.assert_close(ours.grad.numpy(), theirs.grad.numpy(), atol, name=f"sdpa float mask d{name}")
+
+
+def _flash_reference(q, k, v, softcap, slopes, causal):
+    """flash-attn's attention_ref as its docstring states it, float64, (B, N, H, d) inputs: softcap on the
+    scaled scores, then the ALiBi bias -slope |i + N_k - N_q - j|, then the bottom-right causal mask."""
+    qh, kh, vh = (x.double().transpose(1, 2) for x in (q, k, v))
+    s = qh @ kh.transpose(-1, -2) / np.sqrt(q.shape[-1])
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    n_q, n_k = q.shape[1], k.shape[1]
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None]
+    if slopes is not None:
+        s = s - slopes.double().reshape(-1, q.shape[2])[:, :, None, None] * (i + n_k - n_q - j).abs()
+    if causal:
+        s = s.masked_fill(j > i + n_k - n_q, -np.inf)
+    return (torch.softmax(s, -1) @ vh).transpose(1, 2), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("slopes_shape", [None, (3,), (2, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_softcap_and_alibi_as_flash_attn_states_them(softcap, slopes_shape, causal):
+    q, k, v = _tensors((2, 6, 3, 8), (2, 9, 3, 8), (2, 9, 3, 8), seed=13)
+    slopes = None if slopes_shape is None else torch.rand(slopes_shape, generator=torch.Generator().manual_seed(14))
+    if softcap == 0.0 and slopes is None:
+        return  # no mod: test_flash_attn_func_matches_flash_attns_windows covers it
+    out, lse, _ = fa_numba.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes,
+                                           return_attn_probs=True)
+    want, want_lse = _flash_reference(q, k, v, softcap, slopes, causal)
+    from fa_numba.dropins import _cached_mod
+    mod = _cached_mod("flash_attn", slopes, softcap=softcap, delta=3, batch=2, heads=3)
+    _rule_check(out.transpose(1, 2), lse, want.transpose(1, 2), want_lse, *(x.transpose(1, 2) for x in (q, k, v)),
+                mod, f"flash_attn_func softcap={softcap} slopes={slopes_shape}", causal=causal)
+
+
+def test_a_drop_in_mod_is_made_once_per_value_and_outlives_its_call():
+    """Equal values give the same mod (one key, one compiled graph); the autograd formula holds the mod made
+    for one call until its backward, however many others are made in between."""
+    from fa_numba import dropins
+
+    q, k, v = (x.requires_grad_() for x in _tensors((1, 4, 2, 4), (1, 4, 2, 4), (1, 4, 2, 4), seed=15))
+    slopes = torch.tensor([0.5, 0.25])
+    first = dropins._cached_mod("flash_attn", slopes, softcap=1.0, delta=0, batch=1, heads=2)
+    assert dropins._cached_mod("flash_attn", slopes.clone(), softcap=1.0, delta=0, batch=1, heads=2) is first
+    out = fa_numba.flash_attn_func(q, k, v, softcap=3.0)
+    for t in range(dropins.CACHED_MODS + 1):  # evict the mod of the call above from the cache
+        dropins._cached_mod("flash_attn", None, softcap=1.0 + t, delta=0, batch=1, heads=2)
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))

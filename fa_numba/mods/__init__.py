@@ -57,7 +57,9 @@ raises ModCheckError, an AssertionError, naming the argument that disagrees. `sc
 reference is meant for test sizes (B H N_q N_k up to ~10^5).
 
 Layering: imports NumPy only; `reference` imports this package (masks are read through `mask.dense`). The
-modules: `core` (ScoreMod, its errors, evaluation), `builtins`, `check`.
+modules: `core` (ScoreMod, its errors, evaluation, `lookup` of a mod by its `key`), `builtins`, `check`, and
+`conventions` (the mods behind the drop-ins' arguments: SDPA's float attn_mask, flash-attn's softcap and
+alibi_slopes).
 
 >>> import numpy as np
 >>> from fa_numba import reference
@@ -75,9 +77,10 @@ True
 """
 
 from fa_numba.mods.builtins import alibi, relative_bias, softcap, temperature
+from fa_numba.mods import conventions
 from fa_numba.mods.check import check
 from fa_numba.mods.core import (ModCheckError, ModError, ScoreMod, captured_gradients, check_score_mod, derivatives,
                                 lookup, scores)
 
 __all__ = ["ModCheckError", "ModError", "ScoreMod", "alibi", "captured_gradients", "check", "check_score_mod",
-           "derivatives", "lookup", "relative_bias", "scores", "softcap", "temperature"]
+           "conventions", "derivatives", "lookup", "relative_bias", "scores", "softcap", "temperature"]
