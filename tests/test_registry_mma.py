@@ -66,7 +66,7 @@ def test_a_built_tensor_core_kernel_says_its_launch_and_refuses_what_it_cannot_r
     kernel = VARIANTS["v2-mma"].build(16, 16, 16, False, "none", "bfloat16")
     assert kernel.launch_shape(2, 3, 40) == ((3, 6), (32,))
     assert VARIANTS["v1-mma"].build(32, 16, 16, True, "causal", "float16").launch_shape(2, 3, 40) == ((6,), (64,))
-    assert len(kernel.argtypes("bfloat16")) == 6 and kernel.config.kind == "bfloat16"
+    assert len(kernel.argtypes("bfloat16")) == 7 and kernel.config.kind == "bfloat16"
     with pytest.raises(ValueError, match=r"dtype must be 'bfloat16' for this v2-mma kernel.*got 'float16'"):
         kernel.argtypes("float16")
     x32 = cuda.to_device(np.zeros((1, 1, 16, 16), np.float32))

@@ -107,7 +107,7 @@ class MmaVariantKernel:
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
         l_hbm, m_hbm = workspace
         with backend.serialised(block[0]):
-            inner.kernel[grid, block, stream](q, k, v, o, lse, l_hbm, m_hbm, float32(scale))
+            inner.kernel[grid, block, stream](q, k, v, o, lse, l_hbm, m_hbm, float32(scale), ())  # no score mod
 
 
 def _maker(order: str):

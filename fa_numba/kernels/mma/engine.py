@@ -42,6 +42,7 @@ from numba import cuda, float32, uint16
 
 from fa_numba import backend, warp
 from fa_numba.kernels.common import NEG_INF, ZERO
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, tuple_type
 
 KINDS = ("float16", "bfloat16")
 MAX_HEAD_DIM = 128
@@ -74,6 +75,7 @@ class MmaConfig(PaddedRows):
     head_dim: int
     causal: bool
     async_copy: bool = False  # stage tiles by cp.async (needs d % 8 == 0 and 16-byte aligned inputs)
+    mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod), applied to S on the fragments
 
     @property
     def block_q(self) -> int:
@@ -116,6 +118,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     pack = warp.pack_f16x2 if config.kind == "float16" else warp.pack_bf16x2
     to_f32 = _to_f32_function(config.kind)
     ZERO16 = uint16(0)
+    MOD = config.mod is not None
+    modded = apply_fn(config.mod)  # the score mod as a device function (the identity without one)
 
     @cuda.jit(device=True, inline=True)
     def stage(src, b, h, r0, n, tile, rows):
@@ -177,7 +181,14 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return key < n_k and (not CAUSAL or key <= row + delta)
 
     @cuda.jit(device=True, inline=True)
-    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t):
+    def score(x, b, h, row, key, n_q, captured):
+        """A visible pair's score as the softmax sees it: the score mod's, where the row is a real one."""
+        if MOD and row < n_q:
+            return modded(x, b, h, row, key, captured)
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured):
         """acc += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a masked key's
         value row never read. Each lane recomputes its two rows' weights from Q_i and K_j in shared memory
         (K_j is still staged) rather than index its S fragment at a run-time key, which would move the whole
@@ -192,8 +203,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                     kx = to_f32(sk[c * SQ + x])
                     dot0 += to_f32(sq[qrow0 * SQ + x]) * kx
                     dot1 += to_f32(sq[(qrow0 + 8) * SQ + x]) * kx
-                p0 = math.exp(scale * dot0 - shift0) if see0 else ZERO
-                p1 = math.exp(scale * dot1 - shift1) if see1 else ZERO
+                p0 = math.exp(score(scale * dot0, b, h, row0, c0 + c, n_q, captured) - shift0) if see0 else ZERO
+                p1 = math.exp(score(scale * dot1, b, h, row0 + 8, c0 + c, n_q, captured) - shift1) if see1 else ZERO
                 for dn in range(DN):
                     for e in range(2):
                         vx = to_f32(sv[c * SQ + 8 * dn + 2 * t + e])
@@ -253,19 +264,21 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
-             masked):
+             masked, b, h, n_q, captured):
         """Fold the staged K_j, V_j into this lane's (m, l, acc) of rows row0 and row0 + 8 (l: the lane's part,
-        the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole warp calls it together."""
+        the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole warp calls it together.
+        With a score mod, S' = mod(S) at the visible pairs of rows < N_q (b, h, the query head: its positions)."""
         for nt in range(NT):
             d4 = (ZERO, ZERO, ZERO, ZERO)
             for ks in range(KS):
                 bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
                 d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
             for e in range(4):
-                if masked:
+                if masked or MOD:
                     key = c0 + 8 * nt + 2 * t + (e & 1)
                     row = row0 + 8 * (e >> 1)
-                    s[nt, e] = scale * d4[e] if visible(row, key, n_k, delta) else NEG_INF
+                    s[nt, e] = score(scale * d4[e], b, h, row, key, n_q, captured) if visible(row, key, n_k, delta) \
+                        else NEG_INF
                 else:
                     s[nt, e] = scale * d4[e]
         # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
@@ -288,7 +301,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
             acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
         if guard:
-            exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t)
+            exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured)
         else:
             for kk in range(PK):  # P's A fragment for keys 16 kk .. 16 kk + 15 (L10, claim 5)
                 pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
@@ -361,14 +374,14 @@ class MmaKernel:
         raise NotImplementedError
 
     @staticmethod
-    def make(kind, warps, block_k, head_dim, causal, async_copy=None) -> "MmaKernel":
+    def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None) -> "MmaKernel":
         """The order's cached factory (make_v1_mma / make_v2_mma)."""
         raise NotImplementedError
 
     def without_async(self) -> "MmaKernel":
         """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
         c = self.config
-        return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False)
+        return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False, mod=c.mod)
 
     def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple:
         """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
@@ -377,19 +390,28 @@ class MmaKernel:
     def arguments(self, q, k, v, o, lse, scale) -> tuple:
         return (q, k, v, o, lse, scale)
 
-    def __call__(self, q, k, v, o, lse, scale, stream=0):
+    def __call__(self, q, k, v, o, lse, scale, stream=0, captured=NO_CAPTURED):
+        """Launch; captured: the score mod's device arrays (`score_mod.device_arrays`) for a kernel compiled
+        with one (config.mod), () otherwise."""
         from fa_numba.kernels.common import check_grid, check_sequence
 
+        if len(captured) != (0 if self.config.mod is None else len(self.config.mod.captured)):
+            raise ValueError(f"captured must hold the score mod's device arrays for this kernel, got {len(captured)}")
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
         check_sequence(q.shape[2], k.shape[2])
         grid = self.grid(q.shape[0], q.shape[1], q.shape[2])
         check_grid(grid, self.GRID_AXES, f"{self.ORDER}-mma")
         if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
-            return self.without_async()(q, k, v, o, lse, scale, stream)
+            return self.without_async()(q, k, v, o, lse, scale, stream, captured)
         threads = 32 * self.config.warps
         with backend.serialised(threads):
-            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)))
+            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)), tuple(captured))
+
+    def argtypes(self, dtype=None) -> tuple:
+        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
+        every 16-bit dtype (the inputs are their bits); the order's `base_types`, then the captured arrays'."""
+        return self.base_types() + (tuple_type(self.config.mod),)
 
     @staticmethod
     def array_types():

@@ -35,7 +35,7 @@ def kernel_source(config: MmaConfig):
     BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
     CAUSAL = config.causal
 
-    def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale):
+    def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
@@ -100,7 +100,7 @@ def kernel_source(config: MmaConfig):
                     else:
                         m1, l1 = m_row, l_row if t == 0 else ZERO
                 m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
-                                      scale, t, mrow, mat, guard, masked)
+                                      scale, t, mrow, mat, guard, masked, b, h, n_q, captured)
                 l0, l1 = quad_sum(l0), quad_sum(l1)
                 final = j == n_tiles - 1
                 for half in range(2):
@@ -142,19 +142,19 @@ class MmaV1Kernel(MmaKernel):
         return (q, k, v, o, lse, l_hbm, m_hbm, scale)
 
     @staticmethod
-    def argtypes(dtype=None):
-        """The Numba types of the kernel's arguments, the same for every 16-bit dtype (the inputs' bits)."""
+    def base_types():
+        """q, k, v (bits), o, lse, l, m, scale: the arguments before the captured arrays (MmaKernel.argtypes)."""
         bits, out, stat = MmaKernel.array_types()
         return (bits, bits, bits, out, stat, stat, stat, float32)
 
 
 @functools.lru_cache(maxsize=None)
 def make_v1_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
-                async_copy: bool | None = None) -> MmaV1Kernel:
+                async_copy: bool | None = None, mod=None) -> MmaV1Kernel:
     """The tensor-core v1 kernel (arguments as make_v2_mma); cached."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
-    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy)), kernel_source)
+    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod), kernel_source)
 
 
 MmaV1Kernel.make = staticmethod(make_v1_mma)  # without_async goes back through the cache

@@ -27,7 +27,7 @@ def kernel_source(config: MmaConfig):
     BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
     CAUSAL = config.causal
 
-    def flash_v2_mma(q, k, v, o, lse, scale):
+    def flash_v2_mma(q, k, v, o, lse, scale, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
@@ -64,7 +64,7 @@ def kernel_source(config: MmaConfig):
             guard = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial)
             masked = partial or c0 + BC > n_k  # only a PARTIAL or the last, short tile hides keys
             m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
-                                  scale, t, mrow, mat, guard, masked)
+                                  scale, t, mrow, mat, guard, masked, b, h, n_q, captured)
         l0, l1 = quad_sum(l0), quad_sum(l1)
         for half in range(2):
             row = row0 + 8 * half
@@ -92,23 +92,22 @@ class MmaV2Kernel(MmaKernel):
         return (-(-n_q // self.config.block_q), batch * heads)
 
     @staticmethod
-    def argtypes(dtype=None):
-        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
-        every 16-bit dtype (the inputs are their bits)."""
+    def base_types():
+        """q, k, v (bits), o, lse, scale: the arguments before the captured arrays (MmaKernel.argtypes)."""
         bits, out, stat = MmaKernel.array_types()
         return (bits, bits, bits, out, stat, float32)
 
 
 @functools.lru_cache(maxsize=None)
 def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
-                async_copy: bool | None = None) -> MmaV2Kernel:
+                async_copy: bool | None = None, mod=None) -> MmaV2Kernel:
     """The tensor-core v2 kernel for 16-bit inputs `kind` ("float16" or "bfloat16"), blocks of `warps` warps
     (block_q = 16 warps query rows), block_k keys per tile, head dim d, causal or not; cached. async_copy
     (default: where d % 8 == 0) stages the tiles by cp.async; a launch on inputs not 16-byte aligned then
-    takes the plain-load kernel."""
+    takes the plain-load kernel. mod: a score_mod.KernelMod compiled in, or None."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
-    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy)), kernel_source)
+    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod), kernel_source)
 
 
 MmaV2Kernel.make = staticmethod(make_v2_mma)  # without_async goes back through the cache
