@@ -431,6 +431,20 @@ GRAD_FACTOR = 3.0
 ULP32_PER_UNIT = 2.0**-23  # ulp32(x) <= 2^-23 |x|: the float32 spacing relative to the magnitude
 
 
+def _ds_floor(grads: reference.DenseBackward) -> tuple[np.ndarray, np.ndarray]:
+    """(e, p_lse), (B, H, N_q, N_k) each, 0 off the visible pairs: the floor of dS' = P (dP - D) per pair (the
+    two recomputed quantities, `_recompute_floors` says which), and P ulp(LSE), the floor of P."""
+    p, dp, d_row, shift, visible = grads.p, grads.dp, grads.d_row, grads.shift, grads.visible
+    zero = p.dtype.type(0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mag_dp = np.matmul(np.abs(grads.dout), np.swapaxes(np.abs(grads.v), -1, -2))  # sum_x |dO_ix| |V_jx|
+        mag_d = (np.abs(grads.dout) * np.abs(grads.out)).sum(axis=-1)  # sum_x |dO_ix| |O_ix|
+        p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], zero)  # P ulp(LSE)
+        e = np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]) + p_lse * np.abs(dp - d_row[..., None]),
+                     zero)
+    return e, p_lse
+
+
 def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, float]:
     """The floors of dq, dk, dv for what the backward recomputes, from the float64 reference's P, dP, D and
     its operands (`reference.dense_backward`).
@@ -450,17 +464,12 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
     With a score mod (proofs/L13) dS = dS' mod'(S): both floors enter dq and dk times |mod'(S)| (dv's, through
     P only, is unchanged).
     """
-    q4, k4, v4, do4, out4 = grads.q, grads.k, grads.v, grads.dout, grads.out
-    p, dp, d_row, shift, visible, scale = grads.p, grads.dp, grads.d_row, grads.shift, grads.visible, grads.scale
+    q4, k4, do4, visible, scale = grads.q, grads.k, grads.dout, grads.visible, grads.scale
     prob = grads.problem
-    zero = p.dtype.type(0)
+    zero = grads.p.dtype.type(0)
     grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
+    e, p_lse = _ds_floor(grads)
     with np.errstate(invalid="ignore", over="ignore"):
-        mag_dp = np.matmul(np.abs(do4), np.swapaxes(np.abs(v4), -1, -2))  # sum_x |dO_ix| |V_jx|
-        mag_d = (np.abs(do4) * np.abs(out4)).sum(axis=-1)  # sum_x |dO_ix| |O_ix|
-        p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], zero)  # P ulp(LSE)
-        e = np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]) + p_lse * np.abs(dp - d_row[..., None]),
-                     zero)
         if grads.mod_grad is not None:  # dS = dS' mod'(S) (L13): the floors of dS' carried through mod'
             e = np.where(visible, e * np.abs(grads.mod_grad), zero)
         # magnitudes: |scale|, so that a negative scale gives the same (non-negative) floor as its opposite
@@ -586,3 +595,59 @@ def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False,
     base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask,
                              p_dtype=p_dtype, score_mod=score_mod)
     return judge_backward(dq, dk, dv, base, name=name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The captured arrays' gradients of a score mod (proofs/L13, claim 4): the same 3x rule, entry by entry.
+
+
+@dataclass(frozen=True)
+class BaselineCaptured:
+    """The float64 gradients of a mod's captured arrays (None where one takes none) and their atols."""
+
+    expected: tuple
+    atols: tuple
+
+
+def baseline_captured(q, k, v, dout, *, score_mod, causal: bool = False, scale: float | None = None, mask=None,
+                      contractions=reference.CONTRACTIONS) -> BaselineCaptured:
+    """Reference gradients of score_mod's captured arrays and their tolerances: per array,
+
+        atol = 3 * err(naive float32) + rounding_floor(expected) + max_e sum_{p -> e} floor(dS'_p) |c_p|,
+
+    the gradients' rule applied to dC[e] = sum_{p -> e} dS'_p c_p (c_p: the pair's derivative of the mod with
+    respect to that entry): the naive float32 evaluations (`attention_backward_naive_f32`'s twin, summing in
+    float32 in the pairs' order) measure the rounding, and the floor carries the two recomputed quantities of
+    dS' (`_ds_floor`) through |c_p|, as `_recompute_floors` carries them into dq and dk."""
+    mod = mods.check_score_mod(score_mod)
+    if mod is None or mod.grad is None:
+        raise ValueError("score_mod must be a ScoreMod with its grad (the captured gradients come from dS')")
+    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=mod)
+    expected = grads.dcaptured
+    e, _ = _ds_floor(grads)
+    floors = mods.captured_gradients(mod, grads.s_raw, e, grads.visible, absolute=True)
+    del grads
+    naive = [reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, dtype=np.float32,
+                                      contraction=c, score_mod=mod).dcaptured for c in contractions]
+    atols = tuple(None if want is None else
+                  tolerance_backward(want, [n[t] for n in naive], _finite_max(floors[t]))
+                  for t, want in enumerate(expected))
+    return BaselineCaptured(tuple(expected), atols)
+
+
+def check_captured_gradients(dcaptured, q, k, v, dout, *, score_mod, causal: bool = False,
+                             scale: float | None = None, mask=None, name: str = "kernel",
+                             contractions=reference.CONTRACTIONS) -> tuple:
+    """Check a mod's captured gradients from any implementation against the float64 reference with the 3x
+    rule (`baseline_captured`); returns the errors (None where an array takes no gradient)."""
+    base = baseline_captured(q, k, v, dout, score_mod=score_mod, causal=causal, scale=scale, mask=mask,
+                             contractions=contractions)
+    if len(dcaptured) != len(base.expected):
+        raise AssertionError(f"{name}: {len(dcaptured)} captured gradients for {len(base.expected)} arrays")
+    errors = []
+    for t, (ours, want, atol) in enumerate(zip(dcaptured, base.expected, base.atols)):
+        if (ours is None) != (want is None):
+            raise AssertionError(f"{name} captured[{t}]: got {'None' if ours is None else 'a gradient'}, expected "
+                                 f"{'None' if want is None else 'a gradient'}")
+        errors.append(None if want is None else assert_close(ours, want, atol, name=f"{name} captured[{t}]"))
+    return tuple(errors)

@@ -208,15 +208,36 @@ def _compiles(f, types_key: tuple) -> str | None:
     return None
 
 
-def check_compiles(mod, *, backward: bool = False) -> None:
-    """ModCompileError if Numba cannot compile the mod's fn (and grad, for the backward) with the types a
-    kernel calls it with: score float32; b, h, i, j int64; the captured arrays as they are. Checked on the
-    CPU target, which compiles what a CUDA device function can and somewhat more (NumPy calls on arrays,
+def _index_pair(f, types_key: tuple, ndim: int) -> str | None:
+    """None if f's compiled result is (a tuple of ndim ints, a number), else what it is."""
+    import numba
+    from numba import types
+
+    arrays = tuple(types.Array(getattr(types, dtype), ndim_, "C") for dtype, ndim_ in types_key)
+    dispatcher = numba.njit(f)
+    dispatcher.compile((types.float32,) + (types.int64,) * 4 + arrays)
+    result = dispatcher.nopython_signatures[-1].return_type
+    ok = (isinstance(result, types.BaseTuple) and len(result) == 2 and isinstance(result[0], types.BaseTuple)
+          and len(result[0]) == ndim and all(isinstance(t, types.Integer) for t in result[0])
+          and isinstance(result[1], types.Number))
+    return None if ok else (f"it must return (a tuple of {ndim} ints, a number) for the kernels, returns {result} "
+                            "(a single int index: wrap it, (i,))")
+
+
+def check_compiles(mod, *, backward: bool = False, captured: bool = False) -> None:
+    """ModCompileError if Numba cannot compile the mod's fn (and grad, for the backward; and each captured_grad,
+    for the captured arrays' gradients, which must return (a tuple of one int per axis, a number)) with the
+    types a kernel calls it with: score float32; b, h, i, j int64; the captured arrays as they are. Checked on
+    the CPU target, which compiles what a CUDA device function can and somewhat more (NumPy calls on arrays,
     allocation): those few still fail on a GPU, at the kernel's compilation."""
     kmod = KernelMod.of(mod)
     functions = [("fn", mod.fn)] + ([("grad", mod.grad)] if backward else [])
+    if captured:
+        functions += [(f"captured_grad[{k}]", cg) for k, cg in enumerate(mod.captured_grad) if cg is not None]
     for what, f in functions:
         why = _compiles(f, kmod.captured)
+        if why is None and what.startswith("captured_grad"):
+            why = _index_pair(f, kmod.captured, kmod.captured[int(what[14:-1])][1])
         if why is not None:
             name = getattr(f, "__name__", type(f).__name__)
             raise ModCompileError(f"score_mod {mod.name}: Numba cannot compile {what} ({name}) into the kernels: "

@@ -251,7 +251,7 @@ def _entry(mod: ScoreMod, k: int, index, b, h, i, j) -> tuple[int, ...]:
 
 
 def captured_gradients(mod: ScoreMod, s: np.ndarray, ds_mod: np.ndarray, visible: np.ndarray,
-                       dtype=np.float64, *, origin=(0, 0)) -> tuple:
+                       dtype=np.float64, *, origin=(0, 0), absolute: bool = False) -> tuple:
     """The captured arrays' gradients: for each array with a captured_grad, an array like it in `dtype`,
 
         dcaptured[k][e] = sum over the visible pairs p = (b, h, i, j) with index_k(p) = e
@@ -260,7 +260,7 @@ def captured_gradients(mod: ScoreMod, s: np.ndarray, ds_mod: np.ndarray, visible
     summed in the fixed order (b, h, i, j) lexicographic, so bitwise repeatable; None for an array without one.
     s: the scores before the mod; ds_mod: dS' = d<dO, O> / d S' (the softmax's score gradient), both
     (B, H, rows, keys); visible, origin as in `scores` (a tile's part of the sum). Masked pairs are never
-    visited."""
+    visited. absolute=True sums |dS'_p| |derivative| instead (the magnitude a bound needs: tolerance's floors)."""
     out = []
     for k, cg in enumerate(mod.captured_grad):
         if cg is None:
@@ -275,6 +275,7 @@ def captured_gradients(mod: ScoreMod, s: np.ndarray, ds_mod: np.ndarray, visible
                                f"{result!r} at b={b}, h={h}, i={i}, j={j}")
             entry = _entry(mod, k, result[0], b, h, i, j)
             with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf where the inputs hold them
-                total[entry] += ds_mod[at] * _real(mod, what, result[1], b, h, i, j, dtype)
+                term = ds_mod[at] * _real(mod, what, result[1], b, h, i, j, dtype)
+                total[entry] += abs(term) if absolute else term
         out.append(total)
     return tuple(out)
