@@ -92,7 +92,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     `fa_numba.engines` says why). score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias,
     temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
     at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
-    CUDA-core kernels take it (every order), the tensor-core ones not yet (a ValueError).
+    CUDA-core kernels and the tensor-core forward take it (every order).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
@@ -123,7 +123,7 @@ def _check_mod(score_mod, prob, *, backward: bool = False):
 
 def _refuse_mma_mod(score_mod) -> None:
     if score_mod is not None:
-        raise ValueError(f"score_mod {score_mod.name}: the tensor-core kernels (engine='mma') do not take a score "
+        raise ValueError(f"score_mod {score_mod.name}: the tensor-core backward (engine='mma') does not take a score "
                          "mod yet; use engine='simt' (or 'auto')")
 
 
@@ -141,14 +141,14 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     if 0 in (prob.batch, prob.n_q, prob.n_k):
         causal, mask = shapes.check_mask(causal, mask)
         form = "causal" if causal else "none" if mask is None else mask.kernel_form()
-        if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":  # as for any size
-            _refuse_mma_mod(mods.check_score_mod(score_mod))
+        engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d)  # its errors, as for any size
+        mods.check_score_mod(score_mod)
         return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
     score_mod, kmod = _check_mod(score_mod, prob)
     if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
-        _refuse_mma_mod(score_mod)
-        return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order)
+        return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order,
+                                        score_mod, kmod)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -183,13 +183,13 @@ def _without_launch(call, shape, value: float):
         return call.output(cuda.to_device(host, stream=call.stream), shape)
 
 
-def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order):
+def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None):
     """attention(..., engine="mma"): the tensor-core kernel of `order` on the inputs' 16-bit bits."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
     warps, block_k = engines.mma_tiles(prob.d, block_q, block_k)
-    kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal)
+    kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod)
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     layout = tuple(q.shape[:-1])
@@ -198,7 +198,8 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
         bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]  # float16: the same 16 bits
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
-        kernel(*bits, out, lse, scale, stream=call.stream)
+        kernel(*bits, out, lse, scale, stream=call.stream,
+               captured=kernel_mods.device_arrays(score_mod, stream=call.stream))
         return call.output(out, layout + (prob.d,)), call.output(lse, layout)
 
 
@@ -250,7 +251,8 @@ def _saved_inputs(call, q, named: dict) -> tuple:
 
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                        order: str = "kv", deterministic: bool = False, block_q: int | None = None,
-                       block_k: int | None = None, mask=None, engine: str = "auto", score_mod=None):
+                       block_k: int | None = None, mask=None, engine: str = "auto", score_mod=None,
+                       captured_grads: bool = False):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
     q, k, v as for `attention`; out and lse are that forward's outputs (out like q, float32 or q's dtype;
@@ -274,9 +276,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     cores, as the forward's does (engines.py says why).
 
     score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13), the
-    mod and its derivative compiled into the CUDA-core kernels (every order; engine='mma' refuses it). The
-    gradients of its captured arrays are not computed by the kernels (`reference.attention_backward_mod`
-    gives them in float64).
+    mod and its derivative compiled into the CUDA-core kernels (every order; the tensor-core backward,
+    engine='mma', refuses it). The
+    gradients of its captured arrays come with captured_grads=True: (dq, dk, dv, dcaptured), dcaptured one
+    entry per captured array, a float64 NumPy array of its shape or None where it takes no gradient, computed
+    without atomics and bitwise repeatable (kernels/captured_grad.py: a research path, O(B H N_q N_k d)).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
@@ -303,13 +307,23 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         raise ValueError(f"order must be one of {BACKWARD_ORDERS}, got {order!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if not isinstance(captured_grads, (bool, np.bool_)):
+        raise TypeError(f"captured_grads must be a bool, got {type(captured_grads).__name__}")
+    if captured_grads and mods.check_score_mod(score_mod) is None:
+        raise ValueError("captured_grads=True needs a score_mod (the gradients of its captured arrays)")
     if deterministic and order != "kv":
         raise ValueError("deterministic=True is the K/V-outer order's mode (a Q-outer pass for dQ): use order='kv'")
     if empty:  # every gradient is a sum over no pair: zero (or empty)
         mods.check_score_mod(score_mod)
-        return tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
+        grads = tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
+        if captured_grads:
+            grads += (tuple(None if cg is None else np.zeros(a.shape) for a, cg in
+                            zip(score_mod.captured, score_mod.captured_grad)),)
+        return grads
     score_mod, kmod = _check_mod(score_mod, prob, backward=True)
     dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
+    if captured_grads:
+        kernel_mods.check_compiles(score_mod, captured=True)
     if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d) == "mma":
         _refuse_mma_mod(score_mod)
         return _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
@@ -343,8 +357,14 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
                      deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks, mod=kmod,
                      captured=captured)
-        return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
-                call.output(grad_v, tuple(v.shape)))
+        grads = (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
+                 call.output(grad_v, tuple(v.shape)))
+        if captured_grads:
+            from fa_numba.kernels import captured_grad
+
+            grads += (captured_grad.run(dq_, dk_, dv_, o_, do_, lse_, scale, score_mod, captured, causal=causal,
+                                        mask=blocks, stream=call.stream),)
+        return grads
 
 
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,

@@ -125,6 +125,48 @@ def test_every_mod_and_mask_on_every_backward_variant(variant, pair):
             np.testing.assert_array_equal(first, second)
 
 
+MMA_PAIRS = [(m, causal) for m in MODS for causal in (False, True)]
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("pair", range(len(MMA_PAIRS)), ids=[f"{m}-{'causal' if c else 'none'}" for m, c in MMA_PAIRS])
+def test_every_mod_on_the_tensor_core_forward(pair):
+    """The tensor-core forward (engine="mma") applies the mod on its S fragments: both orders in turn (every
+    mod meets both), float16 and bfloat16 in turn, against the rule with the mod and P's 16-bit rounding."""
+    mod_name, causal = MMA_PAIRS[pair]
+    order, kind = ("v2", "v1")[pair % 2], ("float16", "bfloat16")[(pair // 2) % 2]
+    q, k, v, _ = _inputs(20 + pair)
+    if kind == "bfloat16":
+        import ml_dtypes
+        cast = ml_dtypes.bfloat16
+    else:
+        cast = np.float16
+    q, k, v = (x.astype(cast) for x in (q, k, v))
+    mod = MODS[mod_name]
+    out, lse = fa_numba.attention(q, k, v, engine="mma", order=order, causal=causal, block_q=16, block_k=16,
+                                  return_lse=True, score_mod=mod)
+    tiles = dict(order="v1", block_q=16, block_k=16) if order == "v1" else {}
+    tolerance.check_attention(out, lse, *(x.astype(np.float32) for x in (q, k, v)), causal=causal, score_mod=mod,
+                              p_dtype=kind, name=f"{order}-mma {kind} {mod_name}", **tiles)
+
+
+@pytest.mark.parametrize("order", ["v1", "v2"])
+def test_the_tensor_core_exact_path_applies_the_mod(order):
+    """A PARTIAL tile whose V holds a NaN (at the last key, which the causal mask hides from every row but the
+    last) takes the CUDA-core P V (`exact_pv`), which recomputes the weights: with the mod too, so every row
+    stays within the rule and only the last one is NaN."""
+    q, k, v, _ = _inputs(30)
+    q, k, v = (x[:1, :, :N_K].astype(np.float16) for x in (q, k, v))
+    v[0, :, N_K - 1, 0] = np.nan
+    mod = MODS["softcap"]
+    out, lse = fa_numba.attention(q, k, v, engine="mma", order=order, causal=True, block_q=16, block_k=16,
+                                  return_lse=True, score_mod=mod)
+    assert np.isnan(out[0, :, N_K - 1, 0]).all() and np.isfinite(out[0, :, :N_K - 1]).all()
+    tiles = dict(order="v1", block_q=16, block_k=16) if order == "v1" else {}
+    tolerance.check_attention(out, lse, *(x.astype(np.float32) for x in (q, k, v)), causal=True, score_mod=mod,
+                              p_dtype="float16", **tiles)
+
+
 def _identity(score, b, h, i, j):
     return score
 
@@ -247,9 +289,10 @@ def test_what_the_kernels_refuse_is_named():
     out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, score_mod=forward_only)
     with pytest.raises(ValueError, match="score_mod forward_only has no grad"):
         fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=forward_only)
-    half = tuple(x.astype(np.float16) for x in (q, k, v))
-    with pytest.raises(ValueError, match="score_mod alibi: the tensor-core kernels"):
-        fa_numba.attention(*half, engine="mma", score_mod=MODS["alibi"])
+    half = tuple(x.astype(np.float16) for x in (q, k, v, dout))
+    out16, lse16 = fa_numba.attention(*half[:3], engine="mma", return_lse=True, score_mod=MODS["alibi"])
+    with pytest.raises(ValueError, match="score_mod alibi: the tensor-core backward"):
+        fa_numba.attention_backward(*half[:3], out16, lse16, half[3], engine="mma", score_mod=MODS["alibi"])
     many = mods.ScoreMod(_identity_many, name="many", captured=(np.zeros(1),) * (MAX_CAPTURED + 1))
     with pytest.raises(ValueError, match=f"at most {MAX_CAPTURED} captured arrays"):
         fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=many)
@@ -325,3 +368,77 @@ def test_a_mod_that_is_gone_or_meets_a_per_head_mask_is_a_clear_error():
     per_head = torch.rand(H, N_Q, N_K) < 0.7
     with pytest.raises(ValueError, match="score_mod softcap with a mask that differs by batch or head"):
         fa.attention(q, k, v, mask=per_head, score_mod=MODS["softcap"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The captured arrays' gradients (kernels/captured_grad.py): no atomics, bitwise repeatable.
+
+_DIFFERENTIABLE = [m for m in MODS if any(cg is not None for cg in MODS[m].captured_grad)]
+# two masks per mod, taken in turn: every mask form meets several mods
+CAPTURED_PAIRS = [(m, list(MASKS)[(2 * n + t) % len(MASKS)]) for n, m in enumerate(_DIFFERENTIABLE) for t in (0, 1)]
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("pair", range(len(CAPTURED_PAIRS)), ids=[f"{m}-{k}" for m, k in CAPTURED_PAIRS])
+def test_captured_gradients_against_the_rule(pair):
+    """Every mod with a differentiable captured array (ALiBi's slopes, softcap's cap, the relative table,
+    the temperature, a user's key bias) against the float64 reference with the 3x rule."""
+    mod_name, mask_name = CAPTURED_PAIRS[pair]
+    q, k, v, dout = _inputs(40 + pair)
+    mod, mask = MODS[mod_name], MASKS[mask_name]
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, mask=mask, score_mod=mod)
+    *_, dcaptured = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, mask=mask, score_mod=mod,
+                                                captured_grads=True)
+    tolerance.check_captured_gradients(dcaptured, q, k, v, dout, score_mod=mod, mask=mask,
+                                       name=f"{mod_name} {mask_name}")
+
+
+def test_captured_gradients_are_bitwise_repeatable_and_independent_of_the_chunking(monkeypatch):
+    from fa_numba.kernels import captured_grad
+
+    q, k, v, dout = _inputs(50)
+    mod = MODS["relative_bias"]
+    out, lse = fa_numba.attention(q, k, v, causal=True, block_q=TILE, block_k=TILE, return_lse=True, score_mod=mod)
+    run = dict(causal=True, block_q=TILE, score_mod=mod, captured_grads=True)
+    first = fa_numba.attention_backward(q, k, v, out, lse, dout, **run)[3]
+    again = fa_numba.attention_backward(q, k, v, out, lse, dout, **run)[3]
+    size = mod.captured[0].size
+    monkeypatch.setattr(captured_grad, "WORKSPACE_BYTES", 8 * size * 10)  # 10 rows a chunk: 11 chunks here
+    chunked = fa_numba.attention_backward(q, k, v, out, lse, dout, **run)[3]
+    for x in (again, chunked):
+        np.testing.assert_array_equal(x[0], first[0])
+        assert x[1] is None
+
+
+def _outside(score, b, h, i, j, bias):
+    return (h, j + 1), 1.0  # j + 1 = N_k for the last key: past the table
+
+
+def _bare(score, b, h, i, j, slopes):
+    return h, 1.0  # a bare int index: the reference takes it, the kernels need (h,)
+
+
+def test_captured_gradient_errors_are_named():
+    q, k, v, dout = _inputs(51)
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True)
+    outside = mods.ScoreMod(_key_bias_fn, _one_grad, (_outside,), "outside", (np.zeros((H, N_K)),), ("bias",))
+    with pytest.raises(mods.ModError, match=r"score_mod outside: captured_grad\[0\] \(bias\) returned an index "
+                                            r"outside shape \(4, 11\)"):
+        fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=outside, captured_grads=True)
+    bare = mods.ScoreMod(_alibi_fn, _one_grad, (_bare,), "bare", (np.zeros(H),))
+    with pytest.raises(ModCompileError, match=r"captured_grad\[0\].*a single int index: wrap it"):
+        fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=bare, captured_grads=True)
+    with pytest.raises(ValueError, match="captured_grads=True needs a score_mod"):
+        fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, captured_grads=True)
+
+
+def _key_bias_fn(score, b, h, i, j, bias):
+    return score + bias[h, j]
+
+
+def _alibi_fn(score, b, h, i, j, slopes):
+    return score + slopes[h] * (j - i)
+
+
+def _one_grad(score, b, h, i, j, captured):
+    return 1.0
