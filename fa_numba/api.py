@@ -92,7 +92,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     `fa_numba.engines` says why). score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias,
     temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
     at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
-    CUDA-core kernels and the tensor-core forward take it (every order).
+    CUDA-core kernels and the tensor-core ones take it (every order).
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
@@ -119,12 +119,6 @@ def _check_mod(score_mod, prob, *, backward: bool = False):
     kmod = kernel_mods.KernelMod.of(score_mod)
     kernel_mods.check_compiles(score_mod, backward=backward)
     return score_mod, kmod
-
-
-def _refuse_mma_mod(score_mod) -> None:
-    if score_mod is not None:
-        raise ValueError(f"score_mod {score_mod.name}: the tensor-core backward (engine='mma') does not take a score "
-                         "mod yet; use engine='simt' (or 'auto')")
 
 
 def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod=None):
@@ -276,8 +270,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     cores, as the forward's does (engines.py says why).
 
     score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13), the
-    mod and its derivative compiled into the CUDA-core kernels (every order; the tensor-core backward,
-    engine='mma', refuses it). The
+    mod and its derivative compiled into the kernels (every order, both engines). The
     gradients of its captured arrays come with captured_grads=True: (dq, dk, dv, dcaptured), dcaptured one
     entry per captured array, a float64 NumPy array of its shape or None where it takes no gradient, computed
     without atomics and bitwise repeatable (kernels/captured_grad.py: a research path, O(B H N_q N_k d)).
@@ -325,9 +318,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
     if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d) == "mma":
-        _refuse_mma_mod(score_mod)
-        return _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
-                                       block_q, block_k, dtype)
+        grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
+                                        block_q, block_k, dtype, score_mod, kmod)
+        if captured_grads:  # the CUDA-core pair kernels, on the float32 view of the same inputs
+            grads += (_captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask),)
+        return grads
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     block = backward.default_backward_tiles(prob.d)[0]
@@ -367,8 +362,22 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         return grads
 
 
+def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask):
+    """The captured arrays' gradients (kernels/captured_grad.py) of a call the tensor-core backward ran."""
+    from fa_numba.kernels import captured_grad
+
+    with backend.explain_driver_errors(), backend.serialised(), call.context():
+        q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device)
+                               for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
+        lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
+        captured = kernel_mods.device_arrays(score_mod, stream=call.stream)
+        blocks = kernel_mask(mask, prob.n_q, prob.n_k, 16, 16) if mask is not None else None
+        return captured_grad.run(q_, k_, v_, o_, do_, lse_, scale, score_mod, captured, causal=causal, mask=blocks,
+                                 stream=call.stream)
+
+
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
-                            kind):
+                            kind, score_mod=None, kmod=None):
     """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
     16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are)."""
     from fa_numba.kernels.mma import backward as mma_backward
@@ -380,7 +389,7 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None:
             shapes.check_block(name, size)
-    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k)  # tiles checked before copies
+    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k, kmod)  # tiles, before copies
     for kernel, side in plan:
         kernel.check_grid(prob.batch, *((prob.heads, prob.n_q) if side == "q" else (prob.heads_kv, prob.n_k)))
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
@@ -393,6 +402,7 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
         grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
         mma_backward.run(q_, k_, v_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, kind=kind, causal=causal,
-                         deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream)
+                         deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream, mod=kmod,
+                         captured=kernel_mods.device_arrays(score_mod, stream=call.stream))
         return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
                 call.output(grad_v, tuple(v.shape)))

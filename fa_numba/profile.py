@@ -329,8 +329,6 @@ def _build(cfg: dict):
 
     form = cfg.get("mask_form", "none")  # a block mask's "intervals" / "dense" path, when asked for
     mod = kernel_mod(cfg.get("score_mod"))  # a built-in score mod compiled in (the CUDA-core kernels only)
-    if mod is not None and cfg["variant"] in whole_kernel.MMA_KERNELS:
-        raise ValueError(f"{cfg['variant']}: the tensor-core kernels take no score mod yet")
     if cfg["variant"] in whole_kernel.MMA_BACKWARD:
         from fa_numba.kernels.mma import backward as mma_backward
 
@@ -339,7 +337,7 @@ def _build(cfg: dict):
         role = "dq" if cfg["variant"] == "bwd-dq-mma" else "kv"
         warps = (cfg["block_k"] if role == "kv" else cfg["block_q"]) // 16
         return mma_backward.make(role, cfg["dtype"], warps, cfg["block_q"], cfg["block_k"], cfg["head_dim"],
-                                 cfg["causal"], cfg["variant"] == "bwd-kv-mma-det")
+                                 cfg["causal"], cfg["variant"] == "bwd-kv-mma-det", mod=mod)
     if cfg["variant"] in whole_kernel.MMA_VARIANTS:
         from fa_numba.kernels.mma.engine_v1 import make_v1_mma
         from fa_numba.kernels.mma.engine_v2 import make_v2_mma
@@ -347,7 +345,7 @@ def _build(cfg: dict):
         if form != "none":
             raise ValueError(f"{cfg['variant']} has no block-mask path (mask_form {form!r})")
         make = make_v1_mma if cfg["variant"] == "v1-mma" else make_v2_mma
-        return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"])
+        return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"], mod=mod)
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
         return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form, mod)
@@ -430,8 +428,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=arguments.positive, default=os.cpu_count() or 1,
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
     p.add_argument("--score-mod", choices=SCORE_MODS, default=None,
-                   help="compile this built-in score mod into the CUDA-core kernels (the tensor-core ones take none "
-                        "and are left out); default: none")
+                   help="compile this built-in score mod into every kernel profiled (default: none)")
     p.add_argument("--no-estimate", action="store_true",
                    help="skip the whole-kernel estimate, which traces one block of each kernel in the simulator "
                         "(default: off, the estimate is computed; traced wavefronts are cached)")
@@ -465,11 +462,8 @@ def main(argv=None) -> int:
     causals = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
     launch = dict(batch=args.batch, heads=args.heads, n=args.n)
     configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
-    if args.score_mod:  # the CUDA-core kernels with the mod compiled in; the tensor-core ones take none
-        configs = [dict(c, score_mod=args.score_mod) for c in configs if c["variant"] not in whole_kernel.MMA_KERNELS]
-        if not configs:
-            parser().error("argument --score-mod: no CUDA-core kernel among --orders (the tensor-core ones take no "
-                           "score mod)")
+    if args.score_mod:  # every kernel with the mod compiled in
+        configs = [dict(c, score_mod=args.score_mod) for c in configs]
     start = time.perf_counter()
     tracing = None if args.no_estimate else start_wavefronts(configs)  # in the simulator, while we compile
     jobs = max(1, min(args.jobs, len(configs)))

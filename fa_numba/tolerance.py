@@ -494,7 +494,8 @@ def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[f
         term_dk = |scale| max_{j,x} sum_{h in group} sum_i (u16 |dS_ij| + eta16) |Q_ix|,
         term_dq = |scale| max_{i,x} sum_j (u16 |dS_ij| + eta16) |K_jx|.
 
-    Unlike the forward's (`p_rounding_term`) eta16 has no factor: P is already normalised when it is rounded,
+    With a score mod, P is exp(mod(S) - LSE) and the rounded dS is dS' mod'(S) (proofs/L13), what such a kernel
+    rounds. Unlike the forward's (`p_rounding_term`) eta16 has no factor: P is already normalised when it is rounded,
     and a dS far below the type's normal range (tiny dO) is rounded to its subnormals with this absolute error.
     """
     _p_rounding(p_dtype)  # a bad p_dtype is a ValueError naming it
@@ -503,6 +504,8 @@ def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[f
     grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
     with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
         ds = np.where(visible, p * (dp - d_row[..., None]), p.dtype.type(0))  # dS, 0 off the visible pairs
+        if grads.mod_grad is not None:  # with a score mod the rounded operand is dS = dS' mod'(S) (proofs/L13)
+            ds = np.where(visible, ds * grads.mod_grad, p.dtype.type(0))
         term_dq = abs(grads.scale) * _rounded_operand_bound(ds, k4, visible, p_dtype)
         term_dk = (abs(grads.scale) * _rounded_operand_bound(np.swapaxes(ds, -1, -2), q4, visible.T, p_dtype)
                    ).reshape(grouped).sum(axis=2)
@@ -560,13 +563,11 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
     score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it
     (the mod and its derivative on float32 scalars, each rounded to float32 once, as the kernels evaluate
     them), and the recomputation floors carry |mod'(S)| (`_recompute_floors`; proofs/L13, the kernels).
-    The 16-bit terms (p_dtype) are not derived with a mod: both together are a ValueError.
+    With both, the 16-bit terms round P = exp(mod(S) - LSE) and dS = dS' mod'(S), what a tensor-core backward
+    with the mod rounds (`grad_rounding_terms`).
     """
     if p_dtype is not None:
         _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
-        if score_mod is not None:
-            raise ValueError("p_dtype and score_mod together: the 16-bit rounding terms are not derived with a "
-                             "score mod (no tensor-core kernel takes one)")
     grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
     ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
     terms = (0.0, 0.0, 0.0) if p_dtype is None else grad_rounding_terms(grads, p_dtype)

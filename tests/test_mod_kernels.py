@@ -167,6 +167,49 @@ def test_the_tensor_core_exact_path_applies_the_mod(order):
                               p_dtype="float16", **tiles)
 
 
+# (mod, deterministic, causal): every mod, both modes, both masks across the four (the simulator's warp
+# emulation makes each case tens of seconds: the slow tier runs all eight combinations per mod)
+MMA_BACKWARD_CASES = [("alibi", True, True), ("softcap", False, False), ("key_bias", False, True),
+                      ("decay", True, False)]
+MMA_BACKWARD_SLOW = [(m, d, c) for m in ("alibi", "softcap", "key_bias", "decay") for d in (False, True)
+                     for c in (False, True) if (m, d, c) not in MMA_BACKWARD_CASES]
+
+
+def _case_id(case):
+    return f"{case[0]}-{'det' if case[1] else 'atomic'}-{'causal' if case[2] else 'none'}"
+
+
+@pytest.mark.lemma("L13")
+@pytest.mark.parametrize("case", MMA_BACKWARD_CASES, ids=[_case_id(c) for c in MMA_BACKWARD_CASES])
+def test_mods_on_the_tensor_core_backward(case):
+    _mma_backward_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MMA_BACKWARD_SLOW, ids=[_case_id(c) for c in MMA_BACKWARD_SLOW])
+def test_mods_on_the_tensor_core_backward_every_combination(case):
+    _mma_backward_case(*case, repeat=True)
+
+
+def _mma_backward_case(mod_name, deterministic, causal, repeat=False):
+    """The tensor-core backward (engine="mma", atomic and deterministic) with P = exp(mod(S) - LSE) and dS = dS'
+    mod'(S) on its fragments, both rounded to 16 bits, against the rule with the mod and those roundings;
+    repeat: the deterministic mode twice, bitwise equal."""
+    q, k, v, dout = (x[:1].astype(np.float16) for x in _inputs(60))
+    mod = MODS[mod_name]
+    out, lse = fa_numba.attention(q, k, v, engine="mma", causal=causal, block_q=16, block_k=16, return_lse=True,
+                                  score_mod=mod)
+    grads = fa_numba.attention_backward(q, k, v, out, lse, dout, engine="mma", deterministic=deterministic,
+                                        causal=causal, score_mod=mod)
+    tolerance.check_attention_backward(*grads, *(x.astype(np.float32) for x in (q, k, v, dout)), causal=causal,
+                                       score_mod=mod, p_dtype="float16", name=f"bwd-mma {mod_name}")
+    if deterministic and repeat:
+        again = fa_numba.attention_backward(q, k, v, out, lse, dout, engine="mma", deterministic=True,
+                                            causal=causal, score_mod=mod)
+        for first, second in zip(grads, again):
+            np.testing.assert_array_equal(first, second)
+
+
 def _identity(score, b, h, i, j):
     return score
 
@@ -289,10 +332,6 @@ def test_what_the_kernels_refuse_is_named():
     out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, score_mod=forward_only)
     with pytest.raises(ValueError, match="score_mod forward_only has no grad"):
         fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=forward_only)
-    half = tuple(x.astype(np.float16) for x in (q, k, v, dout))
-    out16, lse16 = fa_numba.attention(*half[:3], engine="mma", return_lse=True, score_mod=MODS["alibi"])
-    with pytest.raises(ValueError, match="score_mod alibi: the tensor-core backward"):
-        fa_numba.attention_backward(*half[:3], out16, lse16, half[3], engine="mma", score_mod=MODS["alibi"])
     many = mods.ScoreMod(_identity_many, name="many", captured=(np.zeros(1),) * (MAX_CAPTURED + 1))
     with pytest.raises(ValueError, match=f"at most {MAX_CAPTURED} captured arrays"):
         fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=many)

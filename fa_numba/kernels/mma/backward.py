@@ -59,6 +59,8 @@ import numpy as np
 
 from numba import cuda, float32, uint16, uint32
 
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, tuple_type
+
 from fa_numba import backend, warp
 from fa_numba.kernels.common import ZERO, check_grid, check_sequence
 from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, PaddedRows, make_ops
@@ -92,6 +94,7 @@ class MmaBackwardConfig(PaddedRows):
     causal: bool
     deterministic: bool = False  # kv only: leave dQ to the dq kernel
     async_copy: bool = False
+    mod: KernelMod | None = None  # a score mod with its grad (kernels.score_mod), on the S and dS fragments
 
     @property
     def ds_stride(self) -> int:
@@ -231,6 +234,8 @@ def kv_source(config: MmaBackwardConfig):
     visible = _visible(CAUSAL)
     exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)
     write_rows = _row_writer(D, DN)
+    MOD = config.mod is not None
+    modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
 
     @cuda.jit(device=True, inline=True)
     def store_rows(sds, x, wid, g, t):
@@ -279,7 +284,7 @@ def kv_source(config: MmaBackwardConfig):
             if row < n_q and x < D:
                 cuda.atomic.add(dq, (b, h, row, x), scale * d4[e])
 
-    def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale):
+    def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale, captured):
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
         sq = cuda.shared.array(Q_SIZE, uint16)
@@ -365,8 +370,13 @@ def kv_source(config: MmaBackwardConfig):
                         col = 8 * nt + 2 * t + (e & 1)
                         p, ds = ZERO, ZERO
                         if not masked or visible(r0 + col, key0 + 8 * (e >> 1), n_q, n_k, delta):
-                            p = math.exp(scale * d4[e] - slse[col])
-                            ds = p * (e4[e] - sd[col])
+                            x = scale * d4[e]
+                            if MOD:  # P = exp(mod(S) - LSE), dS = P (dP - D) mod'(S) (proofs/L13)
+                                p = math.exp(modded(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured) - slse[col])
+                                ds = p * (e4[e] - sd[col]) * slope(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured)
+                            else:
+                                p = math.exp(x - slse[col])
+                                ds = p * (e4[e] - sd[col])
                         s[nt, e] = p
                         dp[nt, e] = ds
 
@@ -427,8 +437,10 @@ def dq_source(config: MmaBackwardConfig):
     exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
     write_rows = _row_writer(D, DN)
     Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
+    MOD = config.mod is not None
+    modded, slope = apply_fn(config.mod), apply_grad(config.mod)
 
-    def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale):
+    def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
         sdo = cuda.shared.array(Q_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
@@ -498,8 +510,14 @@ def dq_source(config: MmaBackwardConfig):
                     row = row0 + 8 * (e >> 1)
                     ds = ZERO
                     if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta):
-                        p = math.exp(scale * d4[e] - (lse0 if e < 2 else lse1))
-                        ds = p * (e4[e] - (d0 if e < 2 else d1))
+                        x = scale * d4[e]
+                        if MOD:  # as in the kv kernel (proofs/L13)
+                            key = c0 + 8 * nt + 2 * t + (e & 1)
+                            p = math.exp(modded(x, b, h, row, key, captured) - (lse0 if e < 2 else lse1))
+                            ds = p * (e4[e] - (d0 if e < 2 else d1)) * slope(x, b, h, row, key, captured)
+                        else:
+                            p = math.exp(x - (lse0 if e < 2 else lse1))
+                            ds = p * (e4[e] - (d0 if e < 2 else d1))
                     dp[nt, e] = ds
             if guard:  # the warp's own rows of sds
                 for nt in range(NT):
@@ -551,9 +569,10 @@ class MmaBackwardKernel:
             raise ValueError(f"dtype must be {self.config.kind!r} for this kernel (compiled for it), got {dtype!r}")
         bits = types.Array(types.uint16, 4, "C")
         grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+        captured = tuple_type(self.config.mod)
         if self.config.role == "kv":
-            return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32)
-        return (bits, bits, bits, bits, stat, stat, grad, float32)
+            return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32, captured)
+        return (bits, bits, bits, bits, stat, stat, grad, float32, captured)
 
     @property
     def inner_trips(self) -> int | None:
@@ -568,16 +587,19 @@ class MmaBackwardKernel:
 
 @functools.lru_cache(maxsize=None)
 def make(role: str, kind: str, warps: int, block_q: int, block_k: int, head_dim: int, causal: bool,
-         deterministic: bool = False, async_copy: bool | None = None) -> MmaBackwardKernel:
+         deterministic: bool = False, async_copy: bool | None = None, mod: KernelMod | None = None
+         ) -> MmaBackwardKernel:
     """One tensor-core backward kernel, built once per configuration. async_copy (default: where d % 8 == 0)
-    stages tiles by cp.async; `run` takes the plain-load kernel for inputs not 16-byte aligned."""
+    stages tiles by cp.async; `run` takes the plain-load kernel for inputs not 16-byte aligned. mod: a score
+    mod with its grad, or None."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
     return MmaBackwardKernel(MmaBackwardConfig(role, kind, warps, block_q, block_k, head_dim, bool(causal),
-                                               bool(deterministic) and role == "kv", bool(async_copy)))
+                                               bool(deterministic) and role == "kv", bool(async_copy), mod))
 
 
-def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=None, block_k=None) -> list:
+def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=None, block_k=None,
+         mod: KernelMod | None = None) -> list:
     """The tensor-core kernels one backward call launches after `preprocess`, each with the side its grid
     spans: [kv] or, deterministic, [kv without dQ, dq]. Tiles: both None, each kernel's DEFAULTS; otherwise
     (the missing one from kv's defaults) kv takes B_r = block_q, B_c = block_k (block_k / 16 warps) and the dq
@@ -590,10 +612,10 @@ def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=No
                              f"got {size}")
     bk = bk if block_k is None else block_k
     bq = bq if block_q is None else block_q
-    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic), "kv")]
+    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic, mod=mod), "kv")]
     if deterministic:
         w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", head_dim)
-        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal), "q"))
+        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal, mod=mod), "q"))
     return kernels
 
 
@@ -604,16 +626,17 @@ def _aligned(*arrays) -> bool:
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deterministic=False, block_q=None,
-        block_k=None, stream=0) -> None:
+        block_k=None, stream=0, mod: KernelMod | None = None, captured=NO_CAPTURED) -> None:
     """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the
     uint16 bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); dq
-    (B, H, N_q, d), dk, dv (B, H_kv, N_k, d) float32 outputs, dvec (B, H, N_q) float32 workspace for D."""
+    (B, H, N_q, d), dk, dv (B, H_kv, N_k, d) float32 outputs, dvec (B, H, N_q) float32 workspace for D; mod
+    and captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's."""
     from fa_numba.kernels import backward as simt
 
     batch, heads, n_q, d = q.shape
     heads_kv, n_k = k.shape[1], k.shape[2]
     check_sequence(n_q, n_k)
-    kernels = plan(kind, d, causal, deterministic, block_q, block_k)
+    kernels = plan(kind, d, causal, deterministic, block_q, block_k, mod)
     for kernel, side in kernels:
         kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
     bits = [x.view(np.uint16) if np.dtype(x.dtype) == np.float16 else x for x in (q, k, v, dout)]
@@ -627,11 +650,11 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deter
         c = kernel.config
         if c.async_copy and not aligned:  # cp.async needs 16-byte rows
             kernel = make(c.role, c.kind, c.warps, c.block_q, c.block_k, c.head_dim, c.causal, c.deterministic,
-                          async_copy=False)
+                          async_copy=False, mod=c.mod)
         grid, block = kernel.launch_shape(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
         args = (*bits, lse, dvec, dq, dk, dv, scale) if c.role == "kv" else (*bits, lse, dvec, dq, scale)
         with backend.serialised(block[0]):
-            kernel.kernel[grid, block, stream](*args)
+            kernel.kernel[grid, block, stream](*args, tuple(captured))
 
 
 __all__ = ["DEFAULTS", "MmaBackwardConfig", "MmaBackwardKernel", "default_tiles", "dq_source", "kv_source", "make",
