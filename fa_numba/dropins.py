@@ -36,7 +36,7 @@ import hashlib
 import numpy as np
 import torch
 
-from fa_numba import autograd, masks
+from fa_numba import autograd, masks, torch_ops
 from fa_numba.mods import conventions
 
 _MOD_CACHE: "collections.OrderedDict" = collections.OrderedDict()  # value -> ScoreMod, the latest CACHED_MODS
@@ -121,16 +121,9 @@ def _additive(query, key, attn_mask):
         raise ValueError("attn_mask: a float mask that requires grad is not supported (no gradient reaches it)")
     lead, n_q, n_k = tuple(query.shape[:-2]), query.shape[-2], key.shape[-2]
     full = lead + (n_q, n_k)
-    try:
-        fits = attn_mask.dim() <= len(full) and torch.broadcast_shapes(tuple(attn_mask.shape), full) == full
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"attn_mask must be broadcastable to {full} (query's axes before d, then S), got "
-                         f"{tuple(attn_mask.shape)}")
+    aligned = torch_ops.aligned_mask("attn_mask", attn_mask, full, "query's axes before d, then S")
     heads = lead[-1] if lead else 1
     batch = int(np.prod(lead[:-1])) if len(lead) > 1 else 1
-    aligned = attn_mask.reshape((1,) * (len(full) - attn_mask.dim()) + tuple(attn_mask.shape))  # full's rank
     per_batch = any(n != 1 for n in aligned.shape[:-3])
     if per_batch:
         aligned = aligned.expand(lead[:-1] + tuple(aligned.shape[-3:]))

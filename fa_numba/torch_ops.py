@@ -198,6 +198,18 @@ def mask_arguments(mask, q_shape, n_k: int) -> tuple[str, Optional[Tensor]]:
     return "", _evaluate(mask, q_shape[-2], n_k)
 
 
+def aligned_mask(name: str, mask: Tensor, full: tuple, axes: str) -> Tensor:
+    """mask with leading axes of 1 added up to full's rank, or a ValueError naming `name` if it does not
+    broadcast to `full` (axes: what full's axes are, for the message)."""
+    try:
+        fits = mask.dim() <= len(full) and torch.broadcast_shapes(tuple(mask.shape), full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} must be broadcastable to {full} ({axes}), got {tuple(mask.shape)}")
+    return mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
+
+
 def _bool_mask(mask: Tensor, lead: tuple, n_q: int, n_k: int) -> Tensor:
     """A bool mask broadcastable to lead + (N_q, N_k), lead = q.shape[:-2] (its batch axes, then H), as
     (N_q, N_k) when no batch or head axis tells slices apart, else (B_m, H_m, N_q, N_k) with B_m in {1, B},
@@ -207,14 +219,7 @@ def _bool_mask(mask: Tensor, lead: tuple, n_q: int, n_k: int) -> Tensor:
                         "float mask added to the scores is a score modification: pass it to fa_numba.sdpa as "
                         "attn_mask, or as score_mod=fa_numba.mods.conventions.additive(...)")
     full = tuple(lead) + (n_q, n_k)
-    try:
-        fits = mask.dim() <= len(full) and torch.broadcast_shapes(tuple(mask.shape), full) == full
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"mask must be broadcastable to {full} (q's axes before d, then N_k), got "
-                         f"{tuple(mask.shape)}")
-    aligned = mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
+    aligned = aligned_mask("mask", mask, full, "q's axes before d, then N_k")
     per_batch = any(n != 1 for n in aligned.shape[:-3])
     per_head = len(lead) >= 1 and aligned.shape[-3] != 1
     if not (per_batch or per_head):
