@@ -72,7 +72,7 @@ def _inputs(seed=0, dtype=np.float32):
     return q, k, v, dout
 
 
-def _forward_case(order, mod_name, mask_name):
+def _check_forward(order, mod_name, mask_name):
     q, k, v, _ = _inputs()
     mod, mask = MODS[mod_name], MASKS[mask_name]
     out, lse = fa_numba.attention(q, k, v, order=order, block_q=TILE, block_k=TILE, return_lse=True, mask=mask,
@@ -85,17 +85,17 @@ def _forward_case(order, mod_name, mask_name):
 @pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
 def test_every_mod_and_mask_on_a_forward_order(pair):
     mod_name, mask_name = PAIRS[pair]  # every order meets every mask (and every mod) across the pairs
-    _forward_case(SIMT_VARIANTS[(pair + pair // len(MASKS)) % len(SIMT_VARIANTS)], mod_name, mask_name)
+    _check_forward(SIMT_VARIANTS[(pair + pair // len(MASKS)) % len(SIMT_VARIANTS)], mod_name, mask_name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("order", SIMT_VARIANTS)
 @pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
 def test_every_mod_and_mask_on_every_forward_order(order, pair):
-    _forward_case(order, *PAIRS[pair])
+    _check_forward(order, *PAIRS[pair])
 
 
-def _backward_case(variant, mod_name, mask_name):
+def _check_backward(variant, mod_name, mask_name):
     order, deterministic = variant
     q, k, v, dout = _inputs(1)
     mod, mask = MODS[mod_name], MASKS[mask_name]
@@ -111,16 +111,16 @@ def _backward_case(variant, mod_name, mask_name):
 @pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
 def test_every_mod_and_mask_on_a_backward_variant(pair):
     mod_name, mask_name = PAIRS[pair]  # 3 variants against 4 masks: every variant meets every mask
-    _backward_case(BACKWARD_VARIANTS[pair % len(BACKWARD_VARIANTS)], mod_name, mask_name)
+    _check_backward(BACKWARD_VARIANTS[pair % len(BACKWARD_VARIANTS)], mod_name, mask_name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", BACKWARD_VARIANTS, ids=["kv", "kv-deterministic", "q"])
 @pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
 def test_every_mod_and_mask_on_every_backward_variant(variant, pair):
-    grads = _backward_case(variant, *PAIRS[pair])
+    grads = _check_backward(variant, *PAIRS[pair])
     if variant == ("kv", True):  # the deterministic mode stays bitwise repeatable with a mod
-        again = _backward_case(variant, *PAIRS[pair])
+        again = _check_backward(variant, *PAIRS[pair])
         for first, second in zip(grads, again):
             np.testing.assert_array_equal(first, second)
 
@@ -182,16 +182,16 @@ def _case_id(case):
 @pytest.mark.lemma("L13")
 @pytest.mark.parametrize("case", MMA_BACKWARD_CASES, ids=[_case_id(c) for c in MMA_BACKWARD_CASES])
 def test_mods_on_the_tensor_core_backward(case):
-    _mma_backward_case(*case)
+    _check_mma_backward(*case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", MMA_BACKWARD_SLOW, ids=[_case_id(c) for c in MMA_BACKWARD_SLOW])
 def test_mods_on_the_tensor_core_backward_every_combination(case):
-    _mma_backward_case(*case, repeat=True)
+    _check_mma_backward(*case, repeat=True)
 
 
-def _mma_backward_case(mod_name, deterministic, causal, repeat=False):
+def _check_mma_backward(mod_name, deterministic, causal, repeat=False):
     """The tensor-core backward (engine="mma", atomic and deterministic) with P = exp(mod(S) - LSE) and dS = dS'
     mod'(S) on its fragments, both rounded to 16 bits, against the rule with the mod and those roundings;
     repeat: the deterministic mode twice, bitwise equal."""
