@@ -107,11 +107,17 @@ def _check_backward(variant, mod_name, mask_name):
     return grads
 
 
+# the default tier: each mod once, the masks and the variants taken in turn (every mask and every variant met)
+BACKWARD_DEFAULT = [(m, list(MASKS)[n % len(MASKS)], BACKWARD_VARIANTS[n % len(BACKWARD_VARIANTS)])
+                    for n, m in enumerate(MODS)]
+
+
 @pytest.mark.lemma("L13")
-@pytest.mark.parametrize("pair", range(len(PAIRS)), ids=[f"{m}-{k}" for m, k in PAIRS])
-def test_every_mod_and_mask_on_a_backward_variant(pair):
-    mod_name, mask_name = PAIRS[pair]  # 3 variants against 4 masks: every variant meets every mask
-    _check_backward(BACKWARD_VARIANTS[pair % len(BACKWARD_VARIANTS)], mod_name, mask_name)
+@pytest.mark.parametrize("case", BACKWARD_DEFAULT, ids=[f"{m}-{k}-{v[0]}{'-det' if v[1] else ''}"
+                                                        for m, k, v in BACKWARD_DEFAULT])
+def test_every_mod_on_a_backward_variant(case):
+    mod_name, mask_name, variant = case
+    _check_backward(variant, mod_name, mask_name)
 
 
 @pytest.mark.slow
@@ -126,11 +132,27 @@ def test_every_mod_and_mask_on_every_backward_variant(variant, pair):
 
 
 MMA_PAIRS = [(m, causal) for m in MODS for causal in (False, True)]
+MMA_DEFAULT = [n for n in range(len(MMA_PAIRS)) if n % 2 == (n // 2) % 2]  # each mod once, causal in turn
+MMA_SLOW = [n for n in range(len(MMA_PAIRS)) if n not in MMA_DEFAULT]
+
+
+def _mma_id(n):
+    return f"{MMA_PAIRS[n][0]}-{'causal' if MMA_PAIRS[n][1] else 'none'}"
 
 
 @pytest.mark.lemma("L13")
-@pytest.mark.parametrize("pair", range(len(MMA_PAIRS)), ids=[f"{m}-{'causal' if c else 'none'}" for m, c in MMA_PAIRS])
+@pytest.mark.parametrize("pair", MMA_DEFAULT, ids=[_mma_id(n) for n in MMA_DEFAULT])
 def test_every_mod_on_the_tensor_core_forward(pair):
+    _check_mma_forward(pair)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", MMA_SLOW, ids=[_mma_id(n) for n in MMA_SLOW])
+def test_every_mod_on_the_tensor_core_forward_other_masks(pair):
+    _check_mma_forward(pair)
+
+
+def _check_mma_forward(pair):
     """The tensor-core forward (engine="mma") applies the mod on its S fragments: both orders in turn (every
     mod meets both), float16 and bfloat16 in turn, against the rule with the mod and P's 16-bit rounding."""
     mod_name, causal = MMA_PAIRS[pair]
@@ -169,8 +191,7 @@ def test_the_tensor_core_exact_path_applies_the_mod(order):
 
 # (mod, deterministic, causal): every mod, both modes, both masks across the four (the simulator's warp
 # emulation makes each case tens of seconds: the slow tier runs all eight combinations per mod)
-MMA_BACKWARD_CASES = [("alibi", True, True), ("softcap", False, False), ("key_bias", False, True),
-                      ("decay", True, False)]
+MMA_BACKWARD_CASES = [("alibi", True, True), ("softcap", False, False)]
 MMA_BACKWARD_SLOW = [(m, d, c) for m in ("alibi", "softcap", "key_bias", "decay") for d in (False, True)
                      for c in (False, True) if (m, d, c) not in MMA_BACKWARD_CASES]
 
@@ -415,15 +436,25 @@ def test_a_mod_that_is_gone_or_meets_a_per_head_mask_is_a_clear_error():
 _DIFFERENTIABLE = [m for m in MODS if any(cg is not None for cg in MODS[m].captured_grad)]
 # two masks per mod, taken in turn: every mask form meets several mods
 CAPTURED_PAIRS = [(m, list(MASKS)[(2 * n + t) % len(MASKS)]) for n, m in enumerate(_DIFFERENTIABLE) for t in (0, 1)]
+CAPTURED_DEFAULT = CAPTURED_PAIRS[::2]  # each mod once (every mask form met across them); the slow tier: the rest
 
 
 @pytest.mark.lemma("L13")
-@pytest.mark.parametrize("pair", range(len(CAPTURED_PAIRS)), ids=[f"{m}-{k}" for m, k in CAPTURED_PAIRS])
+@pytest.mark.parametrize("pair", CAPTURED_DEFAULT, ids=[f"{m}-{k}" for m, k in CAPTURED_DEFAULT])
 def test_captured_gradients_against_the_rule(pair):
+    _check_captured(*pair)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", CAPTURED_PAIRS[1::2], ids=[f"{m}-{k}" for m, k in CAPTURED_PAIRS[1::2]])
+def test_captured_gradients_against_the_rule_other_masks(pair):
+    _check_captured(*pair)
+
+
+def _check_captured(mod_name, mask_name):
     """Every mod with a differentiable captured array (ALiBi's slopes, softcap's cap, the relative table,
     the temperature, a user's key bias) against the float64 reference with the 3x rule."""
-    mod_name, mask_name = CAPTURED_PAIRS[pair]
-    q, k, v, dout = _inputs(40 + pair)
+    q, k, v, dout = _inputs(40 + CAPTURED_PAIRS.index((mod_name, mask_name)))
     mod, mask = MODS[mod_name], MASKS[mask_name]
     out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, mask=mask, score_mod=mod)
     *_, dcaptured = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, mask=mask, score_mod=mod,
