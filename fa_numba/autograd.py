@@ -59,7 +59,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     "kv"). mask: as fa_numba.attention's, or a bool tensor broadcastable to
     (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; a mask that differs by
     batch or head runs one launch per slice of its batch and head axes). score_mod: a `fa_numba.mods.ScoreMod`
-    (with its grad for the backward), compiled into the CUDA-core kernels (fa_numba.attention's); gradients
+    (with its grad for the backward), compiled into the kernels of either engine (fa_numba.attention's); gradients
     reach q, k, v, not its captured arrays (NumPy arrays, outside autograd); keep the mod referenced while
     a compiled graph that uses it may run (torch_ops.mod_key)."""
     out, _ = attention_with_lse(q, k, v, causal=causal, scale=scale, order=order, backward_order=backward_order,
