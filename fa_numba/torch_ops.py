@@ -30,8 +30,9 @@ the mask's own (B_m, H_m) axes (`_mask_slices`; slices with equal content are no
 A score mod (`fa_numba.mods.ScoreMod`) crosses it as its `key`, a text unique to it in this process
 ("alibi#3"), and the operators look it up (`mods.lookup`). The registry holds the mod weakly: the caller
 keeps it alive as long as a call (or a compiled graph) may run it, and the autograd formula holds it from the
-forward to the backward; a key whose mod is gone is a clear error, never another mod. Its captured arrays are NumPy arrays, not tensors: they take
-no torch gradient (reference.attention_backward_mod computes theirs).
+forward to the backward; a key whose mod is gone is a clear error, never another mod. Its captured arrays are
+NumPy arrays, not tensors: they take no torch gradient (`fa_numba.attention_backward(..., captured_grads=True)`
+computes theirs).
 """
 
 from __future__ import annotations
