@@ -33,31 +33,11 @@ from numba import cuda, float32, float64
 
 from fa_numba import backend
 from fa_numba.kernels.common import NEG_INF, ZERO, to_f32
-from fa_numba.kernels.score_mod import KernelMod, apply_fn
+from fa_numba.kernels.score_mod import KernelMod, _caller, apply_fn
 
 THREADS = 128
 MAX_AXES = 4
 WORKSPACE_BYTES = 64 * 2**20  # the rows' private copies of dC, per chunk
-
-
-@functools.lru_cache(maxsize=None)
-def _raw_caller(f, n: int):
-    """f(score, b, h, i, j, *captured) as an inlined device function of (score, b, h, i, j, captured), its
-    result as f returns it (the (index, derivative) pair of a captured_grad)."""
-    g = cuda.jit(device=True, inline=True)(f)
-    if n == 1:
-        def call(score, b, h, i, j, captured):
-            return g(score, b, h, i, j, captured[0])
-    elif n == 2:
-        def call(score, b, h, i, j, captured):
-            return g(score, b, h, i, j, captured[0], captured[1])
-    elif n == 3:
-        def call(score, b, h, i, j, captured):
-            return g(score, b, h, i, j, captured[0], captured[1], captured[2])
-    else:
-        def call(score, b, h, i, j, captured):
-            return g(score, b, h, i, j, captured[0], captured[1], captured[2], captured[3])
-    return cuda.jit(device=True, inline=True)(call)
 
 
 def _flattener(ndim: int):
@@ -86,7 +66,7 @@ def make_accumulate(kmod: KernelMod, which: int, cg, head_dim: int, causal: bool
     """The per-row kernel for captured array `which` (its captured_grad `cg`): rows [r_start, r_start + R) of
     the flattened (b, h, i), each into its own row of the float64 workspace."""
     modded = apply_fn(kmod)
-    grad = _raw_caller(cg, len(kmod.captured))
+    grad = _caller(cg, len(kmod.captured), cast=False)  # (index, derivative) as cg returns them
     flat = _flattener(kmod.captured[which][1])
     D, WHICH = head_dim, which
 

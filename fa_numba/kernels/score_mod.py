@@ -64,9 +64,7 @@ class KernelMod:
 
     def numba_types(self) -> tuple:
         """The Numba types of the captured arrays as a kernel receives them (C-contiguous device arrays)."""
-        from numba import types
-
-        return tuple(types.Array(getattr(types, dtype), ndim, "C") for dtype, ndim in self.captured)
+        return _array_types(self.captured)
 
     def tuple_type(self):
         """The Numba type of the kernel's captured-array argument (fa_numba.profile's argtypes)."""
@@ -91,26 +89,35 @@ def device_arrays(mod, stream=0) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _caller(f, n: int):
-    """An inlined device function call(score, b, h, i, j, captured) -> float32(f(score, b, h, i, j, *captured))
-    for n captured arrays (spelled out: an inlined call takes no *args)."""
+def _caller(f, n: int, cast: bool = True):
+    """An inlined device function call(score, b, h, i, j, captured) -> f(score, b, h, i, j, *captured) for n
+    captured arrays (spelled out: an inlined call takes no *args), as float32 with cast (a score or a
+    derivative), as f returns it without (a captured_grad's (index, derivative): kernels.captured_grad)."""
     g = cuda.jit(device=True, inline=True)(f)
     if n == 0:
-        def call(score, b, h, i, j, captured):
-            return float32(g(score, b, h, i, j))
+        def raw(score, b, h, i, j, captured):
+            return g(score, b, h, i, j)
     elif n == 1:
-        def call(score, b, h, i, j, captured):
-            return float32(g(score, b, h, i, j, captured[0]))
+        def raw(score, b, h, i, j, captured):
+            return g(score, b, h, i, j, captured[0])
     elif n == 2:
-        def call(score, b, h, i, j, captured):
-            return float32(g(score, b, h, i, j, captured[0], captured[1]))
+        def raw(score, b, h, i, j, captured):
+            return g(score, b, h, i, j, captured[0], captured[1])
     elif n == 3:
-        def call(score, b, h, i, j, captured):
-            return float32(g(score, b, h, i, j, captured[0], captured[1], captured[2]))
+        def raw(score, b, h, i, j, captured):
+            return g(score, b, h, i, j, captured[0], captured[1], captured[2])
     else:
-        def call(score, b, h, i, j, captured):
-            return float32(g(score, b, h, i, j, captured[0], captured[1], captured[2], captured[3]))
-    return cuda.jit(device=True, inline=True)(call)
+        def raw(score, b, h, i, j, captured):
+            return g(score, b, h, i, j, captured[0], captured[1], captured[2], captured[3])
+    raw = cuda.jit(device=True, inline=True)(raw)
+    if not cast:
+        return raw
+
+    @cuda.jit(device=True, inline=True)
+    def call(score, b, h, i, j, captured):
+        return float32(raw(score, b, h, i, j, captured))
+
+    return call
 
 
 @cuda.jit(device=True, inline=True)
@@ -192,31 +199,34 @@ def row_mod(kmod: KernelMod | None):
 # Before any launch: does Numba compile the mod?
 
 
+def _array_types(kinds: tuple) -> tuple:
+    """Numba types of C-contiguous arrays of these (dtype name, ndim) kinds."""
+    from numba import types
+
+    return tuple(types.Array(getattr(types, dtype), ndim, "C") for dtype, ndim in kinds)
+
+
 @functools.lru_cache(maxsize=None)
-def _compiles(f, types_key: tuple) -> str | None:
-    """None if Numba compiles f for the CPU with (float32, int64 x 4, *captured) arguments, else the first
-    line of its explanation."""
+def _compiled(f, kinds: tuple):
+    """(None, f's return type) if Numba compiles f for the CPU with (float32, int64 x 4, *captured) arguments,
+    else (the first line of its explanation, None)."""
     import numba
     from numba import types
 
-    arrays = tuple(types.Array(getattr(types, dtype), ndim, "C") for dtype, ndim in types_key)
+    dispatcher = numba.njit(f)
     try:
-        numba.njit(f).compile((types.float32,) + (types.int64,) * 4 + arrays)
+        dispatcher.compile((types.float32,) + (types.int64,) * 4 + _array_types(kinds))
     except Exception as exc:  # noqa: BLE001 - Numba raises several kinds (TypingError, UnsupportedError, ...)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return next((line for line in lines if not line.startswith("Failed in")), lines[0] if lines else repr(exc))
-    return None
+        why = next((line for line in lines if not line.startswith("Failed in")), lines[0] if lines else repr(exc))
+        return why, None
+    return None, dispatcher.nopython_signatures[-1].return_type
 
 
-def _index_pair(f, types_key: tuple, ndim: int) -> str | None:
-    """None if f's compiled result is (a tuple of ndim ints, a number), else what it is."""
-    import numba
+def _index_pair(result, ndim: int) -> str | None:
+    """None if a captured_grad's return type is (a tuple of ndim ints, a number), else what it is."""
     from numba import types
 
-    arrays = tuple(types.Array(getattr(types, dtype), ndim_, "C") for dtype, ndim_ in types_key)
-    dispatcher = numba.njit(f)
-    dispatcher.compile((types.float32,) + (types.int64,) * 4 + arrays)
-    result = dispatcher.nopython_signatures[-1].return_type
     ok = (isinstance(result, types.BaseTuple) and len(result) == 2 and isinstance(result[0], types.BaseTuple)
           and len(result[0]) == ndim and all(isinstance(t, types.Integer) for t in result[0])
           and isinstance(result[1], types.Number))
@@ -235,9 +245,9 @@ def check_compiles(mod, *, backward: bool = False, captured: bool = False) -> No
     if captured:
         functions += [(f"captured_grad[{k}]", cg) for k, cg in enumerate(mod.captured_grad) if cg is not None]
     for what, f in functions:
-        why = _compiles(f, kmod.captured)
+        why, result = _compiled(f, kmod.captured)
         if why is None and what.startswith("captured_grad"):
-            why = _index_pair(f, kmod.captured, kmod.captured[int(what[14:-1])][1])
+            why = _index_pair(result, kmod.captured[int(what[len("captured_grad["):-1])][1])
         if why is not None:
             name = getattr(f, "__name__", type(f).__name__)
             raise ModCompileError(f"score_mod {mod.name}: Numba cannot compile {what} ({name}) into the kernels: "
