@@ -99,6 +99,8 @@ from typing import Callable
 import numpy as np
 
 from fa_numba import reference, shapes, tiling
+from fa_numba import slice_masks
+from fa_numba.slice_masks import SlicedMask, mask_mod  # noqa: F401 - masks.mask_mod is the public name
 from fa_numba.tiling import FULL, PARTIAL, SKIP, Kind
 
 KERNEL_FORMS = ("causal", "intervals", "dense")
@@ -525,8 +527,11 @@ def from_function(fn: Callable) -> FromFunction:
 
 
 def from_dense(array) -> FromDense:
-    """Any mask as an (N_q, N_k) bool array (copied): array[i, j] says whether query i sees key j."""
+    """Any mask as an (N_q, N_k) bool array (copied): array[i, j] says whether query i sees key j. A 4-D
+    (B_m, H_m, N_q, N_k) array is a mask that differs by batch and head (`slice_masks.dense_slices`)."""
     array = np.asarray(array)
+    if array.ndim == 4:
+        return slice_masks.dense_slices(array)
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"array must be a 2-D (N_q, N_k) bool array with N_q, N_k >= 1, got shape {array.shape}")
     if array.dtype != np.bool_:
@@ -544,6 +549,8 @@ def fixed(mask: Mask, n_q: int, n_k: int) -> Mask:
     as it is at that call, and every cache keys by content."""
     if isinstance(mask, VALUE_MASKS):
         mask.check(n_q, n_k)
+        return mask
+    if isinstance(mask, SlicedMask):  # a 4-D from_dense is a value; a mask_mod's scan keys by content
         return mask
     return from_dense(mask.dense(n_q, n_k))
 

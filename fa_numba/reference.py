@@ -14,7 +14,9 @@ from. `visible_matmul` is the sum over visible keys that never multiplies a mask
 Causal masking is bottom-right aligned (FlashAttention >= 2.1): query i sees key j iff j <= i + N_k - N_q.
 Any other mask (`fa_numba.masks`: window, documents, prefix-LM, a function, a dense array) is passed as
 `mask=` and applied densely through `mask.dense(N_q, N_k)`; `causal=True` is the short form of
-`mask=masks.causal()`, and passing both is a ValueError. `visible_mask` is where every dense mask is made.
+`mask=masks.causal()`, and passing both is a ValueError. `visible_mask` is where every dense mask is made. A mask
+that differs by batch and head (`fa_numba.slice_masks`: a 4-D `masks.from_dense`, `masks.mask_mod`) is made
+(B_m, H_m, N_q, N_k) by its `dense_slices` and broadcast against S: each (b, h) slice is masked by its own.
 
 The backward (proofs/L7_backward.md): `attention_backward` gives the float64 gradients (dq, dk, dv) of
 <dO, O> for a given dO, `attention_backward_naive_f32` the same formulas in float32 (P recomputed from its
@@ -59,14 +61,23 @@ def causal_mask(n_q: int, n_k: int) -> np.ndarray:
     return j <= i + (n_k - n_q)
 
 
-def visible_mask(n_q: int, n_k: int, causal: bool = False, mask=None) -> np.ndarray:
-    """Boolean (N_q, N_k) mask of the pairs a query sees: `mask.dense`, `causal_mask`, or every pair.
+def visible_mask(n_q: int, n_k: int, causal: bool = False, mask=None, batch: int = 1, heads: int = 1) -> np.ndarray:
+    """Boolean (N_q, N_k) mask of the pairs a query sees: `mask.dense`, `causal_mask`, or every pair; for a
+    mask that differs by batch and head (`fa_numba.slice_masks`) the (B_m, H_m, N_q, N_k) `mask.dense_slices`
+    of a (batch, heads) problem, B_m in {1, batch}, H_m in {1, heads} (it broadcasts against (B, H, N_q, N_k)).
 
     `mask` is a `fa_numba.masks` mask; with causal=True as well it is a ValueError naming both.
     """
     causal, mask = shapes.check_mask(causal, mask)
     if mask is None:
         return causal_mask(n_q, n_k) if causal else np.ones((n_q, n_k), dtype=bool)
+    if getattr(mask, "sliced", False):
+        visible = np.asarray(mask.dense_slices(batch, heads, n_q, n_k))
+        b_m, h_m = mask.slices(batch, heads)
+        if visible.shape != (b_m, h_m, n_q, n_k) or visible.dtype != np.bool_:
+            raise TypeError(f"mask {mask!r}: dense_slices must give a ({b_m}, {h_m}, {n_q}, {n_k}) bool array, "
+                            f"got {visible.dtype} {visible.shape}")
+        return visible
     visible = np.asarray(mask.dense(n_q, n_k))
     if visible.shape != (n_q, n_k) or visible.dtype != np.bool_:
         raise TypeError(f"mask {mask!r}: dense({n_q}, {n_k}) must give an ({n_q}, {n_k}) bool array, "
@@ -76,7 +87,8 @@ def visible_mask(n_q: int, n_k: int, causal: bool = False, mask=None) -> np.ndar
 
 def visible_matmul(p: np.ndarray, v: np.ndarray, visible: np.ndarray | None = None,
                    contraction: str = "matmul") -> np.ndarray:
-    """sum_j p_ij v_j over the visible pairs only, (..., rows, keys) x (..., keys, d) -> (..., rows, d).
+    """sum_j p_ij v_j over the visible pairs only, (..., rows, keys) x (..., keys, d) -> (..., rows, d); visible:
+    (rows, keys), or (B_m, H_m, rows, keys) broadcast against p (a mask per batch and head slice).
 
     A plain p @ v multiplies the value row of a masked key by its weight 0, and 0 * NaN = NaN would poison
     a row that cannot see that key. Here the finite part of v goes through the contraction and each
@@ -89,11 +101,14 @@ def visible_matmul(p: np.ndarray, v: np.ndarray, visible: np.ndarray | None = No
     out = _contract(p, np.where(finite, v, v.dtype.type(0)), contraction)
     if visible is None:
         visible = np.ones(p.shape[-2:], dtype=bool)
+    elif visible.ndim > 2:  # a mask per (batch, head) slice, (B_m, H_m, rows, keys): index it like p
+        visible = np.broadcast_to(visible, p.shape)
     for *lead, j, x in np.argwhere(~finite):
         lead = tuple(lead)
         column = out[lead + (Ellipsis, x)] if lead else out[..., x]
+        seen = visible[..., j] if visible.ndim == 2 else visible[lead + (Ellipsis, j)]
         with np.errstate(invalid="ignore"):  # 0 * inf = NaN and inf - inf = NaN, as the dense formula has them
-            column += np.where(visible[..., j], p[lead + (Ellipsis, j)] * v[lead + (j, x)], p.dtype.type(0))
+            column += np.where(seen, p[lead + (Ellipsis, j)] * v[lead + (j, x)], p.dtype.type(0))
     return out
 
 
@@ -131,7 +146,8 @@ class Dense:
 
     s: (B, H, N_q, N_k) the scores the softmax sees, -inf on masked pairs: S, or S' = mod(S) with a score_mod;
     p: the same shape, P = exp(s - m) / l, 0 on masked pairs and on rows with no visible key; v: (B, H, N_k, d)
-    the values as each query head reads them; visible: (N_q, N_k) bool, the visible pairs; out: (B, H, N_q, d)
+    the values as each query head reads them; visible: (N_q, N_k) bool, the visible pairs, or (B_m, H_m, N_q,
+    N_k) for a mask that differs by batch and head (`visible_mask`; it broadcasts against s); out: (B, H, N_q, d)
     O; lse: (B, H, N_q) LSE; lead: q's axes before N (q.shape[:-2]), which `result` gives back. With a
     score_mod: s_raw, the scores S = scale Q K^T before it (-inf on masked pairs), and score_mod itself; both
     None without one.
@@ -174,7 +190,7 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
     v4 = np.repeat(v4, prob.group, axis=1)
     with np.errstate(invalid="ignore", over="ignore"):  # IEEE: inf * 0 = NaN where the inputs hold an infinity
         s = scale * _contract(q4, np.swapaxes(k4, -1, -2), contraction)  # S: (B, H, N_q, N_k)
-    visible = visible_mask(prob.n_q, prob.n_k, causal, mask)
+    visible = visible_mask(prob.n_q, prob.n_k, causal, mask, batch=prob.batch, heads=prob.heads)
     alive = visible.any(axis=-1)  # rows with a visible key: decided by the mask, never by the values
     s = np.where(visible, s, dtype(-np.inf))
     s_raw = None
@@ -186,7 +202,7 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
         p = np.where(visible, np.exp(s - shift[..., None]), dtype(0))  # every finite exponent argument <= 0
         l = _contract(p, np.ones(p.shape[-1:] + (1,), dtype=dtype), contraction)[..., 0]
         lse = np.where(alive, shift + np.log(l), dtype(-np.inf))
-        p = np.where(alive[:, None], p / l[..., None], dtype(0))
+        p = np.where(alive[..., None], p / l[..., None], dtype(0))
     out = visible_matmul(p, v4, visible, contraction)
     return Dense(s, p, v4, visible, out, lse, tuple(np.shape(q)[:-2]), s_raw, score_mod)
 
@@ -241,7 +257,7 @@ class DenseBackward:
     dq, dk, dv: the gradients in the caller's layout (dk and dv summed over each group: H_kv heads);
     q, k, v, dout, out: the operands in the backward's dtype, (B, H, N, d); shift: (B, H, N_q) sigma(LSE), the
     forward's LSE with 0 where it is -inf; p: (B, H, N_q, N_k) P recomputed from it; dp: dP = dO V^T, the same
-    shape; d_row: (B, H, N_q) D = rowsum(dO o O); visible: (N_q, N_k) bool; scale: the resolved scale, in the
+    shape; d_row: (B, H, N_q) D = rowsum(dO o O); visible: as `Dense.visible`; scale: the resolved scale, in the
     backward's dtype; problem: the sizes (`shapes.Problem`). With a score_mod (None or () without one): p is
     recomputed from S' = mod(S); s_raw: (B, H, N_q, N_k) S before the mod, -inf on masked pairs; ds_mod: dS' =
     P (dP - D), the gradient with respect to S'; mod_grad: mod'(S) on visible pairs, 0 on masked ones (the
@@ -295,7 +311,7 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     q4, k4, v4, do4 = (shapes.as_4d(np.asarray(x)).astype(dtype) for x in (q, k, v, dout))
     k4 = np.repeat(k4, prob.group, axis=1)  # GQA: query head h reads K/V head h // group
     v4 = np.repeat(v4, prob.group, axis=1)
-    visible = visible_mask(prob.n_q, prob.n_k, causal, mask)
+    visible = visible_mask(prob.n_q, prob.n_k, causal, mask, batch=prob.batch, heads=prob.heads)
     # P recomputed from the saved LSE, P_ij = exp(S_ij - sigma(LSE_i)), exactly the softmax in real
     # arithmetic (L7.2). In float32 this keeps the rounding of LSE at its magnitude |LSE|, an error of
     # about ulp(LSE) in every exponent that the forward's exp(S - m) / l does not have: the baseline must
@@ -322,8 +338,9 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
         with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf where the inputs hold them
             ds = np.where(visible, ds_mod * mod_grad, dtype(0))
         dcaptured = mods.captured_gradients(score_mod, s_raw, ds_mod, visible, dtype)
-    dv = visible_matmul(np.swapaxes(p, -1, -2), do4, visible.T, contraction)
-    dk = scale * visible_matmul(np.swapaxes(ds, -1, -2), q4, visible.T, contraction)
+    visible_t = np.swapaxes(visible, -1, -2)  # (keys, rows): visible.T, per slice for a sliced mask
+    dv = visible_matmul(np.swapaxes(p, -1, -2), do4, visible_t, contraction)
+    dk = scale * visible_matmul(np.swapaxes(ds, -1, -2), q4, visible_t, contraction)
     dq = scale * visible_matmul(ds, k4, visible, contraction)
     # GQA: K/V head h_kv is used by query heads h_kv * group ... (h_kv + 1) * group - 1; its gradient is the sum.
     grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)

@@ -137,7 +137,8 @@ def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
     """Sums over the key tiles each row's query tile visits, in order (float64, from the reference's P, S, O).
 
     A query tile visits the key tiles where it sees at least one key (`visible`): with causal masking the
-    prefix `visits` counts, with any other mask the non-SKIP tiles of its row of the block mask. With
+    prefix `visits` counts, with any other mask the non-SKIP tiles of its row of the block mask; with a mask
+    per batch and head ((B_m, H_m, N_q, N_k) visible) those of its own slice. With
     Pi(t) = P_i,:c_1(t) V_:c_1(t) the partial output and mass(t) = sum_{j < c_1(t)} P_ij the partial weight
     after key tile t:
     - v1 makes a round trip of O through HBM after every visited tile but the last (part 3);
@@ -148,15 +149,16 @@ def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
       rescaling of an empty state (mass 0) is exact and is not counted.
     """
     block_q, block_k = tiles
-    n_q, n_k = visible.shape
+    n_q, n_k = visible.shape[-2:]
     t_c = -(-n_k // block_k)
     rows = np.arange(n_q) // block_q
     starts = np.arange(0, n_q, block_q)
-    # seen[r, t]: query tile r sees a key of key tile t; tile_visits[i, t] the same for row i's query tile
-    seen = np.logical_or.reduceat(np.logical_or.reduceat(visible, starts, axis=0),
-                                  np.arange(0, n_k, block_k), axis=1)
-    tile_visits = seen[rows]
-    last = np.where(tile_visits.any(axis=1), t_c - 1 - np.argmax(tile_visits[:, ::-1], axis=1), -1)
+    # seen[..., r, t]: query tile r sees a key of key tile t (in its slice); tile_visits[..., i, t] the same for
+    # row i's query tile
+    seen = np.logical_or.reduceat(np.logical_or.reduceat(visible, starts, axis=-2),
+                                  np.arange(0, n_k, block_k), axis=-1)
+    tile_visits = seen[..., rows, :]
+    last = np.where(tile_visits.any(axis=-1), t_c - 1 - np.argmax(tile_visits[..., ::-1], axis=-1), -1)
     partial = np.zeros(p.shape[:-1] + v4.shape[-1:])
     trips = np.zeros_like(partial)
     rescaled = np.zeros_like(partial)
@@ -172,7 +174,7 @@ def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
             tile_max = s[..., c0:c1].max(axis=-1)  # -inf on rows that see no key of the tile
             near = 2 * U32 * (np.abs(np.where(np.isfinite(running_max), running_max, 0))
                               + np.abs(np.where(np.isfinite(tile_max), tile_max, 0)))
-            rescale = tile_visits[:, t] & (mass > 0) & (tile_max >= running_max - near)
+            rescale = tile_visits[..., t] & (mass > 0) & (tile_max >= running_max - near)
             shift = np.where(rescale, np.maximum(tile_max - running_max, 0.0), 0.0)
             max_shift = max(max_shift, _finite_max(shift))
             error = np.where(rescale, EXP_REL + U32 + U32 * shift, 0.0)  # e(t), 0 where nothing is rescaled
@@ -180,13 +182,13 @@ def _tile_sums(p, v4, s, visible, out, tiles) -> _TileSums:
             rescaled_mass += error * mass
             rescaled_lse += error * mass
             rescales += rescale
-            partial += reference.visible_matmul(p[..., c0:c1], v4[..., c0:c1, :], visible[:, c0:c1])
+            partial += reference.visible_matmul(p[..., c0:c1], v4[..., c0:c1, :], visible[..., c0:c1])
             mass += p[..., c0:c1].sum(axis=-1)
             running_max = np.fmax(running_max, tile_max)
-            trip = tile_visits[:, t] & (t < last)  # a round trip after tile t: visited, and not the last visit
-            trips += np.where(trip[:, None], np.abs(partial), 0.0)
+            trip = tile_visits[..., t] & (t < last)  # a round trip after tile t: visited, and not the last visit
+            trips += np.where(trip[..., None], np.abs(partial), 0.0)
         rescaled += np.abs(out) * rescaled_mass[..., None]
-    return _TileSums(trips, int((tile_visits.sum(axis=1) - 1).max(initial=0)), rescaled, rescaled_lse,
+    return _TileSums(trips, int((tile_visits.sum(axis=-1) - 1).max(initial=0)), rescaled, rescaled_lse,
                      int(rescales.max(initial=0)), max_shift)
 
 
@@ -203,8 +205,8 @@ def _rounded_operand_bound(a: np.ndarray, b: np.ndarray, visible: np.ndarray, p_
     how far rounding every a_ij of the product a b to `p_dtype`, |fl16(a) - a| <= u16 |a| + eta16, can move
     each entry, when the rounded a_ij reach the result weighted by at most w_i (`eta_weight`, broadcast
     against (..., rows, 1)). a: (..., rows, keys), 0 off the visible pairs; b: (..., keys, d); visible:
-    (rows, keys). A non-finite b that no row sees is never multiplied (`reference.visible_matmul`); an entry
-    made NaN by a visible NaN stays NaN, for `_finite_max` to drop."""
+    (rows, keys) or (B_m, H_m, rows, keys). A non-finite b that no row sees is never multiplied
+    (`reference.visible_matmul`); an entry made NaN by a visible NaN stays NaN, for `_finite_max` to drop."""
     u16, eta16 = _p_rounding(p_dtype)
     abs_b = np.abs(b)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -474,9 +476,10 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
             e = np.where(visible, e * np.abs(grads.mod_grad), zero)
         # magnitudes: |scale|, so that a negative scale gives the same (non-negative) floor as its opposite
         floor_dq = abs(scale) * reference.visible_matmul(e, np.abs(k4), visible)
-        floor_dk = (abs(scale) * reference.visible_matmul(np.swapaxes(e, -1, -2), np.abs(q4), visible.T)
+        visible_t = np.swapaxes(visible, -1, -2)  # visible.T, per slice for a mask per batch and head
+        floor_dk = (abs(scale) * reference.visible_matmul(np.swapaxes(e, -1, -2), np.abs(q4), visible_t)
                     ).reshape(grouped).sum(axis=2)
-        floor_dv = reference.visible_matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4), visible.T
+        floor_dv = reference.visible_matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4), visible_t
                                             ).reshape(grouped).sum(axis=2)
     return _finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv)
 
@@ -507,9 +510,10 @@ def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[f
         if grads.mod_grad is not None:  # with a score mod the rounded operand is dS = dS' mod'(S) (proofs/L13)
             ds = np.where(visible, ds * grads.mod_grad, p.dtype.type(0))
         term_dq = abs(grads.scale) * _rounded_operand_bound(ds, k4, visible, p_dtype)
-        term_dk = (abs(grads.scale) * _rounded_operand_bound(np.swapaxes(ds, -1, -2), q4, visible.T, p_dtype)
+        visible_t = np.swapaxes(visible, -1, -2)  # visible.T, per slice for a mask per batch and head
+        term_dk = (abs(grads.scale) * _rounded_operand_bound(np.swapaxes(ds, -1, -2), q4, visible_t, p_dtype)
                    ).reshape(grouped).sum(axis=2)
-        term_dv = _rounded_operand_bound(np.swapaxes(p, -1, -2), do4, visible.T, p_dtype).reshape(grouped).sum(axis=2)
+        term_dv = _rounded_operand_bound(np.swapaxes(p, -1, -2), do4, visible_t, p_dtype).reshape(grouped).sum(axis=2)
     return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
 
 

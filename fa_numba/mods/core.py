@@ -197,9 +197,16 @@ def _real(mod: ScoreMod, what: str, value, b, h, i, j, dtype):
 
 def _pairs(shape, visible: np.ndarray, origin=(0, 0)):
     """(b, h, i, j) of every visible pair as Python ints, in lexicographic order (b, h, i, j): array indices,
-    and the positions (b, h, r0 + i, c0 + j) the mod sees, origin = (r0, c0) the block's first row and key."""
+    and the positions (b, h, r0 + i, c0 + j) the mod sees, origin = (r0, c0) the block's first row and key.
+    visible: (rows, keys), the same for every slice, or (B_m, H_m, rows, keys) broadcast against shape (a
+    mask per batch and head: the pairs of slice (b, h) are those visible in its own slice)."""
     batch, heads = shape[:2]
     r0, c0 = (int(x) for x in origin)
+    if np.ndim(visible) > 2:
+        full = np.broadcast_to(visible, (batch, heads) + np.shape(visible)[-2:])
+        for b, h, i, j in zip(*(x.tolist() for x in np.nonzero(full))):  # C order: lexicographic
+            yield (b, h, i, j), (b, h, r0 + i, c0 + j)
+        return
     rows, cols = np.nonzero(visible)
     rows, cols = rows.tolist(), cols.tolist()
     for b in range(batch):
@@ -211,7 +218,8 @@ def _pairs(shape, visible: np.ndarray, origin=(0, 0)):
 def scores(mod: ScoreMod, s: np.ndarray, visible: np.ndarray, dtype=np.float64, *, origin=(0, 0)) -> np.ndarray:
     """S' = fn(S) at the visible pairs, -inf at the masked ones (fn is never called there), in `dtype`.
 
-    s: (B, H, rows, keys) scores after the scale; visible: (rows, keys) bool; origin: (r0, c0), the position
+    s: (B, H, rows, keys) scores after the scale; visible: (rows, keys) bool, or (B_m, H_m, rows, keys) for a
+    mask per batch and head (broadcast against s); origin: (r0, c0), the position
     of s[..., 0, 0] in the problem (a tile's first query and key; (0, 0) for the whole problem): fn sees the
     global positions i = r0 + row, j = c0 + key (proofs/L13, claim 1). fn gets `dtype` scalars and its
     result is rounded to `dtype` (the float32 twin rounds the mod's result once)."""
