@@ -109,11 +109,12 @@ MODULES = {
         "backward_tiled", "nonfinite"), (NONFINITE_KERNELS,)),
     "reference": Target("fa_numba/reference.py", _files(
         "reference", "contracts_reference", "backward_reference", "contracts_defaults", "contracts_tiled",
-        _doctests("reference"), "nonfinite", "inputs", "masks", "tiled", "backward_tiled", "online_softmax"),
-        (NONFINITE_KERNELS,)),
+        _doctests("reference"), "nonfinite", "inputs", "masks", "tiled", "backward_tiled", "online_softmax",
+        "slice_masks_reference"), (NONFINITE_KERNELS,)),
     "tolerance": Target("fa_numba/tolerance.py", _files(
         "reference", "contracts_reference", "backward_reference", "contracts_defaults", _doctests("tolerance"),
-        "nonfinite", BACKWARD_FLOORS, "masks", "tiled", "backward_tiled"), (NONFINITE_KERNELS,)),
+        "nonfinite", BACKWARD_FLOORS, "masks", "tiled", "backward_tiled", "slice_masks_reference"),
+        (NONFINITE_KERNELS,)),
     "online_softmax": Target("fa_numba/online_softmax.py", _files(
         "online_softmax", "seeds", "contracts_online_softmax", "contracts_tiled", "contracts_reference", "nonfinite",
         "tiled", "tiling", "masks", "backward_tiled"), (NONFINITE_KERNELS,)),
