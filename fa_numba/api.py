@@ -29,10 +29,14 @@ def _prepare(name: str, x, on_device: bool):
 
 def _resolve_mask(causal, mask, prob):
     """(causal, mask, kernel form): causal=True or a mask whose kernel form is causal run the closed forms;
-    any other mask runs the block-mask path (its "intervals" or "dense" form)."""
+    any other mask runs the block-mask path (its "intervals" or "dense" form; a mask that differs by batch
+    and head, fa_numba.slice_masks, its "dense" or, for a mask_mod, "function" form)."""
     causal, mask = shapes.check_mask(causal, mask)
     if mask is None:
         return causal, None, "causal" if causal else "none"
+    if getattr(mask, "sliced", False):
+        mask.check_slices(prob.batch, prob.heads, prob.n_q, prob.n_k)
+        return False, mask, mask.kernel_form()
     mask.check(prob.n_q, prob.n_k)
     if mask.kernel_form() == "causal":
         return True, None, "causal"
@@ -106,17 +110,19 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     return (out, lse) if return_lse else out
 
 
-def _check_mod(score_mod, prob, *, backward: bool = False):
+def _check_mod(score_mod, prob, *, backward: bool = False, mask=None):
     """The ScoreMod (None: none) checked against the problem's sizes and compiled for the CPU before any
-    launch (kernels.score_mod.check_compiles), with its KernelMod."""
+    launch (kernels.score_mod.check_compiles), with the KernelMod of it and of the mask, if that is a
+    mask_mod (compiled into the kernels with it; its check came with `_resolve_mask`)."""
     score_mod = mods.check_score_mod(score_mod)
+    mask_fn = mask if kernel_mods.has_mask_fn(mask) else None
     if score_mod is None:
-        return None, None
+        return None, kernel_mods.KernelMod.of(None, mask_fn)
     if backward and score_mod.grad is None:
         raise ValueError(f"score_mod {score_mod.name} has no grad: the backward needs d fn / d score "
                          "(ScoreMod(fn, grad=...))")
     score_mod.check_sizes(prob.batch, prob.heads, prob.n_q, prob.n_k)
-    kmod = kernel_mods.KernelMod.of(score_mod)
+    kmod = kernel_mods.KernelMod.of(score_mod, mask_fn)
     kernel_mods.check_compiles(score_mod, backward=backward)
     return score_mod, kmod
 
@@ -139,7 +145,7 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         mods.check_score_mod(score_mod)
         return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
-    score_mod, kmod = _check_mod(score_mod, prob)
+    score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
     if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order,
                                         score_mod, kmod)
@@ -160,8 +166,9 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         dq, dk, dv = (_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v)))
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
-        blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k) if mask is not None else None
-        captured = kernel_mods.device_arrays(score_mod, stream=call.stream)
+        blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k, prob.batch, prob.heads)
+                  if mask is not None else None)
+        captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
         kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks, captured=captured)
         return call, call.output(out, layout + (prob.d,)), call.output(lse, layout)
 
@@ -313,7 +320,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
             grads += (tuple(None if cg is None else np.zeros(a.shape) for a, cg in
                             zip(score_mod.captured, score_mod.captured_grad)),)
         return grads
-    score_mod, kmod = _check_mod(score_mod, prob, backward=True)
+    score_mod, kmod = _check_mod(score_mod, prob, backward=True, mask=mask)
     dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
@@ -347,8 +354,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
-        blocks = kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q) if mask is not None else None
-        captured = kernel_mods.device_arrays(score_mod, stream=call.stream)
+        blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q, prob.batch, prob.heads)
+                  if mask is not None else None)
+        captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
                      deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks, mod=kmod,
                      captured=captured)
@@ -358,7 +366,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
             from fa_numba.kernels import captured_grad
 
             grads += (captured_grad.run(dq_, dk_, dv_, o_, do_, lse_, scale, score_mod, captured, causal=causal,
-                                        mask=blocks, stream=call.stream),)
+                                        mask=blocks, stream=call.stream,
+                                        mask_mod=mask if kernel_mods.has_mask_fn(mask) else None),)
         return grads
 
 
@@ -370,10 +379,10 @@ def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mo
         q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device)
                                for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
         lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
-        captured = kernel_mods.device_arrays(score_mod, stream=call.stream)
-        blocks = kernel_mask(mask, prob.n_q, prob.n_k, 16, 16) if mask is not None else None
+        captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
+        blocks = kernel_mask(mask, prob.n_q, prob.n_k, 16, 16, prob.batch, prob.heads) if mask is not None else None
         return captured_grad.run(q_, k_, v_, o_, do_, lse_, scale, score_mod, captured, causal=causal, mask=blocks,
-                                 stream=call.stream)
+                                 stream=call.stream, mask_mod=mask if kernel_mods.has_mask_fn(mask) else None)
 
 
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,

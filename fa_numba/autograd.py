@@ -57,8 +57,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     (torch.float32 keeps the kernels' float32 result). engine: "auto" or "simt" (CUDA cores), or "mma"
     (tensor cores, forward and backward: float16 or bfloat16, causal or no mask, d <= 128, backward_order
     "kv"). mask: as fa_numba.attention's, or a bool tensor broadcastable to
-    (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; a mask that differs by
-    batch or head runs one launch per slice of its batch and head axes). score_mod: a `fa_numba.mods.ScoreMod`
+    (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; one that differs by batch
+    or head is one launch reading each slice's tile lists), or a `masks.mask_mod` (compiled into the kernels,
+    crossing the operators by its key: keep it referenced as a score mod). score_mod: a `fa_numba.mods.ScoreMod`
     (with its grad for the backward), compiled into the kernels of either engine (fa_numba.attention's); gradients
     reach q, k, v, not its captured arrays (NumPy arrays, outside autograd); keep the mod referenced while
     a compiled graph that uses it may run (torch_ops.mod_key)."""

@@ -85,7 +85,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
     query (..., H, L, d), key and value (..., H_kv, S, d), the same leading axes; attn_mask a bool tensor
     broadcastable to (..., H, L, S), True where the query takes part in attention with the key (a mask that
-    differs by batch or head runs one launch per slice of its batch and head axes), or a float tensor
+    differs by batch or head is one launch reading each slice's tile lists), or a float tensor
     broadcastable to it, added to the scores (-inf masks a pair; a score mod, `mods.conventions.additive`,
     taking no gradient); is_causal the top-left causal mask (query
     i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d); H_kv < H (GQA) only with

@@ -31,7 +31,9 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import itertools
 import types as pytypes
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +42,9 @@ import numpy as np
 from fa_numba import shapes
 
 MAX_MASK_CAPTURED = 4  # captured arrays a mask_mod takes (the spelled-out calls of kernels.mask_mod)
+KEY_PREFIX = "mask_mod:"  # how a MaskMod's key starts (fa_numba.torch_ops tells it from a mask's text by it)
+_LIVE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # MaskMod.key -> the mask, while it lives
+_SERIAL = itertools.count(1)
 
 
 class SlicedMask:
@@ -174,6 +179,7 @@ class MaskMod(SlicedMask):
     fn: Callable
     captured: tuple = ()
     name: str | None = None
+    key: str = field(default="", init=False)  # "mask_mod:label#serial": unique in this process (`lookup`)
 
     kernel = "function"
 
@@ -185,6 +191,8 @@ class MaskMod(SlicedMask):
             raise ValueError(f"mask_mod {self.label}: the kernels take at most {MAX_MASK_CAPTURED} captured arrays, "
                              f"got {len(captured)} (stack arrays of one dtype into one)")
         object.__setattr__(self, "captured", captured)
+        object.__setattr__(self, "key", f"{KEY_PREFIX}{self.label}#{next(_SERIAL)}")
+        _LIVE[self.key] = self
         arrays = _global_arrays(self.fn)
         if arrays:
             raise MaskModError(f"mask_mod {self.label} reads the global array(s) {', '.join(arrays)}: Numba compiles "
@@ -234,6 +242,16 @@ class MaskMod(SlicedMask):
 
     def __repr__(self):
         return self.describe()
+
+
+def lookup(key: str) -> MaskMod:
+    """The live MaskMod whose `key` this is (how a mask_mod crosses fa_numba.torch_ops' operators, as a
+    ScoreMod does); a RuntimeError if it is gone (a key is never reused)."""
+    mod = _LIVE.get(key)
+    if mod is None:
+        raise RuntimeError(f"mask_mod {key!r} is no longer alive: keep the mask object referenced while a call or "
+                           "a compiled graph that uses it may run")
+    return mod
 
 
 def mask_mod(fn: Callable, *captured, name: str | None = None) -> MaskMod:
@@ -360,4 +378,4 @@ def check_compiles(mod: MaskMod) -> None:
 
 
 __all__ = ["DenseSlices", "MAX_MASK_CAPTURED", "MaskMod", "MaskModError", "SlicedMask", "check_compiles",
-           "dense_slices", "mask_mod"]
+           "dense_slices", "lookup", "mask_mod"]

@@ -184,12 +184,12 @@ class BlockMask:
         FlexAttention's full_kv_num_blocks / full_kv_indices (kind=FULL) and kv_num_blocks / kv_indices
         (kind=PARTIAL), as CSR: ptr (T_r + 1,) int32, idx int32, increasing j within a query tile.
         """
-        ptr, idx, _ = _csr(_only(self.kinds, kind))
+        ptr, idx, _ = csr(_only(self.kinds, kind))
         return ptr, idx
 
     def col_lists(self, kind: Kind) -> tuple[np.ndarray, np.ndarray]:
         """(ptr, idx): the query tiles of key tile j that are `kind` are idx[ptr[j]:ptr[j+1]], increasing i."""
-        ptr, idx, _ = _csr(_only(self.kinds, kind).T)
+        ptr, idx, _ = csr(_only(self.kinds, kind).T)
         return ptr, idx
 
 
@@ -210,7 +210,7 @@ def _frozen(array, dtype=np.int32) -> np.ndarray:
     return out
 
 
-def _csr(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def csr(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row-major CSR of the non-SKIP entries of a kinds array: (ptr, column indices, kinds)."""
     rows, cols = np.nonzero(kinds != SKIP)  # row-major: increasing column within each row
     if rows.size > INT32_MAX:  # the kernels read the offsets as int32: a wrapped offset would read any tile
@@ -232,8 +232,8 @@ def block_mask(n_q: int, n_k: int, block_q: int, block_k: int, mask=None, *, cau
     if kinds is None:
         kinds = classify(n_q, n_k, block_q, block_k, causal, mask=mask)
     kinds = _frozen(kinds, np.int8)
-    row_ptr, col_idx, col_kind = _csr(kinds)
-    col_ptr, row_idx, row_kind = _csr(kinds.T)
+    row_ptr, col_idx, col_kind = csr(kinds)
+    col_ptr, row_idx, row_kind = csr(kinds.T)
     return BlockMask(int(n_q), int(n_k), int(block_q), int(block_k), kinds,
                      row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind)
 

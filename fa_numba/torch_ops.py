@@ -24,8 +24,9 @@ A mask crosses the operator boundary as plain data, since an operator takes tens
 `mask_spec` is a built-in mask's text (`masks.parse` reads it back; "" for none) and `mask_dense` a bool
 tensor, True where the query sees the key: (N_q, N_k) for one mask (any mask without a text, such as
 from_function or from_dense, evaluated once by the caller), or (B_m, H_m, N_q, N_k) with B_m in {1, B} and
-H_m in {1, H} for masks that differ by batch or head (SDPA's attn_mask), run as one launch per slice of
-the mask's own (B_m, H_m) axes (`_mask_slices`; slices with equal content are not merged).
+H_m in {1, H} for masks that differ by batch or head (SDPA's attn_mask), one launch whose blocks read their
+own slice's tile lists (fa_numba.slice_masks). A mask_mod crosses as its key ("mask_mod:doc#2", looked up
+weakly as a score mod is, below), so it stays compiled into the kernels and torch.compile traces it.
 
 A score mod (`fa_numba.mods.ScoreMod`) crosses it as its `key`, a text unique to it in this process
 ("alibi#3"), and the operators look it up (`mods.lookup`). The registry holds the mod weakly: the caller
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fa_numba import api, backend, masks, mods
+from fa_numba import api, backend, masks, mods, slice_masks
 
 SIMULATOR_TILE = 16  # the default tile in the simulator: 16 threads per block keep a launch to a second or so
 
@@ -68,38 +69,13 @@ def _tile(block: int):
 
 
 def _mask(mask_spec: str, mask_dense: Optional[Tensor]):
+    """The mask of the operators' (mask_spec, mask_dense): a bool tensor (2-D, or 4-D per batch and head: one
+    launch either way), a mask_mod's key, or a built-in's text."""
     if mask_dense is not None:
         return masks.from_dense(mask_dense.detach().cpu().numpy())
+    if mask_spec.startswith(slice_masks.KEY_PREFIX):
+        return slice_masks.lookup(mask_spec)
     return masks.parse(mask_spec) if mask_spec else None
-
-
-def _part(x: Tensor, index) -> Tensor:
-    return x[index].contiguous()  # a (batch, head) slice, contiguous for the launch (a copy unless it is already)
-
-
-def _no_mod_per_slice(mod) -> None:
-    """A score mod sees positions (b, h) within its launch: a per-slice launch would shift them."""
-    if mod is not None:
-        raise ValueError(f"score_mod {mod.name} with a mask that differs by batch or head is not supported (each "
-                         "slice is its own launch, whose b and h would start at 0): pass one (N_q, N_k) mask, or "
-                         "read the per-slice mask inside the mod")
-
-
-def _mask_slices(q: Tensor, k: Tensor, mask_dense: Tensor):
-    """(query index, K/V index, mask) per (batch, head) slice a 4-D (B_m, H_m, N_q, N_k) mask tells apart,
-    B_m in {1, B}, H_m in {1, H}: one launch each, since a kernel reads one tile list for all its batches
-    and heads. A per-head mask splits GQA groups: query head h reads K/V head h // (H / H_kv)."""
-    batch, heads = q.shape[0], q.shape[1]
-    group = heads // k.shape[1]
-    host = mask_dense.detach().cpu().numpy()
-    for b in range(host.shape[0]):
-        rows_b = slice(b, b + 1) if host.shape[0] > 1 else slice(0, batch)
-        for h in range(host.shape[1]):
-            if host.shape[1] > 1:
-                rows, keys = (rows_b, slice(h, h + 1)), (rows_b, slice(h // group, h // group + 1))
-            else:
-                rows, keys = (rows_b, slice(0, heads)), (rows_b, slice(0, k.shape[1]))
-            yield rows, keys, masks.from_dense(host[b, h])
 
 
 @torch.library.custom_op("fa_numba::attention", mutates_args=())
@@ -110,16 +86,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, or
     `mod_key`). backward_order, deterministic and backward_block are not the forward's: they say how its
     autograd formula runs the backward."""
     tiles = dict(block_q=_tile(block_q), block_k=_tile(block_k), score_mod=_score_mod(score_mod))
-    if mask_dense is None or mask_dense.dim() == 2:
-        return api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True,
-                             mask=_mask(mask_spec, mask_dense), engine=engine, **tiles)
-    _no_mod_per_slice(tiles.pop("score_mod"))
-    out = q.new_empty(q.shape, dtype=torch.float32)
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    for rows, keys, mask in _mask_slices(q, k, mask_dense):
-        out[rows], lse[rows] = api.attention(_part(q, rows), _part(k, keys), _part(v, keys), scale=scale,
-                                             order=order, return_lse=True, mask=mask, engine=engine, **tiles)
-    return out, lse
+    return api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True,
+                         mask=_mask(mask_spec, mask_dense), engine=engine, **tiles)
 
 
 @attention_op.register_fake
@@ -141,20 +109,9 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     tiles["score_mod"] = _score_mod(score_mod)
     if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
         dout = dout.to(q.dtype)
-    if mask_dense is None or mask_dense.dim() == 2:
-        return api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
-                                      deterministic=deterministic, mask=_mask(mask_spec, mask_dense), engine=engine,
-                                      **tiles)
-    _no_mod_per_slice(tiles.pop("score_mod"))
-    dq = q.new_empty(q.shape, dtype=torch.float32)
-    dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (k, v))
-    for rows, keys, mask in _mask_slices(q, k, mask_dense):  # query heads of one K/V head: their sum
-        dq[rows], dk_part, dv_part = api.attention_backward(
-            _part(q, rows), _part(k, keys), _part(v, keys), _part(out, rows), _part(lse, rows), _part(dout, rows),
-            scale=scale, order=order, deterministic=deterministic, mask=mask, engine=engine, **tiles)
-        dk[keys] += dk_part
-        dv[keys] += dv_part
-    return dq, dk, dv
+    return api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
+                                  deterministic=deterministic, mask=_mask(mask_spec, mask_dense), engine=engine,
+                                  **tiles)
 
 
 @attention_backward_op.register_fake
@@ -170,6 +127,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, mask_dense)
     ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block, engine, score_mod)
     ctx.score_mod = _score_mod(score_mod)  # held until the backward: a mod made for one call stays alive
+    ctx.mask_mod = _mask(mask_spec, None) if mask_spec.startswith(slice_masks.KEY_PREFIX) else None  # the same
     ctx.mark_non_differentiable(lse)
 
 
@@ -193,6 +151,10 @@ def mask_arguments(mask, q_shape, n_k: int) -> tuple[str, Optional[Tensor]]:
         return "", None
     if isinstance(mask, Tensor):
         return "", _bool_mask(mask, tuple(q_shape[:-2]), q_shape[-2], n_k)
+    if isinstance(mask, slice_masks.MaskMod):  # by its key, as a score mod: compiled into the kernels
+        return mask.key, None
+    if isinstance(mask, slice_masks.DenseSlices):
+        return "", torch.from_numpy(mask.array.copy())
     spec = mask.spec()
     if spec is not None:
         return spec, None

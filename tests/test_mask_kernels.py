@@ -275,5 +275,5 @@ def test_a_causal_mask_form_without_causal_is_refused_not_compiled_unmasked(make
     """The causal kernels are compiled from the flag: a "causal" form with causal=False would run unmasked."""
     with pytest.raises(ValueError, match="mask_form 'causal' needs causal=True"):
         make("causal")
-    with pytest.raises(ValueError, match=r"mask_form must be one of \('none', 'causal', 'intervals', 'dense'\)"):
+    with pytest.raises(ValueError, match=r"mask_form must be one of \('none', 'causal', 'intervals', 'dense', 'function'\)"):
         make("bogus")

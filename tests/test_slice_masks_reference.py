@@ -37,6 +37,7 @@ SHAPES = [("BH", lambda h: (B, h)), ("1H", lambda h: (1, h)), ("B1", lambda h: (
 HEADS = [(4, 4), (2, 1)]  # (H, H_kv): one K/V head per query head, and GQA with two query heads per K/V head
 
 
+@pytest.mark.lemma("L8")
 @pytest.mark.parametrize("heads,heads_kv", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("name,slices", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("with_mod", [False, True], ids=["plain", "alibi"])

@@ -261,6 +261,35 @@ def test_bool_masks_broadcast_like_sdpa(mask_shape):
         np.testing.assert_allclose(leaf.grad.numpy(), theirs.numpy(), atol=2e-5 * scale, rtol=0)
 
 
+def _document_pair(b, h, i, j, ids):
+    return ids[b, i] == ids[b, j] and (h == 0 or j <= i)
+
+
+@pytest.mark.slow  # a torch.compile trace and two backward launches: about 12 s in the simulator
+def test_a_mask_mod_crosses_the_operators_by_key_and_traces_fullgraph():
+    """A mask_mod stays compiled into the kernels through autograd and torch.compile(fullgraph=True): the
+    operators take its key; eager and compiled give the same bits, within the rules of the float64 reference."""
+    q, k, v = _inputs((2, 2, 9, 4), (2, 1, 9, 4), seed=4)  # GQA: the two query heads of a K/V head differ
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1, 1]], np.int32)
+    mm = masks.mask_mod(_document_pair, ids)
+    assert torch_ops.mask_arguments(mm, q.shape, 9) == (mm.key, None)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = _attention(*leaves, mask=mm)
+    out.sum().backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: _attention(a, b, c, mask=mm), fullgraph=True, backend="aot_eager")
+    traced = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_c = compiled(*traced)
+    out_c.sum().backward()
+    assert torch.equal(out_c, out)
+    for a, b in zip(leaves, traced):
+        np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())
+    tolerance.check_attention_backward(*(x.grad.numpy() for x in leaves), q.numpy(), k.numpy(), v.numpy(),
+                                       np.ones(q.shape, np.float32), mask=mm)
+    base = tolerance.baseline(q.numpy(), k.numpy(), v.numpy(), mask=mm)
+    tolerance.assert_close(out.detach().numpy(), base.out, base.atol_out, name="out vs the float64 reference")
+
+
 def test_bad_masks_are_named():
     q, k, v = _inputs((2, 4, 6, 4), (2, 4, 7, 4))
     with pytest.raises(ValueError, match=r"mask must be broadcastable to \(2, 4, 6, 7\)"):

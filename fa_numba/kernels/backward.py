@@ -51,11 +51,12 @@ from dataclasses import dataclass
 from numba import cuda, float32, uint64 as u64
 
 from fa_numba import backend
-from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, check_grid,
-                                     check_mask_form, check_sequence, mask_arrays, to_f32)
+from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, PAIR_FORMS, SHARED_BYTES_LIMIT, ZERO, CompiledKernel,
+                                     check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET
-from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, tuple_type
+from fa_numba.kernels.mask_mod import mask_slice, pair_visible
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, has_scores, tuple_type
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
 FLOAT_BYTES = 4
@@ -90,7 +91,7 @@ class BackwardConfig:
     head_dim: int
     causal: bool
     flag: bool = False
-    mask_form: str = "none"  # "none" / "causal" (closed forms) or a block mask's "intervals" / "dense"
+    mask_form: str = "none"  # "none" / "causal" (closed forms) or a block mask's "intervals" / "dense" / "function"
     mod: KernelMod | None = None  # a score mod compiled into kv and q (kernels.score_mod), with its grad
 
     @property
@@ -263,14 +264,15 @@ def _kernel_parts(config: BackwardConfig):
             smem[u64(LSE + r)] = shift
             smem[u64(DD + r)] = dd
 
-    MOD = config.mod is not None
+    MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
+    pair = pair_visible(config.mod)  # a PARTIAL tile's pair test: the dense byte mask or a mask_mod
 
     @cuda.jit(device=True, inline=True)
     def probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
                       scale, marked, store_p, b, h, captured):
         """s := P = exp(scale S - sigma(LSE)) and dp := dS = P (dP - D) on the thread's micro-tile, both 0 at
-        masked pairs (causal, or in a PARTIAL tile of a block mask the row's interval and, dense, the mask)
+        masked pairs (causal, or in a PARTIAL tile of a block mask the row's interval and, dense or mask_mod, `pair`)
         and past the tile's rows and keys; dS (and P if store_p or marked) go to shared memory [r][c].
         marked (a PARTIAL tile): P is stored as -0.0 at every pair that is not visible, the guard of the
         guarded products (exp never returns -0.0: a visible weight that underflowed is +0.0).
@@ -287,7 +289,7 @@ def _kernel_parts(config: BackwardConfig):
                     key = c0 + col
                     visible = lohi[r0 + r, 0] <= key and key < lohi[r0 + r, 1]
                     if visible and use_dense:
-                        visible = dense[r0 + r, key] != 0
+                        visible = pair(dense, b, h, r0 + r, key, captured)
                 p = ZERO
                 ds = ZERO
                 if visible:
@@ -336,10 +338,10 @@ def kv_source(config: BackwardConfig):
     gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
-    LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
 
-    def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
-                          row_kind, lohi, dense, captured):
+    def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs,
+                          row_idxs, row_kinds, lohis, denses, captured):
         j = cuda.blockIdx.x  # key tile
         bhk = cuda.blockIdx.y  # (batch, K/V head)
         tx = cuda.threadIdx.x
@@ -355,14 +357,21 @@ def kv_source(config: BackwardConfig):
         c0 = j * B
         cols = min(B, n_k - c0)
         # The query tiles that visit key tile j, in increasing i; the rest are SKIP (L3): with causal masking
-        # I_j .. T_r - 1 (iomodel's closed form), with a block mask the list row_idx[col_ptr[j]:col_ptr[j + 1]].
+        # I_j .. T_r - 1 (iomodel's closed form), with a block mask the list row_idx[col_ptr[j]:col_ptr[j + 1]]
+        # of each query head's own mask slice (kernels.mask_mod.mask_slice: the heads of a group may differ).
         start = 0
         stop = t_r
         if CAUSAL:
             start = min(max(-((-(c0 + 1 - delta)) // B) - 1, 0), t_r - 1)
+        visited = stop > start
+        col_ptr, row_idx, row_kind = (mask_slice(col_ptrs, b, h_kv * group), mask_slice(row_idxs, b, h_kv * group),
+                                      mask_slice(row_kinds, b, h_kv * group))
+        lohi, dense = mask_slice(lohis, b, h_kv * group), mask_slice(denses, b, h_kv * group)
         if LISTS:
-            start = col_ptr[j]
-            stop = col_ptr[j + 1]
+            visited = False
+            for hq in range(group):
+                col_ptr = mask_slice(col_ptrs, b, h_kv * group + hq)
+                visited = visited or col_ptr[j + 1] > col_ptr[j]
 
         smem = cuda.shared.array(SMEM, float32)  # Q | dO | K | V | P | dS | sigma(LSE) | D (offsets in config)
         s = cuda.local.array((t, t), float32)  # S, then P: registers
@@ -375,11 +384,17 @@ def kv_source(config: BackwardConfig):
                 dk_acc[a, e] = ZERO
                 dv_acc[a, e] = ZERO
 
-        if stop > start:  # a key tile no query tile sees is never read
+        if visited:  # a key tile no query tile sees is never read
             load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read once
             load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read once
         for hq in range(group):  # the query heads that read K/V head h_kv
             h = h_kv * group + hq
+            if LISTS:  # this query head's mask slice
+                col_ptr, row_idx, row_kind = (mask_slice(col_ptrs, b, h), mask_slice(row_idxs, b, h),
+                                              mask_slice(row_kinds, b, h))
+                lohi, dense = mask_slice(lohis, b, h), mask_slice(denses, b, h)
+                start = col_ptr[j]
+                stop = col_ptr[j + 1]
             for idx in range(start, stop):  # invariant: dK_j, dV_j hold the terms of the visits so far (L7)
                 i = row_idx[idx] if LISTS else idx
                 partial_lists = LISTS and row_kind[idx] == PARTIAL_KIND
@@ -443,10 +458,10 @@ def q_source(config: BackwardConfig):
     gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
-    LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form == "dense", int(PARTIAL)
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
 
-    def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
-                         row_kind, lohi, dense, captured):
+    def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs,
+                         row_idxs, row_kinds, lohis, denses, captured):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, query head)
         tx = cuda.threadIdx.x
@@ -456,6 +471,8 @@ def q_source(config: BackwardConfig):
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])
+        row_ptr, col_idx, col_kind = mask_slice(row_ptrs, b, h), mask_slice(col_idxs, b, h), mask_slice(col_kinds, b, h)
+        lohi, dense = mask_slice(lohis, b, h), mask_slice(denses, b, h)  # this (batch, head)'s mask
         delta = n_k - n_q
         r0 = i * B
         rows = min(B, n_q - r0)
@@ -655,9 +672,10 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv",
     form = mask.form if mask is not None else "none"
     check_launches(batch, heads, heads_kv, n_q, n_k, block=block, head_dim=d, causal=causal, order=order,
                    deterministic=deterministic, mask_form=form, mod=mod)
-    if len(captured) != (0 if mod is None else len(mod.captured)):
-        raise ValueError(f"captured must hold the score mod's device arrays, {0 if mod is None else len(mod.captured)}"
-                         f", got {len(captured)}")
+    wanted = 0 if mod is None else len(mod.captured) + len(mod.mask_captured)
+    if len(captured) != wanted:
+        raise ValueError(f"captured must hold the score mod's and the mask_mod's device arrays, {wanted}, got "
+                         f"{len(captured)}")
     grads = (q, k, v, dout, lse, dvec, dq, dk, dv, scale, *mask_arrays(mask), tuple(captured))
     arguments = {"preprocess": (out, dout, dvec, dq), "zero": (dk, dv), "kv": grads, "q": grads}
     for kernel, side in _launches(block, d, causal, order, deterministic, form, mod):

@@ -32,7 +32,8 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from fa_numba import backend
-from fa_numba.kernels.common import NEG_INF, ZERO, to_f32
+from fa_numba.kernels.common import NEG_INF, PAIR_FORMS, ZERO, to_f32
+from fa_numba.kernels.mask_mod import mask_slice, pair_visible
 from fa_numba.kernels.score_mod import KernelMod, _caller, apply_fn
 
 THREADS = 128
@@ -62,15 +63,16 @@ def _flattener(ndim: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_accumulate(kmod: KernelMod, which: int, cg, head_dim: int, causal: bool, lists: bool, dense_form: bool):
+def make_accumulate(kmod: KernelMod, which: int, cg, head_dim: int, causal: bool, lists: bool, pair_form: bool):
     """The per-row kernel for captured array `which` (its captured_grad `cg`): rows [r_start, r_start + R) of
     the flattened (b, h, i), each into its own row of the float64 workspace."""
     modded = apply_fn(kmod)
+    pair = pair_visible(kmod)  # a dense byte mask's or a mask_mod's pair test
     grad = _caller(cg, len(kmod.captured), cast=False)  # (index, derivative) as cg returns them
     flat = _flattener(kmod.captured[which][1])
     D, WHICH = head_dim, which
 
-    def accumulate(q, k, v, out, dout, lse, scale, lohi, dense, captured, work, r_start, error):
+    def accumulate(q, k, v, out, dout, lse, scale, lohis, denses, captured, work, r_start, error):
         r = r_start + cuda.grid(1)
         heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
         rows = q.shape[0] * heads * n_q
@@ -85,6 +87,7 @@ def make_accumulate(kmod: KernelMod, which: int, cg, head_dim: int, causal: bool
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])
+        lohi, dense = mask_slice(lohis, b, h), mask_slice(denses, b, h)  # this (batch, head)'s mask
         delta = n_k - n_q
         value = lse[b, h, i]
         shift = value if value != NEG_INF else ZERO
@@ -98,7 +101,7 @@ def make_accumulate(kmod: KernelMod, which: int, cg, head_dim: int, causal: bool
             lo, hi = lohi[i, 0], lohi[i, 1]
         table = captured[WHICH]
         for j in range(lo, hi):
-            if dense_form and dense[i, j] == 0:
+            if pair_form and not pair(dense, b, h, i, j, captured):
                 continue
             dot = ZERO
             dp = ZERO
@@ -129,16 +132,17 @@ def reduce_rows(work, rows, total):
         total[e] = acc
 
 
-def run(q, k, v, out, dout, lse, scale, mod, captured, *, causal: bool, mask=None, stream=0) -> tuple:
+def run(q, k, v, out, dout, lse, scale, mod, captured, *, causal: bool, mask=None, stream=0, mask_mod=None) -> tuple:
     """The captured arrays' gradients of one backward call: device arrays q, k, v (B, H, N, d), out, dout like
     q, lse (B, H, N_q) float32; mod the ScoreMod, captured its arrays on the device (score_mod.device_arrays);
-    mask a KernelMask (None for none or causal). Returns one entry per captured array: a float64 NumPy array
+    mask a KernelMask (None for none or causal), mask_mod the slice_masks.MaskMod it was made from, if one
+    (its arrays follow the mod's in captured). Returns one entry per captured array: a float64 NumPy array
     of its shape, or None where it has no captured_grad. Raises ModError where a captured_grad's index falls
     outside its array."""
     from fa_numba.kernels.common import mask_arrays
     from fa_numba.mods import ModError
 
-    kmod = KernelMod.of(mod)
+    kmod = KernelMod.of(mod, mask_mod)
     batch, heads, n_q, d = q.shape
     rows = batch * heads * n_q
     lists = mask is not None
@@ -154,7 +158,7 @@ def run(q, k, v, out, dout, lse, scale, mod, captured, *, causal: bool, mask=Non
                              f"kernels' captured gradients take at most {MAX_AXES}")
         size = int(np.prod(mod.captured[which].shape))
         chunk = max(1, min(rows, WORKSPACE_BYTES // (8 * size)))
-        kernel = make_accumulate(kmod, which, cg, d, bool(causal), lists, lists and mask.form == "dense")
+        kernel = make_accumulate(kmod, which, cg, d, bool(causal), lists, lists and mask.form in PAIR_FORMS)
         work = cuda.device_array((chunk, size), dtype=np.float64, stream=stream)
         total = cuda.to_device(np.zeros(size, np.float64), stream=stream)
         error = cuda.to_device(np.zeros(1, np.int32), stream=stream)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda, float32
@@ -162,9 +163,10 @@ class CompiledKernel:
             raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
                              else f"this kernel (mask_form {self.config.form!r}) takes no mask")
         mod = getattr(self.config, "mod", None)
-        if len(captured) != (0 if mod is None else len(mod.captured)):
-            raise ValueError(f"captured must hold the score mod's {0 if mod is None else len(mod.captured)} "
-                             f"device arrays for this kernel, got {len(captured)}")
+        wanted = 0 if mod is None else len(mod.captured) + len(mod.mask_captured)
+        if len(captured) != wanted:
+            raise ValueError(f"captured must hold the score mod's and the mask_mod's {wanted} device arrays for "
+                             f"this kernel, got {len(captured)}")
         check_sequence(q.shape[2], k.shape[2])
         self.check_grid(q.shape[0], q.shape[1], q.shape[2])
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
@@ -190,9 +192,9 @@ class CompiledKernel:
         """Numba types of the KernelMask arrays, in `mask_arrays` order."""
         from numba import types
 
-        vec32, vec8 = types.Array(types.int32, 1, "C"), types.Array(types.int8, 1, "C")
-        return (vec32, vec32, vec8, vec32, vec32, vec8, types.Array(types.int32, 2, "C"),
-                types.Array(types.uint8, 2, "C"))
+        vec32, vec8 = types.Array(types.int32, 3, "C"), types.Array(types.int8, 3, "C")  # (B_m, H_m, list)
+        return (vec32, vec32, vec8, vec32, vec32, vec8, types.Array(types.int32, 4, "C"),
+                types.Array(types.uint8, 4, "C"))
 
 
 class V1Kernel(CompiledKernel):
@@ -230,7 +232,8 @@ class V2Kernel(CompiledKernel):
         kernel(q, k, v, o, lse, scale, *trailing)
 
 
-LIST_FORMS = ("intervals", "dense")
+LIST_FORMS = ("intervals", "dense", "function")
+PAIR_FORMS = ("dense", "function")  # the block-mask forms tested pair by pair inside a PARTIAL tile
 MASK_FORMS = ("none", "causal") + LIST_FORMS
 
 
@@ -242,7 +245,10 @@ class KernelMask:
     col_ptr (T_c + 1,), row_idx, row_kind (nnz,): the query tiles of each key tile (v1, backward order kv);
     lohi (N_q, 2) int32: every key a row sees lies in [lohi[i, 0], lohi[i, 1]) (exactly those keys for
     the "intervals" form; lo = hi on a row that sees nothing); dense (N_q, N_k) uint8: the mask itself,
-    read only in PARTIAL tiles ("dense" form; a (1, 1) placeholder otherwise).
+    read only in PARTIAL tiles ("dense" form; a placeholder otherwise: "function" calls the mask_mod).
+    Each array has two leading slice axes (B_m, H_m): (1, 1) for one (N_q, N_k) mask, else the batch and
+    head axes of a mask that differs by them; a block reads its slice (kernels.mask_mod.mask_slice) and
+    nnz is the longest slice's (the others padded, never read past their ptr range).
     """
 
     form: str
@@ -256,45 +262,98 @@ class KernelMask:
     dense: object
 
 
-def kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> "KernelMask":
-    """The KernelMask of a block mask (a fa_numba.masks mask whose kernel_form() is "intervals" or "dense")
-    on the B_r x B_c grid, copied to the device once per (mask, sizes, tiles) and cached.
+def kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int, batch: int = 1,
+                heads: int = 1) -> "KernelMask":
+    """The KernelMask of a block mask (a fa_numba.masks mask whose kernel_form() is "intervals" or "dense",
+    or a mask that differs by batch and head: fa_numba.slice_masks, "dense" or "function") on the B_r x B_c
+    grid of a (batch, heads) problem, copied to the device once per (mask, sizes, tiles) and cached.
 
     The cache keys by the mask's value, so it holds value masks only (masks.VALUE_MASKS: built-ins and
-    from_dense, fixed when made). Any other mask (from_function) is evaluated now, masks.fixed(mask, n_q,
-    n_k), and that evaluation is what is cached: a predicate reading changed state is never served its
+    from_dense, fixed when made). A from_function mask is evaluated now, masks.fixed(mask, n_q, n_k), and
+    that evaluation is what is cached; a mask_mod's scan keys by its content (slice_masks.MaskMod.scan), and
+    its lists are rebuilt from the scan at each call: a predicate reading changed state is never served its
     old tile lists.
 
-    lohi: the row intervals ("intervals"), or for a dense mask each row's first and last visible key + 1
-    (a superset the kernels refine with the dense mask inside PARTIAL tiles; lo = hi on a row that sees none).
+    lohi: the row intervals ("intervals"), or for a dense mask or a mask_mod each row's first and last visible
+    key + 1 (a superset the kernels refine pair by pair inside PARTIAL tiles; lo = hi on a row that sees none).
+    Every array carries the (B_m, H_m) slice axes first ((1, 1) for one (N_q, N_k) mask).
     """
     from fa_numba import masks
 
-    return _kernel_mask(masks.fixed(mask, n_q, n_k), n_q, n_k, block_q, block_k)
+    if getattr(mask, "sliced", False):
+        mask.check_slices(batch, heads, n_q, n_k)
+        if mask.kernel_form() == "function":
+            kinds, lohi = mask.scan(batch, heads, n_q, n_k, block_q, block_k)
+            return _device_mask("function", kinds, lohi, np.zeros((1, 1, 1, 1), np.uint8))
+        return _kernel_mask(mask, n_q, n_k, block_q, block_k, batch, heads)
+    return _kernel_mask(masks.fixed(mask, n_q, n_k), n_q, n_k, block_q, block_k, 1, 1)
+
+
+def _dense_lohi(dense: np.ndarray) -> np.ndarray:
+    """(..., N_q, 2) int32: each row's first visible key and last visible key + 1 (0, 0 on a row that sees none)."""
+    n_k = dense.shape[-1]
+    seen = dense.astype(bool)
+    any_key = seen.any(axis=-1)
+    lo = np.where(any_key, seen.argmax(axis=-1), 0)
+    hi = np.where(any_key, n_k - seen[..., ::-1].argmax(axis=-1), 0)
+    return np.stack([lo, hi], axis=-1).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int) -> "KernelMask":
+def _kernel_mask(mask, n_q: int, n_k: int, block_q: int, block_k: int, batch: int, heads: int) -> "KernelMask":
     from fa_numba import tiling
 
     form = mask.kernel_form()
     if form not in LIST_FORMS:
         raise ValueError(f"mask {mask!r} has kernel form {form!r}: launch it with causal=True instead")
-    blocks = tiling.block_mask(n_q, n_k, block_q, block_k, mask)
+    if getattr(mask, "sliced", False):  # a (B_m, H_m, N_q, N_k) dense mask: classified slice by slice
+        dense = np.ascontiguousarray(mask.dense_slices(batch, heads, n_q, n_k)).view(np.uint8)
+        kinds = np.stack([np.stack([tiling.block_mask(n_q, n_k, block_q, block_k, _slice_mask(sl)).kinds
+                                    for sl in row]) for row in dense])
+        return _device_mask(form, kinds, _dense_lohi(dense), dense)
+    kinds = tiling.block_mask(n_q, n_k, block_q, block_k, mask).kinds[None, None]
     if form == "intervals":
         lo, hi = mask.kernel_arrays(n_q, n_k)
+        lohi = np.stack([lo, hi], axis=1).astype(np.int32)
         dense = np.zeros((1, 1), np.uint8)
     else:
         (dense,) = mask.kernel_arrays(n_q, n_k)
-        seen = dense.astype(bool)
-        any_key = seen.any(axis=1)
-        lo = np.where(any_key, seen.argmax(axis=1), 0)
-        hi = np.where(any_key, n_k - seen[:, ::-1].argmax(axis=1), 0)
-    lohi = np.ascontiguousarray(np.stack([lo, hi], axis=1).astype(np.int32))
-    lists = [np.ascontiguousarray(x) if x.size else np.zeros(1, x.dtype)  # a device array cannot be empty
-             for x in (blocks.row_ptr, blocks.col_idx, blocks.col_kind, blocks.col_ptr, blocks.row_idx, blocks.row_kind)]
-    return KernelMask(form, *(cuda.to_device(x) for x in lists), cuda.to_device(lohi),
-                      cuda.to_device(np.ascontiguousarray(dense)))
+        lohi = _dense_lohi(dense)
+    return _device_mask(form, kinds, lohi[None, None], dense[None, None])
+
+
+def _slice_mask(dense_slice: np.ndarray):
+    from fa_numba import masks
+
+    return masks.from_dense(dense_slice.astype(bool))
+
+
+def _csr_padded(kinds: np.ndarray):
+    """The CSR lists (tiling.csr) of every slice of (B_m, H_m, rows, cols) kinds, stacked, the index lists
+    padded to the longest slice's (a kernel reads only its slice's ptr range)."""
+    from fa_numba import tiling
+
+    b_m, h_m = kinds.shape[:2]
+    per = [[tiling.csr(kinds[b, h]) for h in range(h_m)] for b in range(b_m)]
+    width = max(1, max(len(idx) for row in per for _, idx, _ in row))  # a device array cannot be empty
+    ptr = np.stack([np.stack([p for p, _, _ in row]) for row in per]).astype(np.int32)
+    idx = np.zeros((b_m, h_m, width), np.int32)
+    kind = np.zeros((b_m, h_m, width), np.int8)
+    for b in range(b_m):
+        for h in range(h_m):
+            _, i, k = per[b][h]
+            idx[b, h, :len(i)] = i
+            kind[b, h, :len(k)] = k
+    return ptr, idx, kind
+
+
+def _device_mask(form: str, kinds: np.ndarray, lohi: np.ndarray, dense: np.ndarray) -> "KernelMask":
+    """Copy the per-slice lists of (B_m, H_m, T_r, T_c) kinds, lohi (B_m, H_m, N_q, 2) and the dense bytes
+    (B_m, H_m, N_q, N_k), or a (1, 1, 1, 1) placeholder, to the device."""
+    rows = _csr_padded(kinds)
+    cols = _csr_padded(np.swapaxes(kinds, -1, -2))
+    arrays = rows + cols + (lohi, dense)
+    return KernelMask(form, *(cuda.to_device(np.ascontiguousarray(x)) for x in arrays))
 
 
 _PLACEHOLDERS = {}
@@ -308,9 +367,10 @@ def mask_arrays(mask: KernelMask | None) -> tuple:
                 mask.dense)
     key = id(cuda.current_context()) if hasattr(cuda, "current_context") else 0
     if key not in _PLACEHOLDERS:
-        i32, i8 = np.zeros(1, np.int32), np.zeros(1, np.int8)
-        _PLACEHOLDERS[key] = tuple(cuda.to_device(x) for x in (i32, i32, i8, i32, i32, i8, np.zeros((1, 2), np.int32),
-                                                               np.zeros((1, 1), np.uint8)))
+        i32, i8 = np.zeros((1, 1, 1), np.int32), np.zeros((1, 1, 1), np.int8)
+        _PLACEHOLDERS[key] = tuple(cuda.to_device(x) for x in (i32, i32, i8, i32, i32, i8,
+                                                               np.zeros((1, 1, 1, 2), np.int32),
+                                                               np.zeros((1, 1, 1, 1), np.uint8)))
     return _PLACEHOLDERS[key]
 
 
@@ -363,7 +423,7 @@ def load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, n_threads):
 def visible_range(row, c0, cols, delta, causal_partial, lists_partial, lohi):
     """The keys [c_lo, c_hi) of the tile [c0, c0 + cols) that query `row` may see: all of them; on a causal
     PARTIAL tile the prefix c0 + c <= row + delta; on a PARTIAL tile of a block mask the row's interval
-    lohi[row] (for a dense mask a superset, checked key by key with `dense_visible`). Masked keys are never
+    lohi[row] (for a dense mask or a mask_mod a superset, checked key by key: `row_steps`). Masked keys are never
     touched, so a NaN in a masked value cannot leak in."""
     if causal_partial:
         return 0, max(0, min(cols, row + delta - c0 + 1))
@@ -372,54 +432,63 @@ def visible_range(row, c0, cols, delta, causal_partial, lists_partial, lohi):
     return 0, cols
 
 
-@cuda.jit(device=True, inline=True)
-def dense_visible(use_dense, dense, row, key):
-    """True unless a dense block mask hides key from row (read only in PARTIAL tiles)."""
-    return not use_dense or dense[row, key] != 0
+@functools.lru_cache(maxsize=None)
+def row_steps(kmod=None) -> SimpleNamespace:
+    """The one-thread-per-row kernels' steps for one row of one key tile, with the PARTIAL tiles' pair test of
+    `kmod` (kernels.mask_mod.pair_visible: the dense byte mask, or a mask_mod's fn):
 
+        score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense, b, h, captured)
+        online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense, b, h, captured)
 
-@cuda.jit(device=True, inline=True)
-def score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense):
-    """s[c] = scale * <q_row, K_j[c]> for the visible keys c in [c_lo, c_hi), -inf where a dense mask hides one."""
-    for c in range(c_lo, c_hi):
-        if dense_visible(use_dense, dense, row, c0 + c):
-            dot = ZERO
-            for x in range(d):
-                dot += q_row[x] * k_tile[c, x]
-            s[c] = scale * dot
-        else:
-            s[c] = NEG_INF
+    use_dense: a PARTIAL tile of a mask whose pairs are tested one by one (dense or mask_mod)."""
+    from fa_numba.kernels.mask_mod import pair_visible
 
+    pair = pair_visible(kmod)
 
-@cuda.jit(device=True, inline=True)
-def online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense):
-    """Fold the visible keys c in [c_lo, c_hi) of one tile into (m, l, acc); the twin of online_softmax.update.
-
-    Returns (m_new, l_new); acc is updated in place and s is overwritten with the weights p.
-    Every finite exp argument is <= 0 (proofs/L2_online_softmax.md); shift = 0 while nothing is visible.
-    The max may drop a NaN score (fmaxf does), but its weight exp(NaN - shift) = NaN still reaches l and
-    acc, so the row ends NaN as the dense formula says (proofs/L2.6). A key a dense mask hides has weight
-    0 and its value is never multiplied.
-    """
-    m_tile = NEG_INF
-    for c in range(c_lo, c_hi):
-        m_tile = max(m_tile, s[c])
-    m_new = max(m, m_tile)
-    shift = m_new if m_new != NEG_INF else ZERO
-    alpha = math.exp(m - shift)  # rescales the old state to the new max
-    l_tile = ZERO
-    for c in range(c_lo, c_hi):
-        p = math.exp(s[c] - shift)
-        s[c] = p
-        l_tile += p
-    l_new = alpha * l + l_tile
-    for x in range(d):
-        pv = ZERO
+    @cuda.jit(device=True, inline=True)
+    def score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense, b, h, captured):
+        """s[c] = scale * <q_row, K_j[c]> for the visible keys c in [c_lo, c_hi), -inf where the mask hides one."""
         for c in range(c_lo, c_hi):
-            if dense_visible(use_dense, dense, row, c0 + c):
-                pv += s[c] * v_tile[c, x]
-        acc[x] = alpha * acc[x] + pv
-    return m_new, l_new
+            if not use_dense or pair(dense, b, h, row, c0 + c, captured):
+                dot = ZERO
+                for x in range(d):
+                    dot += q_row[x] * k_tile[c, x]
+                s[c] = scale * dot
+            else:
+                s[c] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    def online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense, b, h, captured):
+        """Fold the visible keys c in [c_lo, c_hi) of one tile into (m, l, acc); the twin of online_softmax.update.
+
+        Returns (m_new, l_new); acc is updated in place and s is overwritten with the weights p.
+        Every finite exp argument is <= 0 (proofs/L2_online_softmax.md); shift = 0 while nothing is visible.
+        The max may drop a NaN score (fmaxf does), but its weight exp(NaN - shift) = NaN still reaches l and
+        acc, so the row ends NaN as the dense formula says (proofs/L2.6). A key the mask hides inside the
+        tile has weight 0 and its value is never multiplied.
+        """
+        m_tile = NEG_INF
+        for c in range(c_lo, c_hi):
+            m_tile = max(m_tile, s[c])
+        m_new = max(m, m_tile)
+        shift = m_new if m_new != NEG_INF else ZERO
+        alpha = math.exp(m - shift)  # rescales the old state to the new max
+        l_tile = ZERO
+        for c in range(c_lo, c_hi):
+            p = math.exp(s[c] - shift)
+            s[c] = p
+            l_tile += p
+        l_new = alpha * l + l_tile
+        for x in range(d):
+            pv = ZERO
+            for c in range(c_lo, c_hi):
+                # a masked key's weight is exp(-inf) = 0, so the pair test runs for zero weights only
+                if not use_dense or s[c] != ZERO or pair(dense, b, h, row, c0 + c, captured):
+                    pv += s[c] * v_tile[c, x]
+            acc[x] = alpha * acc[x] + pv
+        return m_new, l_new
+
+    return SimpleNamespace(score_row=score_row, online_update=online_update)
 
 
 @cuda.jit(device=True, inline=True)

@@ -144,8 +144,9 @@ def split_source(layout: Layout, partial_tiles: bool = True):
             load_kv(k, v, table[b, slot], h, c0 - slot * page, cols, smem, K, V, tid)
             cuda.syncthreads()  # K_j^T, V_j and Q_i^T complete
             partial = PARTIAL_TILES and (c0 < lo_max or c0 + BC > hi_min)  # some row does not see the whole tile
+            # the last three (b, h, captured) feed only a pair test, which use_dense=False never runs
             masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_rows, n_k, 0, partial, False, True,
-                          rows_lohi, rows_lohi, False)
+                          rows_lohi, rows_lohi, False, b, h, seqlens)
             if ALIASED:
                 cuda.syncthreads()  # P^T and red live in K^T's space
             row_max_partials(smem, s, ty, tx)

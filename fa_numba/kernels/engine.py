@@ -48,6 +48,7 @@ from numba import cuda, float32, uint64 as u64
 
 from fa_numba.kernels.common import NEG_INF, ZERO, to_f32
 from fa_numba.kernels.layout import Layout, in_flight
+from fa_numba.kernels.mask_mod import pair_visible
 
 GUARD_NONE, GUARD_CAUSAL, GUARD_MARKED = 0, 1, 2  # how `pv` keeps masked value rows out (see pv)
 NEG_ZERO = float32(-0.0)
@@ -61,13 +62,15 @@ def _per_thread(total: int, threads: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def make_engine(layout: Layout) -> SimpleNamespace:
-    """The engine's device functions, specialised (compile-time constants) for one layout.
+def make_engine(layout: Layout, kmod=None) -> SimpleNamespace:
+    """The engine's device functions, specialised (compile-time constants) for one layout, and for the pair
+    test of a PARTIAL tile of a block mask: kmod's mask_mod, or the dense byte mask (kernels.mask_mod).
 
     Indices into shared and global memory are formed as non-negative int64 expressions and passed as
     uint64 (`u64`): Numba then emits no negative-index wraparound, and a compile-time constant inside the
     index becomes an immediate offset of the load. Thread-dependent parts go into array views once.
     """
+    pair = pair_visible(kmod)
     BR, BC, D, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.d_pad, layout.tm, layout.tn, layout.td,
                                     layout.cx, layout.threads)
     PS, VW = layout.p_stride, layout.vw  # P^T's row stride; O columns a thread owns side by side
@@ -249,10 +252,10 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                     s[a, c] = NEG_INF
 
     @cuda.jit(device=True, inline=True)
-    def mask_rows(s, dead, row, col, n_q, n_k, lohi, dense, use_dense):
+    def mask_rows(s, dead, row, col, n_q, n_k, lohi, dense, use_dense, b, h, captured):
         """The block-mask path (any mask but causal): -inf, and dead, where key col + c is past N_k or not
-        visible to query row + a: outside the row's interval [lohi[r, 0], lohi[r, 1]) or, for a dense mask,
-        not set in it (read only here, in PARTIAL tiles: one byte per pair)."""
+        visible to query row + a: outside the row's interval [lohi[r, 0], lohi[r, 1]) or, for a dense mask or
+        a mask_mod, not visible by it (`pair`: one byte read, or fn called, per pair, in PARTIAL tiles only)."""
         for a in range(TM):
             r = row + a
             lo = n_k
@@ -264,19 +267,19 @@ def make_engine(layout: Layout) -> SimpleNamespace:
                 key = col + c
                 visible = key < n_k and lo <= key and key < hi
                 if use_dense and visible:
-                    visible = dense[r, key] != 0
+                    visible = pair(dense, b, h, r, key, captured)
                 dead[a, c] = not visible
                 if not visible:
                     s[a, c] = NEG_INF
 
     @cuda.jit(device=True, inline=True)
     def masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, causal, lists, lohi,
-                      dense, use_dense):
+                      dense, use_dense, b, h, captured):
         """S of the thread's micro-tile (`scores`), then the mask only where a tile needs one: a PARTIAL tile
         of the block-mask path (`mask_rows`), a causal PARTIAL tile or the ragged last key tile (`mask`)."""
         scores(smem, s, ty, tx, scale)
         if lists and partial:
-            mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, use_dense)
+            mask_rows(s, dead, row, c0 + tx * TN, n_q, n_k, lohi, dense, use_dense, b, h, captured)
         elif partial or cols < BC:
             mask(s, row, c0 + tx * TN, n_k, causal, delta)
 

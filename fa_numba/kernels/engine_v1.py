@@ -32,8 +32,9 @@ import functools
 
 from numba import boolean, cuda, float32, uint64 as u64
 
-from fa_numba.kernels.common import NAN, NEG_INF, ZERO, Config, V1Kernel, log_sum_exp
-from fa_numba.kernels.score_mod import tile_mod
+from fa_numba.kernels.common import PAIR_FORMS, NAN, NEG_INF, ZERO, Config, V1Kernel, log_sum_exp
+from fa_numba.kernels.mask_mod import mask_slice
+from fa_numba.kernels.score_mod import has_scores, tile_mod
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.tiling import PARTIAL
 
@@ -41,23 +42,23 @@ from fa_numba.tiling import PARTIAL
 def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
-    E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
+    E = make_engine(layout, config.mod)  # device functions bound to names below: a kernel can only call globals and closures
     owner, column, load_q, load_kv, masked_scores = E.owner, E.column, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX, T = (layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx,
                                  layout.threads)
-    CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
+    CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form in PAIR_FORMS
     # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
     GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
     PARTIAL_KIND = int(PARTIAL)
-    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod): applied after the mask
+    MOD = has_scores(config.mod)  # a score mod compiled in (kernels.score_mod): applied after the mask
     modded_tile = tile_mod(config.mod, TM, TN)
     OFF = layout.offsets
     SMEM, Q, K, V, RED, STAT = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"], OFF["stat"]
 
-    def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx,
-                        row_kind, lohi, dense, captured):
+    def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
+                        row_kinds, lohis, denses, captured):
         bh = cuda.blockIdx.x  # (batch, head)
         tid = cuda.threadIdx.y * CX + cuda.threadIdx.x  # the hardware's thread (and lane) order
         ty, tx = owner(tid)  # layout.owner: the row group and the column group of the thread
@@ -66,6 +67,9 @@ def kernel_source(config: Config):
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        row_ptr, col_idx, col_kind = mask_slice(row_ptrs, b, h), mask_slice(col_idxs, b, h), mask_slice(col_kinds, b, h)
+        col_ptr, row_idx, row_kind = mask_slice(col_ptrs, b, h), mask_slice(row_idxs, b, h), mask_slice(row_kinds, b, h)
+        lohi, dense = mask_slice(lohis, b, h), mask_slice(denses, b, h)  # this (batch, head)'s mask (kernels.mask_mod)
         delta = n_k - n_q
         t_r = (n_q + BR - 1) // BR
         t_c = (n_k + BC - 1) // BC
@@ -138,7 +142,7 @@ def kernel_source(config: Config):
                 # PARTIAL tile: the mask is needed inside it
                 partial = row_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
                 masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, CAUSAL, LISTS, lohi,
-                              dense, DENSE)
+                              dense, DENSE, b, h, captured)
                 if MOD:  # S' = mod(S) at the visible pairs (the masked ones keep their -inf)
                     modded_tile(s, dead, b, h, row, c0 + tx * TN, n_q, n_k, delta, partial, CAUSAL, LISTS, captured)
                 if ALIASED:

@@ -24,8 +24,9 @@ import functools
 
 from numba import boolean, cuda, float32
 
-from fa_numba.kernels.common import NEG_INF, ZERO, Config, V2Kernel, log_sum_exp, output
-from fa_numba.kernels.score_mod import tile_mod
+from fa_numba.kernels.common import PAIR_FORMS, NEG_INF, ZERO, Config, V2Kernel, log_sum_exp, output
+from fa_numba.kernels.mask_mod import mask_slice
+from fa_numba.kernels.score_mod import has_scores, tile_mod
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.tiling import PARTIAL
 
@@ -33,21 +34,21 @@ from fa_numba.tiling import PARTIAL
 def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     layout = config.layout
-    E = make_engine(layout)  # device functions bound to names below: a kernel can only call globals and closures
+    E = make_engine(layout, config.mod)  # device functions bound to names below: a kernel can only call globals and closures
     owner, column, load_q, load_kv, masked_scores = E.owner, E.column, E.load_q, E.load_kv, E.masked_scores
     row_max_partials, softmax, store_p, pv = E.row_max_partials, E.softmax, E.store_p, E.pv
     write_partials, row_sum = E.write_partials, E.row_sum
     BR, BC, TM, TN, TD, CX = layout.block_q, layout.block_k, layout.tm, layout.tn, layout.td, layout.cx
-    CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form == "dense"
+    CAUSAL, ALIASED, LISTS, DENSE = config.causal, layout.aliased, config.lists, config.form in PAIR_FORMS
     OFF = layout.offsets
     SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
     # how P V keeps masked value rows out of PARTIAL tiles (engine.pv)
     GUARD_PARTIAL = GUARD_MARKED if LISTS else GUARD_CAUSAL
     PARTIAL_KIND = int(PARTIAL)
-    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod): applied after the mask
+    MOD = has_scores(config.mod)  # a score mod compiled in (kernels.score_mod): applied after the mask
     modded_tile = tile_mod(config.mod, TM, TN)
 
-    def flash_v2_engine(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense,
+    def flash_v2_engine(q, k, v, o, lse, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds, lohis, denses,
                         captured):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
@@ -58,6 +59,9 @@ def kernel_source(config: Config):
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        row_ptr, col_idx, col_kind = mask_slice(row_ptrs, b, h), mask_slice(col_idxs, b, h), mask_slice(col_kinds, b, h)
+        col_ptr, row_idx, row_kind = mask_slice(col_ptrs, b, h), mask_slice(row_idxs, b, h), mask_slice(row_kinds, b, h)
+        lohi, dense = mask_slice(lohis, b, h), mask_slice(denses, b, h)  # this (batch, head)'s mask (kernels.mask_mod)
         delta = n_k - n_q
         r0 = i * BR
         rows = min(BR, n_q - r0)
@@ -104,7 +108,7 @@ def kernel_source(config: Config):
             # PARTIAL tile: the mask is needed inside it
             partial = col_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
             masked_scores(smem, s, dead, ty, tx, scale, row, c0, cols, n_q, n_k, delta, partial, CAUSAL, LISTS, lohi,
-                          dense, DENSE)
+                          dense, DENSE, b, h, captured)
             if MOD:  # S' = mod(S) at the visible pairs (the masked ones keep their -inf)
                 modded_tile(s, dead, b, h, row, c0 + tx * TN, n_q, n_k, delta, partial, CAUSAL, LISTS, captured)
             if ALIASED:

@@ -27,20 +27,23 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (NEG_INF, ZERO, Config, V2Kernel, load_kv_tile, log_sum_exp,
-                                     online_update, output, score_row, to_f32, visible_range)
-from fa_numba.kernels.score_mod import row_mod
+from fa_numba.kernels.common import (PAIR_FORMS, NEG_INF, ZERO, Config, V2Kernel, load_kv_tile, log_sum_exp,
+                                     output, row_steps, to_f32, visible_range)
+from fa_numba.kernels.mask_mod import mask_slice
+from fa_numba.kernels.score_mod import has_scores, row_mod
 from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: Config):
     """The Python function of the kernel (compiled by cuda.jit for a launch, and by fa_numba.profile for sm_90a)."""
     BR, BC, D, CAUSAL = config.block_q, config.block_k, config.head_dim, config.causal
-    LISTS, DENSE, PARTIAL_KIND = config.lists, config.form == "dense", int(PARTIAL)
-    MOD = config.mod is not None  # a score mod compiled in (kernels.score_mod)
+    LISTS, DENSE, PARTIAL_KIND = config.lists, config.form in PAIR_FORMS, int(PARTIAL)
+    MOD = has_scores(config.mod)  # a score mod compiled in (kernels.score_mod)
     modded_row = row_mod(config.mod)
+    steps = row_steps(config.mod)  # the PARTIAL tiles' pair test: dense bytes or a mask_mod (kernels.mask_mod)
+    score_row, online_update = steps.score_row, steps.online_update
 
-    def flash_v2(q, k, v, o, lse, scale, row_ptr, col_idx, col_kind, col_ptr, row_idx, row_kind, lohi, dense,
+    def flash_v2(q, k, v, o, lse, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds, lohis, denses,
                  captured):
         i = cuda.blockIdx.x  # query tile
         bh = cuda.blockIdx.y  # (batch, head)
@@ -49,6 +52,9 @@ def kernel_source(config: Config):
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
+        row_ptr, col_idx, col_kind = mask_slice(row_ptrs, b, h), mask_slice(col_idxs, b, h), mask_slice(col_kinds, b, h)
+        col_ptr, row_idx, row_kind = mask_slice(col_ptrs, b, h), mask_slice(row_idxs, b, h), mask_slice(row_kinds, b, h)
+        lohi, dense = mask_slice(lohis, b, h), mask_slice(denses, b, h)  # this (batch, head)'s mask (kernels.mask_mod)
         delta = n_k - n_q
         r0 = i * BR
         r1 = min(r0 + BR, n_q)
@@ -93,10 +99,11 @@ def kernel_source(config: Config):
                 partial = col_kind[idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + cols - 1 > r0 + delta
                 c_lo, c_hi = visible_range(row, c0, cols, delta, partial and not LISTS, partial and LISTS, lohi)
                 use_dense = DENSE and partial
-                score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense)
+                score_row(q_row, k_tile, c_lo, c_hi, d, scale, s, row, c0, use_dense, dense, b, h, captured)
                 if MOD:  # S' = mod(S) at the visible keys
                     modded_row(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured)
-                m, l = online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense)
+                m, l = online_update(m, l, acc, s, c_lo, c_hi, d, v_tile, row, c0, use_dense, dense, b, h,
+                                         captured)
 
         if active:  # O_i and LSE_i written once; a row with no visible key (by the mask) gets 0 and -inf
             alive = not CAUSAL or row + delta >= 0

@@ -45,26 +45,41 @@ class ModCompileError(TypeError):
 
 @dataclass(frozen=True)
 class KernelMod:
-    """What a kernel compiles from a ScoreMod: fn, grad (None for a forward-only mod) and the (dtype name,
-    number of axes) of each captured array. Equal for mods with the same functions and array kinds."""
+    """What a kernel compiles from a ScoreMod and a mask_mod: fn, grad (None for a forward-only mod; both None
+    without a score mod), the (dtype name, number of axes) of each captured array, and the mask_mod's function
+    with its arrays' kinds (`kernels.mask_mod`; None and ()). Equal for the same functions and array kinds.
+    A kernel's captured-array tuple holds the score mod's arrays, then the mask_mod's."""
 
     fn: object
     grad: object
-    captured: tuple  # ((dtype name, ndim), ...)
+    captured: tuple  # ((dtype name, ndim), ...) of the score mod's arrays
+    mask: object = None  # the mask_mod's fn(b, h, i, j, *mask arrays) -> bool
+    mask_captured: tuple = ()  # ((dtype name, ndim), ...) of its arrays, after the score mod's in the tuple
 
     @classmethod
-    def of(cls, mod) -> "KernelMod | None":
-        """The KernelMod of a ScoreMod (None for None); ValueError for more than MAX_CAPTURED arrays."""
-        if mod is None:
+    def of(cls, mod, mask_mod=None) -> "KernelMod | None":
+        """The KernelMod of a ScoreMod and a slice_masks.MaskMod (None when both are None); ValueError for more
+        than MAX_CAPTURED score-mod arrays."""
+        if mod is None and mask_mod is None:
             return None
-        if len(mod.captured) > MAX_CAPTURED:
+        if mod is not None and len(mod.captured) > MAX_CAPTURED:
             raise ValueError(f"score_mod {mod.name}: the kernels take at most {MAX_CAPTURED} captured arrays, got "
                              f"{len(mod.captured)} (stack arrays of one dtype into one)")
-        return cls(mod.fn, mod.grad, tuple((a.dtype.name, a.ndim) for a in mod.captured))
+        fn, grad, kinds = (None, None, ()) if mod is None else (
+            mod.fn, mod.grad, tuple((a.dtype.name, a.ndim) for a in mod.captured))
+        if mask_mod is None:
+            return cls(fn, grad, kinds)
+        return cls(fn, grad, kinds, mask_mod.fn, mask_mod.kinds)
+
+    @property
+    def scores(self) -> bool:
+        """Whether a score mod is compiled in (a KernelMod may carry a mask_mod alone)."""
+        return self.fn is not None
 
     def numba_types(self) -> tuple:
-        """The Numba types of the captured arrays as a kernel receives them (C-contiguous device arrays)."""
-        return _array_types(self.captured)
+        """The Numba types of the captured arrays as a kernel receives them (C-contiguous device arrays): the
+        score mod's, then the mask_mod's."""
+        return _array_types(self.captured + self.mask_captured)
 
     def tuple_type(self):
         """The Numba type of the kernel's captured-array argument (fa_numba.profile's argtypes)."""
@@ -80,12 +95,22 @@ def tuple_type(kmod: KernelMod | None):
     return types.Tuple(()) if kmod is None else kmod.tuple_type()
 
 
-def device_arrays(mod, stream=0) -> tuple:
-    """The captured arrays of a ScoreMod (None: none) as C-contiguous device arrays, copied at this call (a
-    hand-built ScoreMod reads its arrays as they are now, like q, k, v)."""
-    if mod is None:
-        return NO_CAPTURED
-    return tuple(cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in mod.captured)
+def device_arrays(mod, stream=0, mask=None) -> tuple:
+    """The captured arrays of a ScoreMod (None: none), then those of a mask_mod (`mask`, a slice_masks.MaskMod;
+    any other mask or None adds none), as C-contiguous device arrays copied at this call (a hand-built mod
+    reads its arrays as they are now, like q, k, v)."""
+    arrays = (() if mod is None else mod.captured) + tuple(getattr(mask, "captured", ()) if has_mask_fn(mask) else ())
+    return tuple(cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in arrays)
+
+
+def has_mask_fn(mask) -> bool:
+    """Whether `mask` is a mask_mod (its function is compiled into the kernels: kernel form "function")."""
+    return mask is not None and getattr(mask, "kernel", None) == "function"
+
+
+def has_scores(kmod: "KernelMod | None") -> bool:
+    """Whether a kernel compiled with `kmod` applies a score mod."""
+    return kmod is not None and kmod.scores
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,13 +157,13 @@ def _one(score, b, h, i, j, captured):
 
 def apply_fn(kmod: KernelMod | None):
     """fn as a device function call(score, b, h, i, j, captured) -> float32 (the identity without a mod)."""
-    return _identity if kmod is None else _caller(kmod.fn, len(kmod.captured))
+    return _caller(kmod.fn, len(kmod.captured)) if has_scores(kmod) else _identity
 
 
 def apply_grad(kmod: KernelMod | None):
     """grad (d fn / d score) as a device function like `apply_fn`'s (1 without a mod); a forward-only mod
     has none, and a backward kernel is never built for it (`check_backward`)."""
-    if kmod is None:
+    if not has_scores(kmod):
         return _one
     if kmod.grad is None:
         raise ValueError("a score_mod without grad has no backward (ScoreMod(fn, grad=...))")
@@ -181,15 +206,16 @@ def row_mod(kmod: KernelMod | None):
         row_mod(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured)
 
     s[c] := fn(s[c], b, h, row, c0 + c) for the visible keys c in [c_lo, c_hi) (those `visible_range` gives,
-    less the pairs a dense block mask hides, whose -inf it leaves)."""
-    from fa_numba.kernels.common import dense_visible
+    less the pairs a dense block mask or a mask_mod hides, whose -inf it leaves)."""
+    from fa_numba.kernels.mask_mod import pair_visible
 
     apply = apply_fn(kmod)
+    pair = pair_visible(kmod)
 
     @cuda.jit(device=True, inline=True)
     def modded_row(s, c_lo, c_hi, b, h, row, c0, use_dense, dense, captured):
         for c in range(c_lo, c_hi):
-            if dense_visible(use_dense, dense, row, c0 + c):
+            if not use_dense or pair(dense, b, h, row, c0 + c, captured):
                 s[c] = apply(s[c], b, h, row, c0 + c, captured)
 
     return modded_row
@@ -256,4 +282,4 @@ def check_compiles(mod, *, backward: bool = False, captured: bool = False) -> No
 
 
 __all__ = ["KernelMod", "MAX_CAPTURED", "ModCompileError", "NO_CAPTURED", "apply_fn", "apply_grad",
-           "check_compiles", "device_arrays", "row_mod", "tile_mod", "tuple_type"]
+           "check_compiles", "device_arrays", "has_mask_fn", "has_scores", "row_mod", "tile_mod", "tuple_type"]
