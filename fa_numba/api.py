@@ -15,7 +15,8 @@ from numba import cuda
 from fa_numba import arrays, backend, engines, masks, mods, shapes
 from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
 from fa_numba.kernels import score_mod as kernel_mods
-from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence, kernel_mask
+from fa_numba.kernels.block_lists import kernel_mask
+from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence
 
 
 def _prepare(name: str, x, on_device: bool):

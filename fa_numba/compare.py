@@ -26,7 +26,8 @@ import numpy as np
 
 from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts, tolerance
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
-from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM, kernel_mask
+from fa_numba.kernels.block_lists import kernel_mask
+from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM
 from fa_numba.timing import attention_flops, time_call
 
 SIM_MAX_BLOCKS = 64

@@ -37,7 +37,7 @@ from_function mask is a predicate, and fn may read state that changes (the docum
 `lambda i, j: ids[i] == ids[j]`): it is evaluated at every call. `fixed(mask, n_q, n_k)` turns it into the
 from_dense mask of its answers; attention, attention_backward and autograd's forward call it once per call
 (autograd's backward reuses its forward's evaluation), and only such value masks key a cache
-(kernels.common.kernel_mask), so no cache can serve a predicate's old answers.
+(kernels.block_lists.kernel_mask), so no cache can serve a predicate's old answers.
 
 Tile classification (proofs/L8). Every built-in is a *monotone interval mask*: row i sees the keys in
 [lambda_i, eta_i) (the column above, before clipping), lambda_i < eta_i, both nondecreasing in i. For such a

@@ -7,7 +7,7 @@ Python predicate Numba compiles into the kernels (issue 27; SDPA's 4-D attn_mask
 
 h is the query head (under GQA several query heads share a K/V head, each with its own mask slice).
 
-How the kernels take them: one tile list per slice (`kernels.common.kernel_mask` stacks the lists of the
+How the kernels take them: one tile list per slice (`kernels.block_lists.kernel_mask` stacks the lists of the
 (B_m, H_m) slices; a block reads its own slice, broadcast along an axis of length 1), so a tile is SKIP, FULL
 or PARTIAL exactly for its own (batch, head). Inside a PARTIAL tile a dense mask reads its bytes, and a
 mask_mod calls fn at the pair, compiled into the kernel as an inlined device function ("function" form: no

@@ -84,7 +84,7 @@ def count(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool = False, 
     if mask is None or (callable(spec) and spec() is not None):
         return _cached(grid, causal, mask)
     # from_function / from_dense / duck-typed masks: never served from the cache, since a predicate may read
-    # state that changed since the last call (kernels.common.kernel_mask refuses them for the same reason)
+    # state that changed since the last call (kernels.block_lists.kernel_mask refuses them for the same reason)
     return _count(grid, causal, mask)
 
 

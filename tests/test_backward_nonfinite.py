@@ -22,7 +22,7 @@ from numba import cuda
 
 from fa_numba import backend, masks, reference, tiled, tolerance
 from fa_numba.kernels import VARIANTS, backward, poisoned_outputs
-from fa_numba.kernels.common import kernel_mask
+from fa_numba.kernels.block_lists import kernel_mask
 from strategies import MASK_KINDS, SIM_MAX_BLOCKS, Case, GlobalAndLocal, MaskCase, mask_cases
 
 SIMULATOR = backend.name() == "simulator"

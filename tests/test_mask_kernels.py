@@ -16,7 +16,7 @@ from numba import cuda
 import fa_numba
 from fa_numba import backend, iomodel, masks, tiled, tolerance
 from fa_numba.kernels import VARIANTS, backward, poisoned_outputs
-from fa_numba.kernels.common import kernel_mask
+from fa_numba.kernels.block_lists import kernel_mask
 from strategies import HARD_MASK_CASES, MaskCase, mask_kernel_cases, with_hard_mask_cases
 from test_masks import definition
 

@@ -81,7 +81,7 @@ def test_autograd_differentiates_the_mask_its_forward_used():
 
 
 def test_the_kernel_mask_cache_never_serves_a_predicate_s_old_lists():
-    from fa_numba.kernels.common import kernel_mask
+    from fa_numba.kernels.block_lists import kernel_mask
 
     ids = _document_ids(8, 8)
     mask = masks.from_function(lambda i, j: ids[i] == ids[j])

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from numba import cuda, float32, uint64 as u64
 
 from fa_numba import backend
-from fa_numba.kernels.common import (LIST_FORMS, NEG_INF, PAIR_FORMS, SHARED_BYTES_LIMIT, ZERO, CompiledKernel,
+from fa_numba.kernels.block_lists import LIST_FORMS, PAIR_FORMS
+from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel,
                                      check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET

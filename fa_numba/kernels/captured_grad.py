@@ -32,7 +32,8 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from fa_numba import backend
-from fa_numba.kernels.common import NEG_INF, PAIR_FORMS, ZERO, to_f32
+from fa_numba.kernels.block_lists import PAIR_FORMS
+from fa_numba.kernels.common import NEG_INF, ZERO, to_f32
 from fa_numba.kernels.mask_mod import mask_slice, pair_visible
 from fa_numba.kernels.score_mod import KernelMod, _caller, apply_fn
 
@@ -139,7 +140,7 @@ def run(q, k, v, out, dout, lse, scale, mod, captured, *, causal: bool, mask=Non
     (its arrays follow the mod's in captured). Returns one entry per captured array: a float64 NumPy array
     of its shape, or None where it has no captured_grad. Raises ModError where a captured_grad's index falls
     outside its array."""
-    from fa_numba.kernels.common import mask_arrays
+    from fa_numba.kernels.block_lists import mask_arrays
     from fa_numba.mods import ModError
 
     kmod = KernelMod.of(mod, mask_mod)

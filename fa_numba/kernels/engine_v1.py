@@ -32,7 +32,8 @@ import functools
 
 from numba import boolean, cuda, float32, uint64 as u64
 
-from fa_numba.kernels.common import PAIR_FORMS, NAN, NEG_INF, ZERO, Config, V1Kernel, log_sum_exp
+from fa_numba.kernels.block_lists import PAIR_FORMS
+from fa_numba.kernels.common import NAN, NEG_INF, ZERO, Config, V1Kernel, log_sum_exp
 from fa_numba.kernels.mask_mod import mask_slice
 from fa_numba.kernels.score_mod import has_scores, tile_mod
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine

@@ -24,7 +24,8 @@ import functools
 
 from numba import boolean, cuda, float32
 
-from fa_numba.kernels.common import PAIR_FORMS, NEG_INF, ZERO, Config, V2Kernel, log_sum_exp, output
+from fa_numba.kernels.block_lists import PAIR_FORMS
+from fa_numba.kernels.common import NEG_INF, ZERO, Config, V2Kernel, log_sum_exp, output
 from fa_numba.kernels.mask_mod import mask_slice
 from fa_numba.kernels.score_mod import has_scores, tile_mod
 from fa_numba.kernels.engine import GUARD_CAUSAL, GUARD_MARKED, GUARD_NONE, make_engine

@@ -10,7 +10,7 @@ is never called at a pair past N_q or N_k, nor in a SKIP or FULL tile.
 
     mask_slice(x, b, h)
 
-The kernel-mask arrays (kernels.common.KernelMask) carry two leading axes (B_m, H_m), each 1 (one mask for
+The kernel-mask arrays (kernels.block_lists.KernelMask) carry two leading axes (B_m, H_m), each 1 (one mask for
 every batch or head) or the problem's: a block reads the view of its own (batch, query head), an axis of
 length 1 broadcast. The views keep the rest of each kernel as it was for one (N_q, N_k) mask.
 """

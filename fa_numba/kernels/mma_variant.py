@@ -25,7 +25,8 @@ import numpy as np
 from numba import float32
 
 from fa_numba import backend
-from fa_numba.kernels.common import LIST_FORMS, check_grid, check_mask_form, check_sequence
+from fa_numba.kernels.block_lists import LIST_FORMS
+from fa_numba.kernels.common import check_grid, check_mask_form, check_sequence
 from fa_numba.kernels.mma.engine import KINDS, MmaConfig, _aligned16
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma

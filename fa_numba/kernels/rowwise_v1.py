@@ -32,7 +32,8 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (PAIR_FORMS, NAN, NEG_INF, ZERO, Config, V1Kernel, load_kv_tile, log_sum_exp,
+from fa_numba.kernels.block_lists import PAIR_FORMS
+from fa_numba.kernels.common import (NAN, NEG_INF, ZERO, Config, V1Kernel, load_kv_tile, log_sum_exp,
                                      row_steps, to_f32, visible_range)
 from fa_numba.kernels.mask_mod import mask_slice
 from fa_numba.kernels.score_mod import has_scores, row_mod

@@ -27,7 +27,8 @@ import functools
 
 from numba import cuda, float32
 
-from fa_numba.kernels.common import (PAIR_FORMS, NEG_INF, ZERO, Config, V2Kernel, load_kv_tile, log_sum_exp,
+from fa_numba.kernels.block_lists import PAIR_FORMS
+from fa_numba.kernels.common import (NEG_INF, ZERO, Config, V2Kernel, load_kv_tile, log_sum_exp,
                                      output, row_steps, to_f32, visible_range)
 from fa_numba.kernels.mask_mod import mask_slice
 from fa_numba.kernels.score_mod import has_scores, row_mod

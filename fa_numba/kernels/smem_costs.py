@@ -227,7 +227,7 @@ def _fast_simulator(threads: int):
 def _traced_backward(cfg, built, q, k, v, scale, regions):
     from numba import cuda
 
-    from fa_numba.kernels.common import mask_arrays
+    from fa_numba.kernels.block_lists import mask_arrays
     from fa_numba.kernels.score_mod import NO_CAPTURED
 
     d = cfg["head_dim"]
