@@ -4,6 +4,8 @@
 #      beside torch SDPA (float16, bfloat16), and the tensor-core backward beside SDPA's, within 200 s;
 #   0b. mods_gpu: score mods (ALiBi, softcap, a relative bias) on every kernel family checked with the rules,
 #      then v2 and v2-mma timed with and without them beside torch SDPA, within 90 s;
+#   0c. masks_gpu: a document mask_mod and strided (B, N, H, d) inputs on every CUDA-core kernel, checked, then
+#      v2 timed with causal=True, a mask_mod, a 4-D dense mask and strided inputs, within 60 s;
 #   1. decode_gpu: split-KV decoding (B=1, 8; H=32, H_kv=8; N_k=32k, 128k; d=128; float16) checked, then
 #      timed beside the unsplit call, the v2 kernel and torch SDPA, within 100 s;
 #   2. compare_gpu: the fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32: every variant
@@ -20,6 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 start=$(date +%s)
 timeout 200 python3 benchmarks/mma_gpu.py --out "$out" 2>&1 | tee "$out/mma_gpu.log"
 timeout 90 python3 benchmarks/mods_gpu.py --out "$out" 2>&1 | tee "$out/mods_gpu.log"
+timeout 60 python3 benchmarks/masks_gpu.py --out "$out" 2>&1 | tee "$out/masks_gpu.log"
 timeout 120 python3 benchmarks/decode_gpu.py --out "$out" --budget-s 100 2>&1 | tee "$out/decode_gpu.log"
 python3 benchmarks/compare_gpu.py --out "$out" --budget-s 150 --n 4096,1024,8192 2>&1 | tee "$out/compare_gpu.log"
 left=$(( 540 - ($(date +%s) - start) ))

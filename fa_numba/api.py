@@ -16,16 +16,33 @@ from fa_numba import arrays, backend, engines, masks, mods, shapes
 from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
 from fa_numba.kernels import score_mod as kernel_mods
 from fa_numba.kernels.block_lists import kernel_mask
+from fa_numba.kernels.cast import contiguous_copy
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence
 
 
-def _prepare(name: str, x, on_device: bool):
-    """A C-contiguous (B, H, N, d) array on the device."""
+def _prepare(name: str, x, on_device: bool, strided: bool = True, stream=0):
+    """A (B, H, N, d) array on the device. A device array is read where it is when it is C-contiguous, or when
+    `strided` (the kernel reads strides: `reads_strided`) and it is a 4-D view with a unit last stride (the
+    (B, N, H, d) layout's transpose(1, 2), as flash-attn takes it; each CUDA-core kernel is compiled a second
+    time for strided arrays). Any other 4-D device view is copied to a C-contiguous array on the device
+    (kernels.cast.contiguous_copy); a host array is copied to the device."""
     if on_device:
-        if not x.is_c_contiguous():
-            raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
-        return x.reshape(shapes.batch_shape(x.shape))
+        if x.is_c_contiguous():
+            return x.reshape(shapes.batch_shape(x.shape))
+        if len(x.shape) == 4:
+            return x if strided and x.strides[-1] == x.dtype.itemsize else contiguous_copy(x, stream=stream)
+        raise ValueError(f"{name} must be C-contiguous or a 4-D view on the device, got shape {tuple(x.shape)} with "
+                         f"strides {tuple(x.strides)} bytes (make it .contiguous() first)")
     return cuda.to_device(np.ascontiguousarray(shapes.as_4d(x)))
+
+
+def reads_strided(kernel) -> bool:
+    """Whether a compiled kernel takes strided inputs as they are (`_prepare`): every CUDA-core kernel but the
+    tile engine's v1 above d = 64, whose strided compilation spills to local memory (255 registers at d = 128;
+    `python -m fa_numba profile --strided`, 2026-12-02), and no tensor-core kernel (its cp.async copies read
+    16-byte rows of C-contiguous arrays)."""
+    config = kernel.config
+    return not (config.order == "v1" and getattr(config, "engine", False) and config.head_dim > 64)
 
 
 def _resolve_mask(causal, mask, prob):
@@ -164,7 +181,9 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     _check_value_range(v, prob.n_k, call.bfloat16, call.on_device)
     layout = tuple(q.shape[:-1])  # the caller's (B, H, N_q), (H, N_q) or (N_q,)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
-        dq, dk, dv = (_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v)))
+        strided = reads_strided(kernel)
+        dq, dk, dv = (_prepare(name, x, call.on_device, strided, call.stream)
+                      for name, x in (("q", q), ("k", k), ("v", v)))
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k, prob.batch, prob.heads)
@@ -196,7 +215,7 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     layout = tuple(q.shape[:-1])
     with backend.explain_driver_errors(), backend.serialised(), call.context():
-        bits = [_prepare(name, x, call.on_device) for name, x in (("q", q), ("k", k), ("v", v))]
+        bits = [_prepare(name, x, call.on_device, False, call.stream) for name, x in (("q", q), ("k", k), ("v", v))]
         bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]  # float16: the same 16 bits
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
@@ -404,7 +423,7 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
         kernel.check_grid(prob.batch, *((prob.heads, prob.n_q) if side == "q" else (prob.heads_kv, prob.n_k)))
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
-        q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device)
+        q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device, False, call.stream)
                                for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
         lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
         grad_q = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))

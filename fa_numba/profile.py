@@ -354,14 +354,24 @@ def _build(cfg: dict):
                                          mod=mod, **micro)
 
 
+def _strided(argtypes: tuple, count: int) -> tuple:
+    """argtypes with its first `count` arrays (q, k, v) of layout "A": what a kernel is compiled for when its
+    inputs are strided views (api._prepare reads them where they are)."""
+    from numba import types
+
+    return tuple(types.Array(a.dtype, a.ndim, "A") if index < count else a for index, a in enumerate(argtypes))
+
+
 def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LAUNCH) -> Profile:
     built = _build(cfg)
     grid, block = built.launch_shape(launch["batch"], launch["heads"], launch["n"])
     threads = math.prod(block)
     warps = math.prod(grid) * -(-threads // SM90.warp_size)
     start = time.perf_counter()
-    prof = profile_kernel(built.source, built.argtypes(cfg["dtype"]), threads, name=cfg["variant"], arch=arch,
-                          launch_warps=warps)
+    argtypes = built.argtypes(cfg["dtype"])
+    if cfg.get("strided"):  # the inputs as strided views (a (B, N, H, d) tensor's transpose): layout "A"
+        argtypes = _strided(argtypes, 3)
+    prof = profile_kernel(built.source, argtypes, threads, name=cfg["variant"], arch=arch, launch_warps=warps)
     prof.config = {**cfg, "arch": arch, "launch": dict(launch, grid=list(grid), block=list(block)),
                    "seconds": round(time.perf_counter() - start, 2)}
     try:
@@ -384,7 +394,7 @@ def table(profiles: list[Profile]) -> str:
         mixes = [loop.mix for loop in hot]
         issued = sum(loop.issued for loop in hot)
         ffma = sum(loop.ffma for loop in hot)
-        name = p.name + (f"+{c['score_mod']}" if c.get("score_mod") else "")
+        name = p.name + (f"+{c['score_mod']}" if c.get("score_mod") else "") + (" strided" if c.get("strided") else "")
         rows.append([name, str(c["head_dim"]), c["dtype"], "on" if c["causal"] else "off",
                      f"{c['block_q']}x{c['block_k']}", str(p.threads), str(p.registers),
                      f"{p.spill_stores}/{p.spill_loads}", str(p.stack), str(p.smem), str(p.occupancy["warps_per_sm"]),
@@ -429,6 +439,9 @@ def parser() -> argparse.ArgumentParser:
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
     p.add_argument("--score-mod", choices=SCORE_MODS, default=None,
                    help="compile this built-in score mod into every kernel profiled (default: none)")
+    p.add_argument("--strided", action="store_true",
+                   help="compile the CUDA-core kernels for strided q, k, v (layout 'A': a (B, N, H, d) tensor's "
+                        "(B, H, N, d) view, read where it is) instead of C-contiguous ones (default: off)")
     p.add_argument("--no-estimate", action="store_true",
                    help="skip the whole-kernel estimate, which traces one block of each kernel in the simulator "
                         "(default: off, the estimate is computed; traced wavefronts are cached)")
@@ -464,6 +477,9 @@ def main(argv=None) -> int:
     configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
     if args.score_mod:  # every kernel with the mod compiled in
         configs = [dict(c, score_mod=args.score_mod) for c in configs]
+    if args.strided:  # the CUDA-core kernels only: the tensor-core engine reads C-contiguous inputs
+        configs = [dict(c, strided=True) for c in configs
+                   if c["variant"] not in whole_kernel.MMA_VARIANTS + whole_kernel.MMA_BACKWARD]
     start = time.perf_counter()
     tracing = None if args.no_estimate else start_wavefronts(configs)  # in the simulator, while we compile
     jobs = max(1, min(args.jobs, len(configs)))

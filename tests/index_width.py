@@ -111,7 +111,10 @@ def kernels(configs: list[dict]) -> dict:
     for cfg in configs:  # a profile configuration, or {"kind": "preprocess" or "zero", ...} of the backward
         built = (backward.make(cfg["kind"], cfg["block_q"], cfg["head_dim"], False, cfg.get("flag", False))
                  if "kind" in cfg else profile._build(cfg))
-        out[json.dumps(cfg, sort_keys=True)] = widths(built.source, built.argtypes(cfg["dtype"]))
+        argtypes = built.argtypes(cfg["dtype"])
+        if cfg.get("strided"):  # q, k, v as strided views (layout "A"), as api._prepare passes them
+            argtypes = profile._strided(argtypes, 3)
+        out[json.dumps(cfg, sort_keys=True)] = widths(built.source, argtypes)
     return out
 
 

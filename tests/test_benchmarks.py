@@ -63,3 +63,17 @@ def test_decode_gpu_script_runs_in_smoke_mode(tmp_path):
     assert {r["variant"] for r in rows} == {"split", "unsplit", "v2"}
     assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)
     assert "HBM bound" in (tmp_path / "decode_gpu.md").read_text()
+
+
+@SIMULATOR_ONLY
+@pytest.mark.slow  # a subprocess, ~40 s in the simulator
+def test_masks_gpu_script_runs_in_smoke_mode(tmp_path):
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "masks_gpu.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "masks_gpu.json").read_text())["rows"]
+    assert all(r["passed"] for r in rows)
+    assert {r["order"] for r in rows if r["what"] == "mask_mod"} == {"v1", "v2", "v1-rowwise", "v2-rowwise", "kv",
+                                                                     "kv-det", "q"}
+    assert {r["what"] for r in rows} >= {"strided d=8", "strided d=72"}  # d = 72: v1 takes the copy path

@@ -50,6 +50,8 @@ def _every_kernel() -> list[dict]:
     configs = []
     for cfg in profile.configurations(dtypes=("float32",), causals=(False,)):
         configs += [dict(cfg, causal=form == "causal", mask_form=form) for form in FORMS]
+        if cfg["variant"] not in profile.whole_kernel.MMA_KERNELS:  # strided q, k, v: the CUDA-core kernels
+            configs.append(dict(cfg, strided=True))
     for d in profile.SHIPPED_HEAD_DIMS:
         block = backward.default_backward_tiles(d)[0]
         configs += [dict(kind="preprocess", block_q=block, head_dim=d, dtype="float32", flag=flag)

@@ -1,5 +1,6 @@
 """Casting a float32 result on the device to a 16-bit type, for Numba device arrays (`arrays.cast`: torch and
-CuPy results are cast by their own library, NumPy results by NumPy).
+CuPy results are cast by their own library, NumPy results by NumPy); and the C-contiguous copy of a strided
+4-D device array (`contiguous_copy`), for the kernels that do not read strides (api._prepare).
 
 - float16: round to nearest even (Numba's float32 -> float16 conversion, cvt.rn.f16.f32 on a GPU).
 - bfloat16: Numba has no bfloat16 type, so the result is its uint16 bits, as the kernels take bfloat16
@@ -39,7 +40,32 @@ def _kernels():
             else:
                 dst[i] = uint16((u + uint32(0x7FFF) + ((u >> 16) & uint32(1))) >> 16)
 
-    return to_f16, to_bf16_bits
+    @cuda.jit
+    def copy4(src, dst):
+        start = cuda.grid(1)
+        n2, n3 = src.shape[2], src.shape[3]
+        n1 = src.shape[1]
+        for i in range(start, dst.size, cuda.gridsize(1)):
+            e = i % n3
+            r = (i // n3) % n2
+            h = (i // (n3 * n2)) % n1
+            b = i // (n3 * n2 * n1)
+            dst[b, h, r, e] = src[b, h, r, e]
+
+    return to_f16, to_bf16_bits, copy4
+
+
+def contiguous_copy(x, stream=0):
+    """A new C-contiguous device array with the values of the 4-D device array x (any strides), on `stream`:
+    what `.contiguous()` is for a torch tensor, for a Numba device array (one read and one write of x)."""
+    if len(x.shape) != 4:
+        raise ValueError(f"x must be a 4-D device array, got shape {tuple(x.shape)}")
+    out = cuda.device_array(tuple(x.shape), dtype=x.dtype, stream=stream)
+    if out.size:
+        blocks = min(MAX_BLOCKS, -(-out.size // THREADS))
+        with backend.serialised(THREADS):
+            _kernels()[2][blocks, THREADS, stream](x, out)
+    return out
 
 
 def cast_device(result, name: str, stream=0):
@@ -49,7 +75,7 @@ def cast_device(result, name: str, stream=0):
         raise TypeError(f"result must be a float32 device array, got {result.dtype}")
     if name not in ("float16", "bfloat16"):
         raise ValueError(f"name must be 'float16' or 'bfloat16', got {name!r}")
-    to_f16, to_bf16_bits = _kernels()
+    to_f16, to_bf16_bits, _ = _kernels()
     flat = result.reshape(result.size)
     out = cuda.device_array(result.size, dtype=np.float16 if name == "float16" else np.uint16, stream=stream)
     if result.size:
