@@ -84,7 +84,8 @@ def test_mask_mod_equals_from_function_and_from_dense_bitwise(order):
                               block_q=TILE, block_k=TILE)
 
 
-@pytest.mark.parametrize("order,deterministic", _variants(("kv", False)))
+@pytest.mark.slow  # the default tier's per-slice backward test compares kv-det with the 4-D dense mask bitwise
+@pytest.mark.parametrize("order,deterministic", _variants(None))
 def test_mask_mod_backward_equals_from_dense_bitwise(order, deterministic):
     q, k, v, dout = _inputs(2)
     dense = _band_dense(np.arange(N_Q)[:, None], np.arange(N_K)[None, :])
@@ -236,3 +237,41 @@ def test_reference_takes_a_mask_mod_on_every_slice():
     i, j = np.meshgrid(np.arange(N_Q), np.arange(N_K), indexing="ij")
     want = (ids[1][i] == ids[1][j]) & (j <= i + N_K - N_Q)
     np.testing.assert_array_equal(mm.dense_slices(B, H, N_Q, N_K)[1, 2], want)
+
+
+def test_the_reference_with_a_mask_mod_matches_flex_attention_in_float64():
+    """FlexAttention's own mask_mod path (create_block_mask on every (b, h), flex_attention run eagerly on CPU
+    in float64) against the reference with the same predicate as a mask_mod, within their float64 bounds
+    (test_mods._bounds; a mod that is exactly the identity, temperature 1, carries the bounds' mod terms)."""
+    torch = pytest.importorskip("torch", reason="the comparison with FlexAttention needs torch (the torch extra)")
+    import warnings
+
+    from test_mods import _assert_within, _bounds
+
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    except ImportError as exc:
+        pytest.skip(f"torch {torch.__version__} has no flex_attention with AuxRequest: {exc}")
+    q, k, v, dout = (x.astype(np.float64) for x in _inputs(12))
+    ids = _document_ids()
+    ids_t = torch.from_numpy(ids)
+
+    def twin(b, h, i, j):  # the mask_mod on tensors, as FlexAttention calls it
+        return (ids_t[b, i] == ids_t[b, j]) & ((h % 2 == 1) | (j <= i + N_K - N_Q))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": eager on purpose
+        try:
+            block_mask = create_block_mask(twin, B, H, N_Q, N_K, device="cpu")
+            out_t, aux = flex_attention(*(torch.from_numpy(x) for x in (q, k, v)), block_mask=block_mask,
+                                        enable_gqa=True, return_aux=AuxRequest(lse=True))
+        except (NotImplementedError, RuntimeError) as exc:
+            pytest.skip(f"flex_attention does not run eagerly on CPU in float64 in torch {torch.__version__}: {exc}")
+    mm = masks.mask_mod(_documents, ids)
+    out, lse = reference.attention(q, k, v, mask=mm)
+    bounds = _bounds(q, k, v, np.zeros_like(q), mask=mm, scale=None, mod=mods.temperature(1.0))
+    _assert_within("out", out, out_t.numpy(), bounds.out)
+    _assert_within("lse", lse, aux.lse.numpy(), bounds.lse)
+    # the comparison has power against a mask that ignores b or h
+    one_slice = masks.from_dense(np.broadcast_to(mm.dense_slices(B, H, N_Q, N_K)[:1, :1], (1, 1, N_Q, N_K)).copy())
+    assert np.abs(reference.attention(q, k, v, mask=one_slice)[0] - out).max() > 1e-3

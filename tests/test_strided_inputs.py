@@ -20,7 +20,7 @@ def _bnhd(seed, dtype=np.float32):
     return x, device.transpose((0, 2, 1, 3))
 
 
-@pytest.mark.parametrize("order", ["v2", "v1-rowwise"])
+@pytest.mark.parametrize("order", ["v2", pytest.param("v1-rowwise", marks=pytest.mark.slow)])
 def test_a_transposed_view_is_read_where_it_is_and_gives_the_contiguous_bits(order):
     (xq, q), (xk, k), (xv, v) = _bnhd(1), _bnhd(2), _bnhd(3)
     assert not q.is_c_contiguous() and q.strides[-1] == 4
