@@ -189,9 +189,10 @@ def test_the_tensor_core_exact_path_applies_the_mod(order):
                               p_dtype="float16", **tiles)
 
 
-# (mod, deterministic, causal): every mod, both modes, both masks across the four (the simulator's warp
-# emulation makes each case tens of seconds: the slow tier runs all eight combinations per mod)
-MMA_BACKWARD_CASES = [("alibi", True, True), ("softcap", False, False)]
+# (mod, deterministic, causal): one case in the default tier (the simulator's warp emulation makes each tens
+# of seconds; alibi-det-causal moved to the slow tier on 2026-12-02 to keep the default run under 8 minutes),
+# every mod in both modes and both masks in the slow tier
+MMA_BACKWARD_CASES = [("softcap", False, False)]
 MMA_BACKWARD_SLOW = [(m, d, c) for m in ("alibi", "softcap", "key_bias", "decay") for d in (False, True)
                      for c in (False, True) if (m, d, c) not in MMA_BACKWARD_CASES]
 
