@@ -15,10 +15,11 @@ mask_mod calls fn at the pair, compiled into the kernel as an inlined device fun
 
 How a mask_mod is classified: on the host, by a Numba-compiled (CPU) scan of every pair of every slice,
 which gives each tile's SKIP / FULL / PARTIAL and each row's first and last visible key (`scan`); O(B H N_q
-N_k) calls of fn (about 2 ns a pair for a document mask on this project's 2-core CPU). The result is cached by content: the compiled function (Numba freezes its
-globals and closure when it compiles) and a digest of the captured arrays' bytes, with the sizes and tiles,
-never by the function object alone, so new document ids in the same array object are seen. A global NumPy
-array read by fn is refused (Numba would freeze a copy of it: pass it as a captured array).
+N_k) calls of fn (about 2 ns a pair for a document mask on this project's 2-core CPU). The result is
+cached by content: the compiled function (Numba freezes its globals and closure when it compiles) and a
+digest of the captured arrays' bytes, with the sizes and tiles, never by the function object alone, so new
+document ids in the same array object are seen. A global NumPy array read by fn is refused (Numba would
+freeze a copy of it: pass it as a captured array).
 
 Where they are taken: `fa_numba.attention`, `attention_backward`, `autograd.attention` on the CUDA-core
 kernels, and `reference` (dense, on every slice). Not taken (a ValueError naming the alternative): the
@@ -349,24 +350,33 @@ def _scan_cached(fn, digest, captured, batch, heads, n_q, n_k, block_q, block_k)
     return kinds, lohi
 
 
+def compile_for_cpu(f, argtypes: tuple):
+    """(None, f's return type) if Numba compiles f for the CPU with these argument types, else (the first
+    line of its explanation, None): the check a user's function (a mask_mod here, a score mod in
+    kernels.score_mod) gets before any launch, so an error names the function, not a kernel's compilation."""
+    import numba
+
+    dispatcher = numba.njit(f)
+    try:
+        dispatcher.compile(argtypes)
+    except Exception as exc:  # noqa: BLE001 - Numba raises several kinds (TypingError, UnsupportedError, ...)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = next((line for line in lines if not line.startswith("Failed in")), lines[0] if lines else repr(exc))
+        return why, None
+    return None, dispatcher.nopython_signatures[-1].return_type
+
+
 @functools.lru_cache(maxsize=None)
 def _compile_error(fn, kinds: tuple) -> str | None:
     """None if Numba compiles fn for the CPU with (int64 x 4, *captured) arguments to a bool-convertible
-    result, else the first line of its explanation."""
-    import numba
+    result, else what is wrong."""
     from numba import types
 
-    dispatcher = numba.njit(fn)
     arrays = tuple(types.Array(getattr(types, dtype), ndim, "C") for dtype, ndim in kinds)
-    try:
-        dispatcher.compile((types.int64,) * 4 + arrays)
-    except Exception as exc:  # noqa: BLE001 - Numba raises several kinds (TypingError, UnsupportedError, ...)
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        return next((line for line in lines if not line.startswith("Failed in")), lines[0] if lines else repr(exc))
-    result = dispatcher.nopython_signatures[-1].return_type
-    if not isinstance(result, (types.Boolean, types.Integer)):
+    why, result = compile_for_cpu(fn, (types.int64,) * 4 + arrays)
+    if why is None and not isinstance(result, (types.Boolean, types.Integer)):
         return f"it must return a bool, returns {result}"
-    return None
+    return why
 
 
 def check_compiles(mod: MaskMod) -> None:
@@ -378,4 +388,4 @@ def check_compiles(mod: MaskMod) -> None:
 
 
 __all__ = ["DenseSlices", "MAX_MASK_CAPTURED", "MaskMod", "MaskModError", "SlicedMask", "check_compiles",
-           "dense_slices", "lookup", "mask_mod"]
+           "compile_for_cpu", "dense_slices", "lookup", "mask_mod"]

@@ -12,7 +12,10 @@ is never called at a pair past N_q or N_k, nor in a SKIP or FULL tile.
 
 The kernel-mask arrays (kernels.block_lists.KernelMask) carry two leading axes (B_m, H_m), each 1 (one mask for
 every batch or head) or the problem's: a block reads the view of its own (batch, query head), an axis of
-length 1 broadcast. The views keep the rest of each kernel as it was for one (N_q, N_k) mask.
+length 1 broadcast. The views keep the rest of each kernel as it was for one (N_q, N_k) mask, at a price in
+registers: a view made at the kernel's start holds its pointer, shape and strides in registers, where a
+kernel argument's are re-read from the constant bank (block-mask kernels, float32, d = 64: v1-rowwise 94 to
+134, bwd-kv with intervals 168 to 216; the kernels without a block mask are unchanged).
 """
 
 from __future__ import annotations

@@ -236,17 +236,11 @@ def _array_types(kinds: tuple) -> tuple:
 def _compiled(f, kinds: tuple):
     """(None, f's return type) if Numba compiles f for the CPU with (float32, int64 x 4, *captured) arguments,
     else (the first line of its explanation, None)."""
-    import numba
     from numba import types
 
-    dispatcher = numba.njit(f)
-    try:
-        dispatcher.compile((types.float32,) + (types.int64,) * 4 + _array_types(kinds))
-    except Exception as exc:  # noqa: BLE001 - Numba raises several kinds (TypingError, UnsupportedError, ...)
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        why = next((line for line in lines if not line.startswith("Failed in")), lines[0] if lines else repr(exc))
-        return why, None
-    return None, dispatcher.nopython_signatures[-1].return_type
+    from fa_numba.slice_masks import compile_for_cpu
+
+    return compile_for_cpu(f, (types.float32,) + (types.int64,) * 4 + _array_types(kinds))
 
 
 def _index_pair(result, ndim: int) -> str | None:
