@@ -8,10 +8,12 @@ benchmarks/run_on_device.sh after the score-mod script:
    with the derived rules and bit for bit against the 4-D from_dense of its answers; and strided inputs (the
    (B, H, N, d) view of a (B, N, H, d) array, read in place, or copied on the device where `api.reads_strided`
    says so) bit for bit against their contiguous copies, at d = 64 and 128 (v1's copy path), forward and
-   backward;
-2. each that passed timed at B=4, H=16, N=4096, d=64 (CUDA events, 3 warm-up calls, median of 10), v2:
-   causal=True, the same causal mask as a mask_mod, as a 4-D from_dense (one slice per batch entry), and strided
-   against contiguous inputs: what the function form, the per-slice lists and the strides cost, measured.
+   backward; the same mask_mod on the tensor cores (engine="mma", float16: v1 and v2, the kv backward atomic
+   and deterministic) against the reference with the P and dS rounding terms;
+2. each that passed timed at B=4, H=16, N=4096, d=64, float16 (CUDA events, 3 warm-up calls, median of 10),
+   v2 on each engine (simt: the CUDA cores; mma: the tensor cores): causal=True, the same causal mask as a
+   mask_mod, as a 4-D from_dense (one slice per batch entry), and strided against contiguous inputs: what the
+   function form, the per-slice lists and the strides cost, measured.
 
 Writes masks_gpu.json and prints one line per row. --smoke: tiny shapes (runs in the simulator, so the script
 itself is tested); no timing.
@@ -86,6 +88,35 @@ def check_mask_mod(batch, heads, n, d, tile) -> list:
     return rows
 
 
+def check_mask_mod_mma(batch, heads, n, d, tile) -> list:
+    """The document mask_mod on the tensor cores, float16 (tile None: the engine's default tiles)."""
+    rows = []
+    q, k, v, dout = (x.astype(np.float16) for x in _inputs(batch, heads, heads // 2, n, d, seed=1))
+    exact = [x.astype(np.float64) for x in (q, k, v, dout)]
+    ids = np.stack([np.arange(n) // max(1, n // 4), np.arange(n) // max(1, n // 3)])[:batch].astype(np.int32)
+    mm = masks.mask_mod(_documents, ids)
+    tiles = dict(block_q=tile, block_k=tile) if tile else {}
+    for order in ("v1", "v2"):
+        row = _row(rows, kind="forward", what="mask_mod", order=f"{order}-mma")
+        try:
+            out, lse = fa_numba.attention(q, k, v, mask=mm, order=order, engine="mma", return_lse=True, **tiles)
+            c = tolerance.check_attention(out, lse, *exact[:3], mask=mm, p_dtype="float16")
+            row.update(passed=True, err=c.err_out, atol=c.atol_out)
+        except AssertionError as failure:
+            row.update(passed=False, why=str(failure)[:300])
+    out, lse = fa_numba.attention(q, k, v, mask=mm, engine="mma", return_lse=True, **tiles)
+    for deterministic in (False, True):
+        row = _row(rows, kind="backward", what="mask_mod", order="kv-mma" + ("-det" if deterministic else ""))
+        try:
+            grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, engine="mma",
+                                                deterministic=deterministic, **tiles)
+            c = tolerance.check_attention_backward(*grads, *exact, mask=mm, p_dtype="float16")
+            row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
+        except AssertionError as failure:
+            row.update(passed=False, why=str(failure)[:300])
+    return rows
+
+
 def check_strided(batch, heads, n, dims, tile) -> list:
     from numba import cuda
 
@@ -124,14 +155,15 @@ def time_rows(checked, batch, heads, n, d) -> list:
              ("4-D from_dense causal", flat, {"mask": causal_slices})]
     if ("strided", "v2") in ok:
         cases.append(("strided causal=True", views, {"causal": True}))
-    if ("mask_mod", "v2") not in ok:
-        cases = [c for c in cases if "mask" not in c[2]]
-    for name, arrays, kwargs in cases:
-        t = timing.time_call(lambda: fa_numba.attention(*arrays, **kwargs), repeats=10)
-        rows.append(dict(case=name, order="v2", dtype="float16", **t.as_dict(),
-                         tflops=flops / (t.median_ms * 1e-3) / 1e12))
+    for engine in ("simt", "mma"):
+        for name, arrays, kwargs in cases:
+            if "mask" in kwargs and ("mask_mod", "v2" if engine == "simt" else "v2-mma") not in ok:
+                continue  # each engine's masked rows are timed only where its check passed
+            t = timing.time_call(lambda: fa_numba.attention(*arrays, engine=engine, **kwargs), repeats=10)
+            rows.append(dict(case=f"{name} ({engine})", order="v2", engine=engine, dtype="float16", **t.as_dict(),
+                             tflops=flops / (t.median_ms * 1e-3) / 1e12))
     for row in rows:
-        log(f"time {row['case']:24} {row['median_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s ({row['clock']})")
+        log(f"time {row['case']:31} {row['median_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s ({row['clock']})")
     return rows
 
 
@@ -142,9 +174,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.smoke:
-        checked = check_mask_mod(2, 4, 24, 8, 8) + check_strided(1, 2, 20, (8, 72), 8)
+        checked = (check_mask_mod(2, 4, 24, 8, 8) + check_mask_mod_mma(1, 2, 24, 16, 16)
+                   + check_strided(1, 2, 20, (8, 72), 8))
     else:
-        checked = check_mask_mod(2, 4, 256, 64, None) + check_strided(2, 4, 256, (64, 128), None)
+        checked = (check_mask_mod(2, 4, 256, 64, None) + check_mask_mod_mma(2, 4, 256, 64, None)
+                   + check_strided(2, 4, 256, (64, 128), None))
     for row in checked:
         log(f"check {row['kind']:8} {row['what']:14} {row['order']:10} {'pass' if row['passed'] else 'FAIL'}")
     timed = [] if args.smoke else time_rows(checked, 4, 16, 4096, 64)

@@ -109,9 +109,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     device array for a Numba device array or another `__cuda_array_interface__` object. A CUDA tensor or
     CuPy call is launched on that library's current stream, so work queued before and after it on that
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
-    bfloat16 inputs, order "v1" or "v2", causal or no mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
-    of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (today: "simt";
-    `fa_numba.engines` says why). score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias,
+    bfloat16 inputs, order "v1" or "v2", any mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
+    of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (the default: "mma" for float16
+    and bfloat16 inputs where it takes the call as it is, else "simt"; `fa_numba.engines` lists when). score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias,
     temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
     at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
     CUDA-core kernels and the tensor-core ones take it (every order).
@@ -159,14 +159,16 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     if 0 in (prob.batch, prob.n_q, prob.n_k):
         causal, mask = shapes.check_mask(causal, mask)
         form = "causal" if causal else "none" if mask is None else mask.kernel_form()
-        engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d)  # its errors, as for any size
+        engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d, block_q=block_q,
+                        block_k=block_k)  # its errors, as for any size
         mods.check_score_mod(score_mod)
         return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
-    if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d) == "mma":
+    if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d, block_q=block_q,
+                       block_k=block_k) == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order,
-                                        score_mod, kmod)
+                                        score_mod, kmod, mask, form)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -204,13 +206,15 @@ def _without_launch(call, shape, value: float):
         return call.output(cuda.to_device(host, stream=call.stream), shape)
 
 
-def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None):
+def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None,
+                   mask=None, form="none"):
     """attention(..., engine="mma"): the tensor-core kernel of `order` on the inputs' 16-bit bits."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
     warps, block_k = engines.mma_tiles(prob.d, block_q, block_k)
-    kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod)
+    kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod,
+                                                              mask_form=form if mask is not None else "none")
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     layout = tuple(q.shape[:-1])
@@ -219,8 +223,10 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
         bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]  # float16: the same 16 bits
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
-        kernel(*bits, out, lse, scale, stream=call.stream,
-               captured=kernel_mods.device_arrays(score_mod, stream=call.stream))
+        blocks = (kernel_mask(mask, prob.n_q, prob.n_k, kernel.config.block_q, block_k, prob.batch, prob.heads)
+                  if mask is not None else None)
+        kernel(*bits, out, lse, scale, stream=call.stream, mask=blocks,
+               captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask))
         return call.output(out, layout + (prob.d,)), call.output(lse, layout)
 
 
@@ -290,11 +296,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     bit for bit the one without it (on a GPU, up to the order of the atomic adds: dq for order "kv", dk and
     dv for order "q"), and wherever the dense formula's gradient is NaN, so is this one.
 
-    engine: "auto" or "simt" (the CUDA-core backward), or "mma" (tensor cores, kernels/mma/backward.py: float16
-    or bfloat16 q, k, v and dout in q's dtype, order "kv" with or without deterministic, causal or no mask,
+    engine: "simt" (the CUDA-core backward), "mma" (tensor cores, kernels/mma/backward.py: float16
+    or bfloat16 q, k, v and dout in q's dtype, order "kv" with or without deterministic, any mask,
     d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7; block_k = 16 x
-    warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim). "auto" keeps the CUDA
-    cores, as the forward's does (engines.py says why).
+    warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim) or "auto" (the default:
+    "mma" where it takes the call as it is, else "simt", as the forward's; fa_numba.engines says when).
 
     score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13), the
     mod and its derivative compiled into the kernels (every order, both engines). The
@@ -344,9 +350,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
-    if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d) == "mma":
+    dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
+    if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d, dout_kind=dout_kind,
+                        causal=causal, deterministic=bool(deterministic), block_q=block_q, block_k=block_k) == "mma":
         grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
-                                        block_q, block_k, dtype, score_mod, kmod)
+                                        block_q, block_k, dtype, score_mod, kmod, mask, form)
         if captured_grads:  # the CUDA-core pair kernels, on the float32 view of the same inputs
             grads += (_captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask),)
         return grads
@@ -406,7 +414,7 @@ def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mo
 
 
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
-                            kind, score_mod=None, kmod=None):
+                            kind, score_mod=None, kmod=None, mask=None, form="none"):
     """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
     16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are)."""
     from fa_numba.kernels.mma import backward as mma_backward
@@ -418,7 +426,8 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None:
             shapes.check_block(name, size)
-    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k, kmod)  # tiles, before copies
+    form = form if mask is not None else "none"
+    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k, kmod, form)  # before copies
     for kernel, side in plan:
         kernel.check_grid(prob.batch, *((prob.heads, prob.n_q) if side == "q" else (prob.heads_kv, prob.n_k)))
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
@@ -432,6 +441,7 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
         mma_backward.run(q_, k_, v_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, kind=kind, causal=causal,
                          deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream, mod=kmod,
-                         captured=kernel_mods.device_arrays(score_mod, stream=call.stream))
+                         captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask), mask=mask,
+                         mask_form=form)
         return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
                 call.output(grad_v, tuple(v.shape)))

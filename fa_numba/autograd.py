@@ -21,8 +21,8 @@ Strides: a CUDA tensor in any layout whose last axis has unit stride is read whe
 kernels (the (B, N, H, d) view `x.view(B, N, H, d).transpose(1, 2)` costs no copy; each kernel is compiled a
 second time for strided arrays). What still copies: a tensor whose last axis is strided, leading batch axes
 that torch cannot merge into one without a copy, the inputs of the tile engine's v1 above d = 64 (its strided
-compilation spills: `api.reads_strided`) and of engine="mma" (its cp.async copies read 16-byte rows of
-C-contiguous arrays), and dO for the backward (`.contiguous()`, usually a no-op). CPU tensors are copied to
+compilation spills: `api.reads_strided`) and of the tensor-core kernels (engine="mma", which "auto" takes for
+float16 and bfloat16 tensors: their cp.async copies read 16-byte rows of C-contiguous arrays), and dO for the backward (`.contiguous()`, usually a no-op). CPU tensors are copied to
 the simulator's device arrays in any case.
 
 torch is an optional extra (`pip install "fa_numba[torch]"`); this module imports it, `import fa_numba`
@@ -60,9 +60,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     any number of leading batch axes, shared by all three. block_q, block_k: the forward's tiles, and
     backward_block the backward's square tile (None: the defaults for the head dim; small tiles are what
     keep the simulator fast). Returns O in q's dtype, or in out_dtype
-    (torch.float32 keeps the kernels' float32 result). engine: "auto" or "simt" (CUDA cores), or "mma"
-    (tensor cores, forward and backward: float16 or bfloat16, causal or no mask, d <= 128, backward_order
-    "kv"). mask: as fa_numba.attention's, or a bool tensor broadcastable to
+    (torch.float32 keeps the kernels' float32 result). engine: "simt" (CUDA cores), "mma" (tensor cores,
+    forward and backward: float16 or bfloat16, any mask, d <= 128, backward_order "kv") or "auto" (the
+    default: each pass takes the tensor cores for float16 and bfloat16 tensors where they take it as it is,
+    `fa_numba.engines`, and the CUDA cores otherwise, float32 always: a float32 dO, with out_dtype=torch.float32,
+    keeps the CUDA-core backward). mask: as fa_numba.attention's, or a bool tensor broadcastable to
     (..., H, N_q, N_k), True where the query sees the key (torch SDPA's attn_mask; one that differs by batch
     or head is one launch reading each slice's tile lists), or a `masks.mask_mod` (compiled into the kernels,
     crossing the operators by its key: keep it referenced as a score mod). score_mod: a `fa_numba.mods.ScoreMod`
@@ -99,11 +101,11 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
         raise ValueError(f"q, k, v must share their leading batch axes, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     shape = q.shape
+    tiles = [0 if b is None else shapes.check_block(name, b)
+             for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]
     q4, k4, v4 = (_flatten(name, x, engine) for name, x in (("q", q), ("k", k), ("v", v)))
     scale = shapes.resolve_scale(scale, q.shape[-1])
     mask_spec, mask_dense = torch_ops.mask_arguments(mask, q.shape, k.shape[-2])
-    tiles = [0 if b is None else shapes.check_block(name, b)
-             for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]
     key = torch_ops.mod_key(mods.check_score_mod(score_mod))
     out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
                                       tiles[1], backward_order, deterministic, tiles[2], key)

@@ -1,11 +1,17 @@
 """Which compute units a call runs on: `engine="simt"` (the FP32 CUDA-core kernels of the registry),
 `engine="mma"` (the tensor-core kernels, `kernels.mma`) or `engine="auto"`.
 
-`auto` takes the CUDA-core kernels today for every input: the tensor-core forward does not yet cover what
-the registry's kernels do (block-mask lists, float32 by 3xTF32), and its results
-carry one more rounding (P in 16 bits, proofs/L6 part 7), so a silent switch would change what existing
-callers get. Ask for `engine="mma"` to run it; an input or option it does not take is a ValueError that says
-which, never a quiet fallback.
+`auto` takes the tensor cores for float16 and bfloat16 inputs wherever the tensor-core kernels take the call as
+it is, and the CUDA cores otherwise:
+- forward: order "v1" or "v2", d <= 128, the tiles asked for (if any) valid for mma.sync (block_q 16, 32, 64 or
+  128; block_k a multiple of 16) and within 48 KB of shared memory; any mask, any score mod;
+- backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
+  tensor-core backward takes (`kernels.mma.backward.plan`).
+float32 inputs always take the CUDA cores (float32 on tensor cores, 3xTF32, is not built). The tensor-core
+results carry the rounding of P (and, backward, dS) to the inputs' 16-bit type before their products
+(proofs/L6 part 7, L7), as FlashAttention's own 16-bit kernels do; `engine="simt"` keeps P in float32.
+`engine="mma"` asks for the tensor cores outright: a call they do not take is a ValueError that says why,
+never a quiet fallback.
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ MMA_ORDERS = ("v1", "v2")
 MMA_MAX_HEAD_DIM = 128
 
 
-def resolve(engine: str, *, kind: str, order: str, form: str, head_dim: int) -> str:
-    """"simt" or "mma" for a forward call, or a ValueError naming what the tensor-core engine lacks."""
+def resolve(engine: str, *, kind: str, order: str, form: str, head_dim: int, block_q: int | None = None,
+            block_k: int | None = None) -> str:
+    """"simt" or "mma" for a forward call (auto: the module docstring), or a ValueError naming what the
+    tensor-core engine lacks for engine="mma"."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "auto":
+        return "mma" if _takes(lambda: _forward_fits(kind, order, form, head_dim, block_q, block_k)) else "simt"
     if engine != "mma":
         return "simt"
     if order not in MMA_ORDERS:
@@ -29,14 +39,30 @@ def resolve(engine: str, *, kind: str, order: str, form: str, head_dim: int) -> 
     return "mma"
 
 
+def _takes(check) -> bool:
+    """Whether check() passes: a ValueError (or TypeError) is a call the tensor cores do not take as it is."""
+    try:
+        check()
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _forward_fits(kind, order, form, head_dim, block_q, block_k) -> None:
+    from fa_numba.kernels.mma.engine import MmaConfig
+
+    if order not in MMA_ORDERS:
+        raise ValueError(order)
+    _check_mma(kind, form, head_dim, "kernel")
+    warps, block_k = mma_tiles(head_dim, block_q, block_k)
+    MmaConfig(kind, warps, block_k, head_dim, form == "causal").check()  # shared memory
+
+
 def _check_mma(kind: str, form: str, head_dim: int, what: str) -> None:
-    """What every tensor-core kernel needs of a call: a 16-bit dtype, causal or no mask, d <= 128."""
+    """What every tensor-core kernel needs of a call: a 16-bit dtype, d <= 128 (every mask form is taken)."""
     if kind not in MMA_KINDS:
         raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
                          f"not built yet), got {kind}; use engine='simt' for {kind}")
-    if form not in ("none", "causal"):
-        raise ValueError(f"engine='mma' takes causal=True or no mask (block-mask lists are not built yet for "
-                         f"the tensor-core {what}); use engine='simt' for this mask")
     if head_dim > MMA_MAX_HEAD_DIM:
         raise ValueError(f"engine='mma' needs head dim d <= {MMA_MAX_HEAD_DIM}, got {head_dim}")
 
@@ -55,13 +81,26 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None) -> tuple[
 
 
 def backward(engine: str, *, kind: str | None = None, order: str = "kv", form: str = "none",
-             head_dim: int = 0) -> str:
-    """"simt" or "mma" for a backward call, or a ValueError naming what the tensor-core backward lacks.
-    kind None checks the engine's name only (callers that know the inputs later ask again)."""
+             head_dim: int = 0, dout_kind: str | None = None, causal: bool = False, deterministic: bool = False,
+             block_q: int | None = None, block_k: int | None = None) -> str:
+    """"simt" or "mma" for a backward call (auto: the module docstring), or a ValueError naming what the
+    tensor-core backward lacks for engine="mma". kind None checks the engine's name only (callers that know
+    the inputs later ask again: "auto" is then returned as it is)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine != "mma" or kind is None:
-        return "simt" if engine != "mma" else "mma"
+    if kind is None:
+        return engine
+    if engine == "auto":
+        def fits():
+            from fa_numba.kernels.mma.backward import plan
+
+            if order != "kv" or dout_kind not in (None, kind):
+                raise ValueError(order)
+            _check_mma(kind, form, head_dim, "backward")
+            plan(kind, head_dim, causal, deterministic, block_q, block_k)
+        return "mma" if _takes(fits) else "simt"
+    if engine != "mma":
+        return "simt"
     if order != "kv":
         raise ValueError(f"engine='mma' runs the K/V-outer backward (order='kv', deterministic or not), got "
                          f"order={order!r}")

@@ -105,7 +105,7 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     (block: its square tile, block_q = block_k; score_mod: a `mod_key`). engine and score_mod default to the
     schema before they existed, so a graph compiled and cached against it still calls this operator correctly."""
     dout = dout.contiguous()
-    tiles = dict(block_q=_tile(block)) if engine != "mma" else dict(block_q=_tile(block), block_k=_tile(block))
+    tiles = dict(block_q=_tile(block), block_k=_tile(block))  # square: what both engines' backwards take
     tiles["score_mod"] = _score_mod(score_mod)
     if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
         dout = dout.to(q.dtype)

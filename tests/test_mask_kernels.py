@@ -21,8 +21,8 @@ from strategies import HARD_MASK_CASES, MaskCase, mask_kernel_cases, with_hard_m
 from test_masks import definition
 
 NAMES = sorted(name for name, v in VARIANTS.items() if v.block_masks and v.tile_multiple == 1)
-# (the variants that take block-mask lists and any tiles: not v1-mma / v2-mma, causal or no mask only, whose
-# causal cases are tests/test_mma_forward.py's)
+# (the variants that take block-mask lists and any tiles: not v1-mma / v2-mma, whose tiles are multiples of 16:
+# their masked cases are tests/test_mma_masks.py's)
 SIMULATOR = backend.name() == "simulator"
 BACKWARD_VARIANTS = (("kv", False), ("kv", True), ("q", False))
 DEAD_ROW_CASES = [mc for mc in HARD_MASK_CASES if not definition(mc.mask, mc.n_q, mc.n_k).any(axis=1).all()]

@@ -51,7 +51,8 @@ def _backward(case, kind, sixteen, out, lse, *, deterministic=False, block_q=16,
 
 CASES = [  # (case, kind, deterministic): tails in N and d, GQA, N_q > N_k causal (rows that see nothing)
     (Case(n_q=24, n_k=40, d=16, block_q=16, block_k=16, causal=False, seed=1), "float16", False),
-    (Case(n_q=37, n_k=29, d=20, block_q=16, block_k=16, causal=True, seed=2, group=2), "bfloat16", True),
+    pytest.param(Case(n_q=37, n_k=29, d=20, block_q=16, block_k=16, causal=True, seed=2, group=2), "bfloat16", True,
+                 marks=SLOW),  # 6 s; the default tier's deterministic and causal cases: the tests below
     pytest.param(Case(n_q=37, n_k=29, d=20, block_q=16, block_k=16, causal=True, seed=2, group=2), "float16", False,
                  marks=SLOW),
     pytest.param(Case(n_q=45, n_k=30, d=32, block_q=16, block_k=16, causal=True, seed=3), "float16", True,
@@ -105,8 +106,10 @@ def _at(tensor: int, row: int, col: int, value: float):
 
 # causal 32 x 32: key 20 is hidden from rows 0..19, row 5 sees keys 0..5: each NaN or inf sits in a tile that
 # masks some pair, so the exact path must keep it out of the gradients the mask says it cannot reach
-NONFINITE = [pytest.param(_at(1, 20, 3, np.nan), id="k-nan"), pytest.param(_at(2, 30, 1, np.nan), id="v-nan"),
-             pytest.param(_at(3, 5, 3, np.inf), id="dout-inf"), pytest.param(_at(0, 9, 0, -np.inf), id="q-inf")]
+NONFINITE = [pytest.param(_at(1, 20, 3, np.nan), id="k-nan"),
+             pytest.param(_at(2, 30, 1, np.nan), id="v-nan", marks=SLOW),
+             pytest.param(_at(3, 5, 3, np.inf), id="dout-inf"),
+             pytest.param(_at(0, 9, 0, -np.inf), id="q-inf", marks=SLOW)]
 
 
 @pytest.mark.lemma("L7")
@@ -198,7 +201,8 @@ def test_mma_backward_compiles_to_unrolled_products_without_local_memory():
 @pytest.mark.lemma("L7")
 @pytest.mark.skipif(not SIMULATOR, reason="element counts are taken with counting arrays in the CUDA simulator")
 @pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=SLOW)], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("case", [Case(n_q=37, n_k=29, d=24, block_q=32, block_k=16, causal=True, seed=8, group=2),
+@pytest.mark.parametrize("case", [pytest.param(Case(n_q=37, n_k=29, d=24, block_q=32, block_k=16, causal=True, seed=8,
+                                                    group=2), marks=SLOW),  # 6 s; test_mma_masks counts one
                                   pytest.param(Case(n_q=20, n_k=45, d=16, block_q=16, block_k=32, causal=False,
                                                     seed=9), marks=SLOW)],
                          ids=lambda c: f"{c.n_q}x{c.n_k}-d{c.d}-{c.block_q}x{c.block_k}")

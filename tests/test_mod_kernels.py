@@ -204,7 +204,7 @@ def _case_id(case):
 @pytest.mark.lemma("L13")
 @pytest.mark.parametrize("case", MMA_BACKWARD_CASES, ids=[_case_id(c) for c in MMA_BACKWARD_CASES])
 def test_mods_on_the_tensor_core_backward(case):
-    _check_mma_backward(*case)
+    _check_mma_backward(*case, tiles=dict(block_q=16, block_k=16))  # one-warp blocks: the simulator's fastest
 
 
 @pytest.mark.slow
@@ -213,16 +213,17 @@ def test_mods_on_the_tensor_core_backward_every_combination(case):
     _check_mma_backward(*case, repeat=True)
 
 
-def _check_mma_backward(mod_name, deterministic, causal, repeat=False):
+def _check_mma_backward(mod_name, deterministic, causal, repeat=False, tiles=None):
     """The tensor-core backward (engine="mma", atomic and deterministic) with P = exp(mod(S) - LSE) and dS = dS'
     mod'(S) on its fragments, both rounded to 16 bits, against the rule with the mod and those roundings;
-    repeat: the deterministic mode twice, bitwise equal."""
+    repeat: the deterministic mode twice, bitwise equal; tiles: the backward's (None: its defaults)."""
+    tiles = tiles or {}
     q, k, v, dout = (x[:1].astype(np.float16) for x in _inputs(60))
     mod = MODS[mod_name]
     out, lse = fa_numba.attention(q, k, v, engine="mma", causal=causal, block_q=16, block_k=16, return_lse=True,
                                   score_mod=mod)
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, engine="mma", deterministic=deterministic,
-                                        causal=causal, score_mod=mod)
+                                        causal=causal, score_mod=mod, **tiles)
     tolerance.check_attention_backward(*grads, *(x.astype(np.float32) for x in (q, k, v, dout)), causal=causal,
                                        score_mod=mod, p_dtype="float16", name=f"bwd-mma {mod_name}")
     if deterministic and repeat:

@@ -1,6 +1,6 @@
 """The tensor-core forwards in the registry (v1-mma, v2-mma): what they say they take, the errors for what they
 do not, `compare` running and checking them beside the CUDA-core variants on 16-bit inputs and leaving them
-out, with the reason, of float32 inputs and block masks, and their counted HBM traffic.
+out, with the reason, of float32 inputs, and their counted HBM traffic (with a block mask too).
 
 Shapes stay tiny (N <= 32, d = 16, one head, 16 x 16 tiles): a tensor-core launch is a warp of emulated
 mma.sync in the simulator.
@@ -24,7 +24,7 @@ def test_the_registry_lists_the_tensor_core_variants_with_what_they_take():
         variant = VARIANTS[name]
         assert (variant.name, variant.order, variant.unit) == (name, order, "mma")
         assert variant.dtypes == ("float16", "bfloat16") and variant.tile_multiple == 16
-        assert not variant.block_masks and variant.engine
+        assert variant.block_masks and variant.engine
         assert "tensor cores" in variant.description and "\n" not in variant.description
     assert SIMT_VARIANTS == ("v1", "v2", "v1-rowwise", "v2-rowwise")
     for name in SIMT_VARIANTS:
@@ -41,7 +41,7 @@ REFUSED = [  # (arguments past the default 16, 16, d=16, causal=False; the argum
     (dict(block_q=48), r"block_q must be 16, 32, 64 or 128 for v2-mma.*got 48"),
     (dict(block_k=24), r"block_k must be a positive multiple of 16.*got 24"),
     (dict(head_dim=160), r"head dim d must be in 1\.\.128.*got 160"),
-    (dict(mask_form="intervals"), r"mask_form must be 'none' or 'causal' for v2-mma.*got 'intervals'"),
+    (dict(mask_form="function"), r"mask_form 'function' \(a mask_mod\) needs its fn compiled into v2-mma"),
     (dict(block_q=128, block_k=128, head_dim=128), r"block_q 128, block_k 128, d 128: \d+ bytes of shared memory"),
 ]
 
@@ -66,15 +66,16 @@ def test_a_built_tensor_core_kernel_says_its_launch_and_refuses_what_it_cannot_r
     kernel = VARIANTS["v2-mma"].build(16, 16, 16, False, "none", "bfloat16")
     assert kernel.launch_shape(2, 3, 40) == ((3, 6), (32,))
     assert VARIANTS["v1-mma"].build(32, 16, 16, True, "causal", "float16").launch_shape(2, 3, 40) == ((6,), (64,))
-    assert len(kernel.argtypes("bfloat16")) == 7 and kernel.config.kind == "bfloat16"
+    assert len(kernel.argtypes("bfloat16")) == 15 and kernel.config.kind == "bfloat16"  # 6, 8 mask arrays, mods
     with pytest.raises(ValueError, match=r"dtype must be 'bfloat16' for this v2-mma kernel.*got 'float16'"):
         kernel.argtypes("float16")
     x32 = cuda.to_device(np.zeros((1, 1, 16, 16), np.float32))
     out, lse = cuda.to_device(np.zeros((1, 1, 16, 16), np.float32)), cuda.to_device(np.zeros((1, 1, 16), np.float32))
     with pytest.raises(TypeError, match=r"q must be float16 or the uint16 bits of bfloat16 .*got float32"):
         kernel(x32, x32, x32, out, lse, 0.25)
-    with pytest.raises(ValueError, match=r"mask must be None for v2-mma"):
-        kernel(x32, x32, x32, out, lse, 0.25, mask=object())
+    b16 = cuda.to_device(np.zeros((1, 1, 16, 16), np.uint16))
+    with pytest.raises(ValueError, match=r"mask must be None for a kernel without a block mask"):
+        kernel(b16, b16, b16, out, lse, 0.25, mask=object())
 
 
 def test_attention_orders_stay_the_cuda_core_names():
@@ -123,17 +124,14 @@ def test_compare_runs_and_passes_the_tensor_core_variants_on_16_bit_inputs(dtype
     assert "v2/v1 speed-up" not in text  # no GPU, no times
 
 
-def test_compare_leaves_the_tensor_core_variants_out_of_float32_and_block_masks_with_a_note():
-    for shape, why in ((_shape("float32", n_q=16), r"dtype must be one of \('float16', 'bfloat16'\) for {} "
-                                                   r"\(tensor cores multiply 16-bit operands.*got 'float32'"),
-                       (_shape("float16", n_q=16, mask="window:4,0"), r"mask_form must be 'none' or 'causal' for {} "
-                                                                      r"\(causal or no mask.*got 'intervals'")):
-        result = cmp.run(shape, ("v2", "v1-mma", "v2-mma"), count=False)
-        assert [r["variant"] for r in result["rows"]] == ["v2"] and result["rows"][0]["passed"]
-        for name in MMA:
-            note = next(n for n in result["notes"] if n.startswith(f"{name} left out: "))
-            assert re.search(why.format(name), note), note
-            assert f"note: {note}" in cmp.render(result).splitlines()
+def test_compare_leaves_the_tensor_core_variants_out_of_float32_with_a_note():
+    why = r"dtype must be one of \('float16', 'bfloat16'\) for {} \(tensor cores multiply 16-bit operands.*got 'float32'"
+    result = cmp.run(_shape("float32", n_q=16), ("v2", "v1-mma", "v2-mma"), count=False)
+    assert [r["variant"] for r in result["rows"]] == ["v2"] and result["rows"][0]["passed"]
+    for name in MMA:
+        note = next(n for n in result["notes"] if n.startswith(f"{name} left out: "))
+        assert re.search(why.format(name), note), note
+        assert f"note: {note}" in cmp.render(result).splitlines()
     with pytest.raises(ValueError, match=r"no variant asked for takes this shape: dtype must be one of"):
         cmp.run(_shape("float32", n_q=16), ("v2-mma",))
 

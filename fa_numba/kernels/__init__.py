@@ -53,7 +53,7 @@ class Variant:
         """The checked compile-time configuration of a launch, without compiling anything (errors name the
         argument): a Config for a CUDA-core variant, an MmaConfig for a tensor-core one (dtype None: its first
         dtype). A dtype the variant does not take is a ValueError."""
-        if self.unit == "mma":  # its own messages: why 16-bit only, why no block-mask lists
+        if self.unit == "mma":  # its own messages: why 16-bit only, why tiles of 16
             return mma_variant.check(self.order, block_q, block_k, head_dim, causal, mask_form,
                                      dtype or self.dtypes[0])
         if dtype is not None and dtype not in self.dtypes:
@@ -77,8 +77,8 @@ class Variant:
         return self.make(block_q, block_k, head_dim, causal, mask_form, **extra)
 
 
-# what the tensor-core kernels take: 16-bit inputs, tiles of 16, causal or no mask (kernels.mma_variant)
-_MMA = dict(unit="mma", dtypes=MMA_DTYPES, tile_multiple=mma_variant.TILE_MULTIPLE, block_masks=False)
+# what the tensor-core kernels take: 16-bit inputs, tiles of 16, every mask form (kernels.mma_variant)
+_MMA = dict(unit="mma", dtypes=MMA_DTYPES, tile_multiple=mma_variant.TILE_MULTIPLE, block_masks=True)
 # v1-mma's element counts differ from iomodel's v1 (tests/test_registry_mma.py pins by how much): the 4 lanes of
 # a quad each read the row's l and m (one address: one HBM read on a GPU, 4 counted reads here), and LSE is filled
 # with -inf before the visits and written again at the last one

@@ -167,4 +167,14 @@ def mask_arrays(mask: KernelMask | None) -> tuple:
     return _PLACEHOLDERS[key]
 
 
-__all__ = ["FUNCTION_MASKS_KEPT", "KernelMask", "LIST_FORMS", "MASK_FORMS", "PAIR_FORMS", "kernel_mask", "mask_arrays"]
+def mask_types() -> tuple:
+    """The Numba types of the eight mask arguments, in `mask_arrays` order (what fa_numba.profile compiles)."""
+    from numba import types
+
+    vec32, vec8 = types.Array(types.int32, 3, "C"), types.Array(types.int8, 3, "C")  # (B_m, H_m, list)
+    return (vec32, vec32, vec8, vec32, vec32, vec8, types.Array(types.int32, 4, "C"),
+            types.Array(types.uint8, 4, "C"))
+
+
+__all__ = ["FUNCTION_MASKS_KEPT", "KernelMask", "LIST_FORMS", "MASK_FORMS", "PAIR_FORMS", "kernel_mask", "mask_arrays",
+           "mask_types"]

@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda, float32
 
 from fa_numba import backend
-from fa_numba.kernels.block_lists import LIST_FORMS, MASK_FORMS, mask_arrays
+from fa_numba.kernels.block_lists import LIST_FORMS, MASK_FORMS, mask_arrays, mask_types
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, tuple_type
 
 NEG_INF = float32(-math.inf)
@@ -191,11 +191,7 @@ class CompiledKernel:
     @staticmethod
     def mask_types():
         """Numba types of the KernelMask arrays, in `mask_arrays` order."""
-        from numba import types
-
-        vec32, vec8 = types.Array(types.int32, 3, "C"), types.Array(types.int8, 3, "C")  # (B_m, H_m, list)
-        return (vec32, vec32, vec8, vec32, vec32, vec8, types.Array(types.int32, 4, "C"),
-                types.Array(types.uint8, 4, "C"))
+        return mask_types()
 
 
 class V1Kernel(CompiledKernel):

@@ -121,8 +121,9 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
                          block, mask=None, engine="simt", kind=None, block_k=None):
     """Run the backward kernels (kernels.backward.run; engine "mma": kernels.mma.backward.run for 16-bit `kind`
     inputs with tiles block_q = block, block_k, their cp.async copies counted too) on host arrays in the
-    simulator, counting the HBM traffic of every tensor of tiled.BACKWARD_TENSORS. mask: a KernelMask, passed
-    through uncounted.
+    simulator, counting the HBM traffic of every tensor of tiled.BACKWARD_TENSORS. mask: a KernelMask for the
+    CUDA-core kernels; for engine "mma" the block mask itself (fixed for these sizes), whose lists the run builds
+    for each of its kernels' tiles; passed through uncounted.
 
     Outputs and the D workspace start as NaN, so an element no kernel writes is caught. Returns
     (dq, dk, dv, ledger) as plain float32 arrays."""
@@ -148,7 +149,7 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
 
         with counting_async_copies():
             mma_backward.run(*grads, scale, kind=kind, causal=causal, deterministic=deterministic, block_q=block,
-                             block_k=block_k)
+                             block_k=block_k, mask=mask, mask_form="none" if mask is None else mask.kernel_form())
     else:
         backward.run(*grads, scale, causal=causal, order=order, deterministic=deterministic, block=block, mask=mask)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731

@@ -37,7 +37,7 @@ def _dense_pair(dense, b, h, r, key, captured):
 
 
 @functools.lru_cache(maxsize=None)
-def _mask_caller(f, offset: int, n: int):
+def mask_caller(f, offset: int, n: int):
     """call(b, h, i, j, captured) -> bool(f(b, h, i, j, captured[offset], ..., captured[offset + n - 1]))."""
     g = cuda.jit(device=True, inline=True)(f)
     a0, a1, a2, a3 = offset, offset + 1, offset + 2, offset + 3  # compile-time tuple indices
@@ -64,7 +64,7 @@ def pair_visible(kmod):
     """visible(dense, b, h, r, key, captured) -> bool inside a PARTIAL tile (module docstring)."""
     if kmod is None or kmod.mask is None:
         return _dense_pair
-    call = _mask_caller(kmod.mask, len(kmod.captured), len(kmod.mask_captured))
+    call = mask_caller(kmod.mask, len(kmod.captured), len(kmod.mask_captured))
 
     @cuda.jit(device=True, inline=True)
     def fn_pair(dense, b, h, r, key, captured):
@@ -73,4 +73,4 @@ def pair_visible(kmod):
     return fn_pair
 
 
-__all__ = ["mask_slice", "pair_visible"]
+__all__ = ["mask_caller", "mask_slice", "pair_visible"]

@@ -10,7 +10,9 @@ narrower, and each limit is a ValueError naming the argument (`check`):
   cores, 3xTF32, is not built);
 - block_q in {16, 32, 64, 128} (16 query rows per warp), block_k a positive multiple of 16 (the k of
   m16n8k16), d <= 128, under 48 KB of static shared memory;
-- mask_form "none" or "causal": no block-mask lists yet (mask=None at the launch).
+- mask_form any the registry takes: "none", "causal", or a block mask's list form ("intervals", "dense"),
+  whose KernelMask (kernels.block_lists.kernel_mask on the kernel's tiles) each launch then takes as mask=;
+  "function" (a mask_mod) needs its fn compiled in, which only `fa_numba.attention` does.
 
 v1's workspace (l, m), when given, is the kernel's l and m in HBM (so `counting.run_counted` counts them);
 otherwise the engine allocates it. The arithmetic is the engine's: 16-bit products accumulated in float32, P
@@ -25,7 +27,7 @@ import numpy as np
 from numba import float32
 
 from fa_numba import backend
-from fa_numba.kernels.block_lists import LIST_FORMS
+from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays
 from fa_numba.kernels.common import check_grid, check_mask_form, check_sequence
 from fa_numba.kernels.mma.engine import KINDS, MmaConfig, _aligned16
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
@@ -44,12 +46,14 @@ def check(order: str, block_q: int, block_k: int, head_dim: int, causal: bool, m
         raise ValueError(f"dtype must be one of {KINDS} for {name} (tensor cores multiply 16-bit operands; float32 "
                          f"by 3xTF32 is not built yet), got {dtype!r}")
     check_mask_form(mask_form, causal)
-    if mask_form in LIST_FORMS:
-        raise ValueError(f"mask_form must be 'none' or 'causal' for {name} (causal or no mask: block-mask lists are "
-                         f"not built yet for the tensor-core kernels), got {mask_form!r}")
+    if mask_form == "function":
+        raise ValueError(f"mask_form 'function' (a mask_mod) needs its fn compiled into {name}: run it through "
+                         f"fa_numba.attention(..., mask=masks.mask_mod(...), engine='mma')")
     if block_q not in BLOCK_Q:
         raise ValueError(f"block_q must be 16, 32, 64 or 128 for {name} (16 query rows per warp), got {block_q}")
-    return MmaConfig(dtype, block_q // 16, block_k, head_dim, bool(causal), head_dim % 8 == 0).check()
+    lists = mask_form if mask_form in LIST_FORMS else "none"
+    return MmaConfig(dtype, block_q // 16, block_k, head_dim, bool(causal), head_dim % 8 == 0,
+                     mask_form=lists).check()
 
 
 class MmaVariantKernel:
@@ -89,14 +93,15 @@ class MmaVariantKernel:
 
     def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0, mask=None):
         """Launch on device arrays q, k, v (B, H, N, d; float16 or bits), o float32 (B, H, N_q, d), lse float32
-        (B, H, N_q). workspace: v1's (l, m), float32 (B, H, N_q) each (None: allocated; v2 takes none)."""
-        if mask is not None:
-            raise ValueError(f"mask must be None for {self.name}: it takes no block-mask lists (mask_form 'none' "
-                             f"or 'causal')")
+        (B, H, N_q). workspace: v1's (l, m), float32 (B, H, N_q) each (None: allocated; v2 takes none); mask: the
+        KernelMask of a kernel compiled for a list form (None otherwise)."""
         q, k, v = (self._bits(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
         if workspace is None or self.order == "v2":
-            self.inner(q, k, v, o, lse, scale, stream)
+            self.inner(q, k, v, o, lse, scale, stream, mask=mask)
             return
+        if (mask is not None) != self.config.lists:
+            raise ValueError(f"mask must be a KernelMask of form {self.config.mask_form!r} for this kernel"
+                             if self.config.lists else "mask must be None for a kernel without a block mask")
         # v1 with the caller's l and m: the engine's launch (MmaKernel.__call__) with them as its workspace
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
@@ -108,7 +113,8 @@ class MmaVariantKernel:
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
         l_hbm, m_hbm = workspace
         with backend.serialised(block[0]):
-            inner.kernel[grid, block, stream](q, k, v, o, lse, l_hbm, m_hbm, float32(scale), ())  # no score mod
+            inner.kernel[grid, block, stream](q, k, v, o, lse, l_hbm, m_hbm, float32(scale), *mask_arrays(mask),
+                                              ())  # no score mod
 
 
 def _maker(order: str):
@@ -116,7 +122,8 @@ def _maker(order: str):
     def make(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
              dtype: str = "float16") -> MmaVariantKernel:
         config = check(order, block_q, block_k, head_dim, causal, mask_form, dtype)
-        return MmaVariantKernel(order, _MAKE[order](dtype, config.warps, block_k, head_dim, bool(causal)))
+        return MmaVariantKernel(order, _MAKE[order](dtype, config.warps, block_k, head_dim, bool(causal),
+                                                    mask_form=config.mask_form))
 
     make.__name__ = make.__qualname__ = f"make_{order}_mma_variant"
     make.__doc__ = (f"The tensor-core {order} kernel as a registry variant ({order}-mma): the registry's "

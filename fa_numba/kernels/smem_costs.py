@@ -250,10 +250,9 @@ def _traced_backward(cfg, built, q, k, v, scale, regions):
     grid, threads = built.launch_shape(1, 1, n_q if side == "q" else n_k)
     grads = (dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["dvec"], dev["dq"], dev["dk"], dev["dv"],
              np.float32(scale))
-    if cfg["variant"] not in MMA_VARIANTS:  # the CUDA-core kernels take the block-mask arrays (none here)
-        grads += tuple(mask_arrays(None))
-    elif cfg["variant"] == "bwd-dq-mma":  # the dq pass takes no dK, dV
+    if cfg["variant"] == "bwd-dq-mma":  # the dq pass takes no dK, dV
         grads = grads[:7] + grads[9:]
+    grads += tuple(mask_arrays(None))  # every kernel takes the block-mask arrays (none here)
     grads += (NO_CAPTURED,)  # every kernel ends with a score mod's captured arrays (none here)
     with backend.serialised(math.prod(threads)):
         with smem_trace.trace_shared() as trace:

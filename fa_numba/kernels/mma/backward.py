@@ -37,14 +37,17 @@ row of each operand), so their masked entries are overwritten with 0; the three 
 core would multiply a masked pair's 0 by the other operand, and 0 x inf is NaN. So a tile that masks some pair
 and holds an inf or NaN among its staged Q_i, dO_i, K_j, V_j takes an exact path on the CUDA cores for those
 reductions over the visible pairs only (`exact_*`: the warp's P and dS go through shared memory, rounded to 16
-bits as the mma path reads them, and each lane sums its entries over the visible pairs). Only a causal mask
-hides a key from a row when both hold data: without one, the masked pairs involve a padded row or key, staged
-as zeros, so their products are 0 whatever the data holds, and the non-causal kernels have no exact path. A
+bits as the mma path reads them, and each lane sums its entries over the visible pairs). Only a causal or block
+mask hides a key from a row when both hold data: without one, the masked pairs involve a padded row or key,
+staged as zeros, so their products are 0 whatever the data holds, and the unmasked kernels have no exact path. A
 NaN then reaches exactly the gradients the dense formula puts it in; the other entries of such a tile are
 computed in another order than the mma path's (within the rule, not bitwise the NaN-free run's).
 
-Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); causal or no mask (no block-mask
-lists); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with
+Masks (kernels.mma.masking): causal in closed form, or a block mask's lists (every list form, one mask or one per
+(batch, head)): the kv kernel walks the query tiles of key tile j in its slice's column lists, per query head
+under GQA; the dq pass the key tiles of query tile i in the row lists, each built for the kernel's own tiles.
+
+Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with
 B_r / 16 and W dividing one another; dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
 Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-det,bwd-dq-mma`).
 """
@@ -59,7 +62,10 @@ import numpy as np
 
 from numba import cuda, float32, uint16, uint32
 
-from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, tuple_type
+from fa_numba.kernels.block_lists import LIST_FORMS, kernel_mask, mask_arrays, mask_types
+from fa_numba.kernels.mma import masking
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, has_scores, tuple_type
+from fa_numba.tiling import PARTIAL
 
 from fa_numba import backend, warp
 from fa_numba.kernels.common import ZERO, check_grid, check_sequence
@@ -95,6 +101,11 @@ class MmaBackwardConfig(PaddedRows):
     deterministic: bool = False  # kv only: leave dQ to the dq kernel
     async_copy: bool = False
     mod: KernelMod | None = None  # a score mod with its grad (kernels.score_mod), on the S and dS fragments
+    mask_form: str = "none"  # "none" / "causal" (by `causal`) or a block mask's list form (kernels.mma.masking)
+
+    @property
+    def lists(self) -> bool:
+        return self.mask_form in LIST_FORMS
 
     @property
     def ds_stride(self) -> int:
@@ -145,6 +156,7 @@ class MmaBackwardConfig(PaddedRows):
         if self.shared_bytes > SHARED_LIMIT:
             raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
                              f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
+        masking.make(self.causal, self.mask_form, self.mod)
         return self
 
 
@@ -153,15 +165,6 @@ def store_pair(tile, index, bits):
     """Two 16-bit values packed in `bits` (lower index in the low half) at tile[index], tile[index + 1]."""
     tile[index] = uint16(bits & 0xFFFF)
     tile[index + 1] = uint16(bits >> 16)
-
-
-def _visible(causal: bool):
-    @cuda.jit(device=True, inline=True)
-    def visible(row, key, n_q, n_k, delta):
-        """Row `row` sees key `key` (both in range; causal: bottom-right, key <= row + N_k - N_q)."""
-        return row < n_q and key < n_k and (not causal or key <= row + delta)
-
-    return visible
 
 
 def _row_writer(D: int, DN: int):
@@ -191,14 +194,14 @@ def _exact_product(count: int, stride: int, DN: int, SQ: int, to_f32, visible, l
     other0 + r (dQ in the dq pass)."""
 
     @cuda.jit(device=True, inline=True)
-    def exact(acc, buf, src, own0, local0, other0, n_q, n_k, delta, t):
+    def exact(acc, buf, src, own0, local0, other0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h, captured):
         for r in range(count):
             if lane_owns_keys:
-                see0 = visible(other0 + r, own0, n_q, n_k, delta)
-                see1 = visible(other0 + r, own0 + 8, n_q, n_k, delta)
+                see0 = visible(other0 + r, own0, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
+                see1 = visible(other0 + r, own0 + 8, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
             else:
-                see0 = visible(own0, other0 + r, n_q, n_k, delta)
-                see1 = visible(own0 + 8, other0 + r, n_q, n_k, delta)
+                see0 = visible(own0, other0 + r, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
+                see1 = visible(own0 + 8, other0 + r, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
             if see0 or see1:
                 x0, x1 = to_f32(buf[local0 * stride + r]), to_f32(buf[(local0 + 8) * stride + r])
                 for dn in range(DN):
@@ -225,16 +228,17 @@ def kv_source(config: MmaBackwardConfig):
     DNS, UNITS = DN // SPLIT, SLICES * SPLIT
     CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
     HOLD = DP <= 64  # K_j's and V_j's A fragments held in registers for the block's life (else read per use)
-    # Only a causal visit can mask a pair between two rows that hold data: without it the masked pairs are
-    # those of padded rows or keys (staged as zeros), whose products are 0 whatever the data holds, so the
-    # exact path is compiled in for causal kernels only (the module docstring, non-finite inputs)
-    GUARDED = CAUSAL
+    # Only a causal visit or a block mask can mask a pair between two rows that hold data: without them the
+    # masked pairs are those of padded rows or keys (staged as zeros), whose products are 0 whatever the data
+    # holds, so the exact path is compiled in for masked kernels only (the module docstring, non-finite inputs)
+    M = masking.make(CAUSAL, config.mask_form, config.mod)
+    GUARDED, LISTS, PARTIAL_KIND, slot = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot
     PER_WARP = UNITS // W if UNITS >= W else 1  # dQ units per warp, a constant: the loop unrolls
     Q_SIZE, KV_SIZE, DS_SIZE, HELD = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1)
-    visible = _visible(CAUSAL)
+    visible = M.visible
     exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)
     write_rows = _row_writer(D, DN)
-    MOD = config.mod is not None
+    MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
 
     @cuda.jit(device=True, inline=True)
@@ -260,7 +264,8 @@ def kv_source(config: MmaBackwardConfig):
                     acc[dn, e] = d4[e]
 
     @cuda.jit(device=True, inline=True)
-    def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t):
+    def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t, lohis, denses, sb, sh,
+                 captured):
         """dQ_i += scale dS K_j over the visible pairs only, on the CUDA cores in float32, for this lane's entries
         of the slice's column blocks `part` (dS from shared memory, 16-bit as the mma path reads it)."""
         for dd in range(DNS):
@@ -270,7 +275,7 @@ def kv_source(config: MmaBackwardConfig):
                 x = 8 * dn + 2 * t + (e & 1)
                 total = ZERO
                 for c in range(BC):
-                    if visible(row, c0 + c, n_q, n_k, delta):
+                    if visible(row, c0 + c, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured):
                         total += to_f32(sds[c * SDS + local]) * to_f32(sk[c * SQ + x])
                 if row < n_q and x < D:
                     cuda.atomic.add(dq, (b, h, row, x), scale * total)
@@ -284,7 +289,8 @@ def kv_source(config: MmaBackwardConfig):
             if row < n_q and x < D:
                 cuda.atomic.add(dq, (b, h, row, x), scale * d4[e])
 
-    def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale, captured):
+    def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
+                   row_kinds, lohis, denses, captured):
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
         sq = cuda.shared.array(Q_SIZE, uint16)
@@ -315,6 +321,20 @@ def kv_source(config: MmaBackwardConfig):
         first = 0
         if CAUSAL:  # the first row that sees key c0 is c0 - delta
             first = max(c0 - delta, 0) // BR
+        for dn in range(DN):
+            for e in range(4):
+                dka[dn, e] = ZERO
+                dva[dn, e] = ZERO
+        visited = first < n_row_tiles  # some query tile (of some query head of the group) sees key tile j
+        if LISTS:
+            visited = False
+            for hh in range(group):
+                sb, sh = slot(lohis, b, hk * group + hh)
+                visited = visited or col_ptrs[sb, sh, j + 1] > col_ptrs[sb, sh, j]
+        if not visited:  # a key tile no query tile sees is never read: dK_j = dV_j = 0 (the whole block returns)
+            write_rows(dk, b, hk, key0, n_k, dka, scale, t)
+            write_rows(dv, b, hk, key0, n_k, dva, float32(1), t)
+            return
 
         stage_two(k, v, b, hk, c0, n_k, sk, sv, BC)
         cuda.syncthreads()  # K_j, V_j staged: every thread reaches this barrier
@@ -329,14 +349,18 @@ def kv_source(config: MmaBackwardConfig):
                 for e in range(4):
                     kf[ks, e] = a[e]
                     vf[ks, e] = c[e]
-        for dn in range(DN):
-            for e in range(4):
-                dka[dn, e] = ZERO
-                dva[dn, e] = ZERO
 
         for hh in range(group):
             h = hk * group + hh
-            for i in range(first, n_row_tiles):
+            # the query tiles that see key tile j: from `first` on (causal) or all, or the listed ones
+            # row_idx[col_ptr[j]:col_ptr[j + 1]] of this query head's slice (L8; under GQA the query heads of
+            # one K/V head may have different lists)
+            sb, sh = slot(lohis, b, h)
+            start, stop = first, n_row_tiles
+            if LISTS:
+                start, stop = col_ptrs[sb, sh, j], col_ptrs[sb, sh, j + 1]
+            for idx in range(start, stop):
+                i = row_idxs[sb, sh, idx] if LISTS else idx
                 r0 = i * BR
                 cuda.syncthreads()  # the previous visit's Q, dO and sds are no longer read
                 if tid < BR:  # B_r <= 32 W threads (DEFAULTS): one row each, no loop in the visit
@@ -345,8 +369,10 @@ def kv_source(config: MmaBackwardConfig):
                     sd[tid] = dvec[b, h, row] if row < n_q else ZERO
                 stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
                 cuda.syncthreads()  # Q_i, dO_i, LSE_i, D_i staged
-                # some pair of the visit is masked: causal (key c0 + BC - 1 hidden from row r0), or a tail
-                masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
+                # some pair of the visit is masked: causal (key c0 + BC - 1 hidden from row r0) or a PARTIAL tile
+                # of the lists, or a tail
+                hidden = row_kinds[sb, sh, idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + BC - 1 > r0 + delta
+                masked = hidden or c0 + BC > n_k or r0 + BR > n_q
                 guard = False
                 if GUARDED and masked:  # the same for the whole block: every thread reaches this barrier
                     bad = kv_bad or any_bad(sq, BR) or any_bad(sdo, BR)
@@ -369,7 +395,8 @@ def kv_source(config: MmaBackwardConfig):
                     for e in range(4):  # 0 at masked pairs
                         col = 8 * nt + 2 * t + (e & 1)
                         p, ds = ZERO, ZERO
-                        if not masked or visible(r0 + col, key0 + 8 * (e >> 1), n_q, n_k, delta):
+                        if not masked or visible(r0 + col, key0 + 8 * (e >> 1), n_q, n_k, delta, lohis, denses, sb, sh,
+                                                 b, h, captured):
                             x = scale * d4[e]
                             if MOD:  # P = exp(mod(S) - LSE), dS = P (dP - D) mod'(S) (proofs/L13)
                                 p = math.exp(modded(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured) - slse[col])
@@ -383,11 +410,13 @@ def kv_source(config: MmaBackwardConfig):
                 if guard:  # the warp's own rows of sds: P^T for dV, then dS^T for dK (and dQ)
                     store_rows(sds, s, wid, g, t)
                     cuda.syncwarp()
-                    exact_reduce(dva, sds, sdo, key0, 16 * wid + g, r0, n_q, n_k, delta, t)
+                    exact_reduce(dva, sds, sdo, key0, 16 * wid + g, r0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
+                                 captured)
                     cuda.syncwarp()
                     store_rows(sds, dp, wid, g, t)
                     cuda.syncwarp()
-                    exact_reduce(dka, sds, sq, key0, 16 * wid + g, r0, n_q, n_k, delta, t)
+                    exact_reduce(dka, sds, sq, key0, 16 * wid + g, r0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
+                                 captured)
                 else:
                     product(dva, s, sdo, mrow, mat)
                     product(dka, dp, sq, mrow, mat)
@@ -402,7 +431,8 @@ def kv_source(config: MmaBackwardConfig):
                         part = unit - mi * SPLIT
                         row0 = r0 + 16 * mi + g
                         if guard:
-                            exact_dq(sds, sk, dq, b, h, row0, 16 * mi + g, c0, part, scale, n_q, n_k, delta, t)
+                            exact_dq(sds, sk, dq, b, h, row0, 16 * mi + g, c0, part, scale, n_q, n_k, delta, t, lohis,
+                                     denses, sb, sh, captured)
                         else:
                             for kk in range(KK):
                                 a = warp.ldmatrix_x4_trans(sds, (16 * kk + mrow + 8 * (mat >> 1)) * SDS + 16 * mi
@@ -432,15 +462,16 @@ def dq_source(config: MmaBackwardConfig):
     KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
     CAUSAL = config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
-    GUARDED = CAUSAL  # as in the kv kernel: without a causal mask, no pair between data rows is masked
-    visible = _visible(CAUSAL)
+    M = masking.make(CAUSAL, config.mask_form, config.mod)  # as in the kv kernel
+    GUARDED, LISTS, PARTIAL_KIND, slot, visible = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot, M.visible
     exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
     write_rows = _row_writer(D, DN)
     Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
-    MOD = config.mod is not None
+    MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)
 
-    def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, captured):
+    def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds,
+                   lohis, denses, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
         sdo = cuda.shared.array(Q_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
@@ -464,9 +495,12 @@ def dq_source(config: MmaBackwardConfig):
         r0 = i * BR
         row0 = r0 + 16 * wid + g
         last = min(r0 + BR, n_q) - 1 + delta
-        n_tiles = (n_k + BC - 1) // BC
+        sb, sh = slot(lohis, b, h)
+        start, stop = 0, (n_k + BC - 1) // BC  # the key tiles as the forward's v2 walks them
         if CAUSAL:
-            n_tiles = min(n_tiles, (last + BC) // BC) if last >= 0 else 0
+            stop = min(stop, (last + BC) // BC) if last >= 0 else 0
+        if LISTS:
+            start, stop = row_ptrs[sb, sh, i], row_ptrs[sb, sh, i + 1]
 
         stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
         tid = cuda.threadIdx.x
@@ -489,12 +523,14 @@ def dq_source(config: MmaBackwardConfig):
         for dn in range(DN):
             for e in range(4):
                 acc[dn, e] = ZERO
-        for j in range(n_tiles):
+        for idx in range(start, stop):
+            j = col_idxs[sb, sh, idx] if LISTS else idx
             c0 = j * BC
             cuda.syncthreads()  # the previous K_j, V_j are no longer read
             stage_two(k, v, b, h_kv, c0, n_k, sk, sv, BC)
             cuda.syncthreads()
-            masked = (CAUSAL and c0 + BC - 1 > r0 + delta) or c0 + BC > n_k or r0 + BR > n_q
+            hidden = col_kinds[sb, sh, idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + BC - 1 > r0 + delta
+            masked = hidden or c0 + BC > n_k or r0 + BR > n_q
             guard = False
             if GUARDED and masked:
                 bad = q_bad or any_bad(sk, BC) or any_bad(sv, BC)
@@ -509,7 +545,8 @@ def dq_source(config: MmaBackwardConfig):
                 for e in range(4):
                     row = row0 + 8 * (e >> 1)
                     ds = ZERO
-                    if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta):
+                    if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta, lohis, denses, sb, sh,
+                                             b, h, captured):
                         x = scale * d4[e]
                         if MOD:  # as in the kv kernel (proofs/L13)
                             key = c0 + 8 * nt + 2 * t + (e & 1)
@@ -525,7 +562,7 @@ def dq_source(config: MmaBackwardConfig):
                     store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
                     store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
                 cuda.syncwarp()
-                exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t)
+                exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h, captured)
                 cuda.syncwarp()
             else:
                 for kk in range(PK):
@@ -569,10 +606,10 @@ class MmaBackwardKernel:
             raise ValueError(f"dtype must be {self.config.kind!r} for this kernel (compiled for it), got {dtype!r}")
         bits = types.Array(types.uint16, 4, "C")
         grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
-        captured = tuple_type(self.config.mod)
+        trailing = mask_types() + (tuple_type(self.config.mod),)
         if self.config.role == "kv":
-            return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32, captured)
-        return (bits, bits, bits, bits, stat, stat, grad, float32, captured)
+            return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32) + trailing
+        return (bits, bits, bits, bits, stat, stat, grad, float32) + trailing
 
     @property
     def inner_trips(self) -> int | None:
@@ -587,19 +624,21 @@ class MmaBackwardKernel:
 
 @functools.lru_cache(maxsize=None)
 def make(role: str, kind: str, warps: int, block_q: int, block_k: int, head_dim: int, causal: bool,
-         deterministic: bool = False, async_copy: bool | None = None, mod: KernelMod | None = None
-         ) -> MmaBackwardKernel:
+         deterministic: bool = False, async_copy: bool | None = None, mod: KernelMod | None = None,
+         mask_form: str = "none") -> MmaBackwardKernel:
     """One tensor-core backward kernel, built once per configuration. async_copy (default: where d % 8 == 0)
     stages tiles by cp.async; `run` takes the plain-load kernel for inputs not 16-byte aligned. mod: a score
-    mod with its grad, or None."""
+    mod with its grad (and a mask_mod's fn for the "function" form), or None; mask_form: a block mask's list
+    form, or "none" / "causal"."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
     return MmaBackwardKernel(MmaBackwardConfig(role, kind, warps, block_q, block_k, head_dim, bool(causal),
-                                               bool(deterministic) and role == "kv", bool(async_copy), mod))
+                                               bool(deterministic) and role == "kv", bool(async_copy), mod,
+                                               mask_form))
 
 
 def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=None, block_k=None,
-         mod: KernelMod | None = None) -> list:
+         mod: KernelMod | None = None, mask_form: str = "none") -> list:
     """The tensor-core kernels one backward call launches after `preprocess`, each with the side its grid
     spans: [kv] or, deterministic, [kv without dQ, dq]. Tiles: both None, each kernel's DEFAULTS; otherwise
     (the missing one from kv's defaults) kv takes B_r = block_q, B_c = block_k (block_k / 16 warps) and the dq
@@ -612,10 +651,11 @@ def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=No
                              f"got {size}")
     bk = bk if block_k is None else block_k
     bq = bq if block_q is None else block_q
-    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic, mod=mod), "kv")]
+    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic, mod=mod, mask_form=mask_form),
+                "kv")]
     if deterministic:
         w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", head_dim)
-        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal, mod=mod), "q"))
+        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal, mod=mod, mask_form=mask_form), "q"))
     return kernels
 
 
@@ -626,17 +666,23 @@ def _aligned(*arrays) -> bool:
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deterministic=False, block_q=None,
-        block_k=None, stream=0, mod: KernelMod | None = None, captured=NO_CAPTURED) -> None:
+        block_k=None, stream=0, mod: KernelMod | None = None, captured=NO_CAPTURED, mask=None,
+        mask_form: str = "none") -> None:
     """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the
     uint16 bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); dq
     (B, H, N_q, d), dk, dv (B, H_kv, N_k, d) float32 outputs, dvec (B, H, N_q) float32 workspace for D; mod
-    and captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's."""
+    and captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's;
+    mask: a block mask (a fa_numba.masks mask fixed for these sizes, or a slice_masks mask) of kernel form
+    mask_form, its lists built for each kernel's own tiles (kernels.block_lists.kernel_mask), or None."""
     from fa_numba.kernels import backward as simt
 
     batch, heads, n_q, d = q.shape
     heads_kv, n_k = k.shape[1], k.shape[2]
     check_sequence(n_q, n_k)
-    kernels = plan(kind, d, causal, deterministic, block_q, block_k, mod)
+    if (mask is None) != (mask_form not in LIST_FORMS):
+        raise ValueError(f"mask and mask_form disagree: a block mask needs a list form {LIST_FORMS}, got "
+                         f"{mask_form!r}")
+    kernels = plan(kind, d, causal, deterministic, block_q, block_k, mod, mask_form)
     for kernel, side in kernels:
         kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
     bits = [x.view(np.uint16) if np.dtype(x.dtype) == np.float16 else x for x in (q, k, v, dout)]
@@ -650,11 +696,12 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deter
         c = kernel.config
         if c.async_copy and not aligned:  # cp.async needs 16-byte rows
             kernel = make(c.role, c.kind, c.warps, c.block_q, c.block_k, c.head_dim, c.causal, c.deterministic,
-                          async_copy=False, mod=c.mod)
+                          async_copy=False, mod=c.mod, mask_form=c.mask_form)
         grid, block = kernel.launch_shape(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
         args = (*bits, lse, dvec, dq, dk, dv, scale) if c.role == "kv" else (*bits, lse, dvec, dq, scale)
+        blocks = kernel_mask(mask, n_q, n_k, c.block_q, c.block_k, batch, heads) if mask is not None else None
         with backend.serialised(block[0]):
-            kernel.kernel[grid, block, stream](*args, tuple(captured))
+            kernel.kernel[grid, block, stream](*args, *mask_arrays(blocks), tuple(captured))
 
 
 __all__ = ["DEFAULTS", "MmaBackwardConfig", "MmaBackwardKernel", "default_tiles", "dq_source", "kv_source", "make",

@@ -22,13 +22,16 @@ lanes.
 Staging: where d % 8 == 0 (and the inputs are 16-byte aligned) each tile is copied by cp.async, 16 bytes a
 copy with the rows past N zero-filled, so no element passes through a register; otherwise by plain loads.
 
-Masking: causal (bottom-right) by SKIP / FULL / PARTIAL tiles, keys past N_k zero-filled and given weight 0.
-A masked key's value row must never be multiplied (a NaN or inf there would turn 0 into NaN): in a PARTIAL
-tile whose V holds a non-finite value the warp computes P V on the CUDA cores over the visible keys only
-(`exact_pv`), which the tensor core cannot (it multiplies every key of the tile).
+Masking (kernels.mma.masking): causal (bottom-right) by SKIP / FULL / PARTIAL tiles in closed form, or a block
+mask's lists (every form of kernels.block_lists, one mask or one per (batch, head)): the tiles a block visits and
+their kinds come from the lists, and inside a PARTIAL tile each pair is tested (the row's interval, then the
+dense byte or the mask_mod's fn). Keys past N_k are zero-filled and given weight 0. A masked key's value row
+must never be multiplied (a NaN or inf there would turn 0 into NaN): in a PARTIAL tile whose V holds a
+non-finite value the warp computes P V on the CUDA cores over the visible keys only (`exact_pv`), which the
+tensor core cannot (it multiplies every key of the tile).
 
-Limits of this first engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet),
-causal and unmasked only (no block-mask lists), d <= 128, forward only.
+Limits of this engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet), d <= 128,
+16-bit inputs (float32 by 3xTF32 is not built).
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ import numpy as np
 from numba import cuda, float32, uint16
 
 from fa_numba import backend, warp
+from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays, mask_types
 from fa_numba.kernels.common import NEG_INF, ZERO
-from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, tuple_type
+from fa_numba.kernels.mma import masking
+from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, has_scores, tuple_type
 
 KINDS = ("float16", "bfloat16")
 MAX_HEAD_DIM = 128
@@ -76,6 +81,12 @@ class MmaConfig(PaddedRows):
     causal: bool
     async_copy: bool = False  # stage tiles by cp.async (needs d % 8 == 0 and 16-byte aligned inputs)
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod), applied to S on the fragments
+    mask_form: str = "none"  # "none" / "causal" (closed forms, by `causal`) or a block mask's list form
+
+    @property
+    def lists(self) -> bool:
+        """Whether the kernel walks a block mask's lists (kernels.mma.masking)."""
+        return self.mask_form in LIST_FORMS
 
     @property
     def block_q(self) -> int:
@@ -101,6 +112,7 @@ class MmaConfig(PaddedRows):
         if self.shared_bytes > SHARED_LIMIT:
             raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
                              f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
+        masking.make(self.causal, self.mask_form, self.mod)  # the form, and a mask_mod's fn where it needs one
         return self
 
 
@@ -118,8 +130,10 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     pack = warp.pack_f16x2 if config.kind == "float16" else warp.pack_bf16x2
     to_f32 = _to_f32_function(config.kind)
     ZERO16 = uint16(0)
-    MOD = config.mod is not None
+    MOD = has_scores(config.mod)
     modded = apply_fn(config.mod)  # the score mod as a device function (the identity without one)
+    M = masking.make(CAUSAL, config.mask_form, config.mod, rows=False)
+    GUARDED, pair_visible = M.GUARDED, M.visible  # some tile hides a pair of data rows: the exact path compiled in
 
     @cuda.jit(device=True, inline=True)
     def stage(src, b, h, r0, n, tile, rows):
@@ -177,10 +191,6 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return bad
 
     @cuda.jit(device=True, inline=True)
-    def visible(row, key, n_k, delta):
-        return key < n_k and (not CAUSAL or key <= row + delta)
-
-    @cuda.jit(device=True, inline=True)
     def score(x, b, h, row, key, n_q, captured):
         """A visible pair's score as the softmax sees it: the score mod's, where the row is a real one."""
         if MOD and row < n_q:
@@ -188,15 +198,16 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return x
 
     @cuda.jit(device=True, inline=True)
-    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured):
+    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured, lohis,
+                 denses, sb, sh):
         """acc += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a masked key's
         value row never read. Each lane recomputes its two rows' weights from Q_i and K_j in shared memory
         (K_j is still staged) rather than index its S fragment at a run-time key, which would move the whole
         fragment to local memory; the weights' own rounding differs from the mma's by a score perturbation,
         which the rule's score terms bound."""
         for c in range(BC):
-            see0 = visible(row0, c0 + c, n_k, delta)
-            see1 = visible(row0 + 8, c0 + c, n_k, delta)
+            see0 = pair_visible(row0, c0 + c, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
+            see1 = pair_visible(row0 + 8, c0 + c, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
             if see0 or see1:
                 dot0, dot1 = ZERO, ZERO
                 for x in range(DP):
@@ -239,13 +250,13 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             warp.cp_async_commit()
             warp.cp_async_wait_all()  # this thread's copies of K_j and V_j have landed
             cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
-            if not CAUSAL:
+            if not GUARDED:
                 return False
             bad_v = partial and any_bad(sv, BC)
         else:
             stage(k, b, h_kv, c0, n_k, sk, BC)
             bad_v = stage(v, b, h_kv, c0, n_k, sv, BC)
-            if not CAUSAL:
+            if not GUARDED:
                 cuda.syncthreads()  # K_j, V_j staged: all threads reach this barrier
                 return False
         return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
@@ -264,10 +275,12 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
-             masked, b, h, n_q, captured):
+             masked, b, h, n_q, captured, lohis, denses, sb, sh):
         """Fold the staged K_j, V_j into this lane's (m, l, acc) of rows row0 and row0 + 8 (l: the lane's part,
         the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole warp calls it together.
-        With a score mod, S' = mod(S) at the visible pairs of rows < N_q (b, h, the query head: its positions)."""
+        With a score mod, S' = mod(S) at the visible pairs of rows < N_q (b, h, the query head: its positions).
+        masked: some pair of the tile may be hidden (a PARTIAL or tail tile), so each is tested (`masking`);
+        lohis, denses, (sb, sh): the block mask's arrays and the block's slice of them (placeholders without)."""
         for nt in range(NT):
             d4 = (ZERO, ZERO, ZERO, ZERO)
             for ks in range(KS):
@@ -277,8 +290,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 if masked or MOD:
                     key = c0 + 8 * nt + 2 * t + (e & 1)
                     row = row0 + 8 * (e >> 1)
-                    s[nt, e] = score(scale * d4[e], b, h, row, key, n_q, captured) if visible(row, key, n_k, delta) \
-                        else NEG_INF
+                    see = pair_visible(row, key, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
+                    s[nt, e] = score(scale * d4[e], b, h, row, key, n_q, captured) if see else NEG_INF
                 else:
                     s[nt, e] = scale * d4[e]
         # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
@@ -301,7 +314,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
             acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
         if guard:
-            exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured)
+            exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured,
+                     lohis, denses, sb, sh)
         else:
             for kk in range(PK):  # P's A fragment for keys 16 kk .. 16 kk + 15 (L10, claim 5)
                 pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
@@ -313,7 +327,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                         acc[dn, e] = d4[e]
         return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
 
-    return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=visible,
+    return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=pair_visible,
                            stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad, mma=mma, pack=pack, to_f32=to_f32,
                            sizes=SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN,
                                                  Q_SIZE=Q_SIZE, KV_SIZE=KV_SIZE))
@@ -358,9 +372,11 @@ def _aligned16(x) -> bool:
 
 
 class MmaKernel:
-    """A compiled tensor-core forward kernel: kernel(q, k, v, o, lse, scale) on device arrays, q, k, v
-    (B, H, N, d) uint16 bits of float16 or bfloat16 values (config.kind), o float32 (B, H, N_q, d), lse float32
-    (B, H, N_q). Subclasses give the order's grid and arguments."""
+    """A compiled tensor-core forward kernel: kernel(q, k, v, o, lse, scale, mask=, captured=) on device arrays,
+    q, k, v (B, H, N, d) uint16 bits of float16 or bfloat16 values (config.kind), o float32 (B, H, N_q, d), lse
+    float32 (B, H, N_q); mask: the block mask's kernels.block_lists.KernelMask on this kernel's tiles for a
+    kernel compiled with a list form (config.mask_form), None otherwise. Subclasses give the order's grid and
+    arguments."""
 
     GRID_AXES: tuple = ()
     ORDER = ""
@@ -374,14 +390,15 @@ class MmaKernel:
         raise NotImplementedError
 
     @staticmethod
-    def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None) -> "MmaKernel":
+    def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None, mask_form="none") -> "MmaKernel":
         """The order's cached factory (make_v1_mma / make_v2_mma)."""
         raise NotImplementedError
 
     def without_async(self) -> "MmaKernel":
         """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
         c = self.config
-        return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False, mod=c.mod)
+        return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False, mod=c.mod,
+                         mask_form=c.mask_form)
 
     def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple:
         """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
@@ -390,28 +407,34 @@ class MmaKernel:
     def arguments(self, q, k, v, o, lse, scale) -> tuple:
         return (q, k, v, o, lse, scale)
 
-    def __call__(self, q, k, v, o, lse, scale, stream=0, captured=NO_CAPTURED):
-        """Launch; captured: the score mod's device arrays (`score_mod.device_arrays`) for a kernel compiled
-        with one (config.mod), () otherwise."""
+    def __call__(self, q, k, v, o, lse, scale, stream=0, captured=NO_CAPTURED, mask=None):
+        """Launch; captured: the score mod's and the mask_mod's device arrays (`score_mod.device_arrays`) for a
+        kernel compiled with them (config.mod), () otherwise; mask: the KernelMask (class docstring)."""
         from fa_numba.kernels.common import check_grid, check_sequence
 
-        if len(captured) != (0 if self.config.mod is None else len(self.config.mod.captured)):
+        mod = self.config.mod
+        if len(captured) != (0 if mod is None else len(mod.captured) + len(mod.mask_captured)):
             raise ValueError(f"captured must hold the score mod's device arrays for this kernel, got {len(captured)}")
+        if (mask is not None) != self.config.lists or (mask is not None and mask.form != self.config.mask_form):
+            raise ValueError(f"mask must be a KernelMask of form {self.config.mask_form!r} for this kernel"
+                             if self.config.lists else "mask must be None for a kernel without a block mask")
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
         check_sequence(q.shape[2], k.shape[2])
         grid = self.grid(q.shape[0], q.shape[1], q.shape[2])
         check_grid(grid, self.GRID_AXES, f"{self.ORDER}-mma")
         if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
-            return self.without_async()(q, k, v, o, lse, scale, stream, captured)
+            return self.without_async()(q, k, v, o, lse, scale, stream, captured, mask)
         threads = 32 * self.config.warps
         with backend.serialised(threads):
-            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)), tuple(captured))
+            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)), *mask_arrays(mask),
+                                               tuple(captured))
 
     def argtypes(self, dtype=None) -> tuple:
         """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
-        every 16-bit dtype (the inputs are their bits); the order's `base_types`, then the captured arrays'."""
-        return self.base_types() + (tuple_type(self.config.mod),)
+        every 16-bit dtype (the inputs are their bits); the order's `base_types`, the mask arrays, then the
+        captured arrays'."""
+        return self.base_types() + mask_types() + (tuple_type(self.config.mod),)
 
     @staticmethod
     def array_types():

@@ -13,7 +13,8 @@ HBM traffic per (batch, head), in elements: K and V read once (N_k d each), Q, O
 O and m, l written once per visit, LSE N_q, and the first fill of O, l, m and LSE; close to
 iomodel.traffic("v1", ...) but not equal to it: every lane of a quad reads the row's l and m (4 reads where
 iomodel counts one) and LSE is written twice (its -inf fill, then the result), so compare reports v1-mma's
-traffic as not counted (tests/test_registry_mma.py pins why).
+traffic as not counted (tests/test_registry_mma.py pins why). With a block mask the visits are the lists'
+(row_idx[col_ptr[j]:col_ptr[j + 1]] for key tile j), and a key tile no query tile sees is never staged.
 Launch: grid (B H,), 32 W threads: B H blocks, fewer than an H200's 132 SMs hold at small B H.
 """
 
@@ -24,7 +25,9 @@ import functools
 from numba import cuda, float32, uint16, uint32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
+from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.engine import MmaConfig, MmaKernel, make_ops
+from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: MmaConfig):
@@ -33,9 +36,11 @@ def kernel_source(config: MmaConfig):
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
     Z = E.sizes
     BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
-    CAUSAL = config.causal
+    CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
+    slot = masking.slot
 
-    def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale, captured):
+    def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
+                     row_kinds, lohis, denses, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
@@ -54,6 +59,7 @@ def kernel_source(config: MmaConfig):
         delta = n_k - n_q
         n_row_tiles = (n_q + BR - 1) // BR
         n_key_tiles = (n_k + BC - 1) // BC
+        sb, sh = slot(lohis, b, h)  # this block's slice of the block mask (kernels.mma.masking)
         # O = 0, l = 0, m = -inf, LSE = -inf for every row (a row no tile visits keeps them: it sees no key);
         # each lane initialises the entries it will own
         for i in range(n_row_tiles):
@@ -71,15 +77,28 @@ def kernel_source(config: MmaConfig):
                         lse[b, h, row] = NEG_INF
         for j in range(n_key_tiles):
             c0 = j * BC
+            # the query tiles that visit key tile j: all (causal: those whose last row sees c0), or the listed
+            # ones row_idx[col_ptr[j]:col_ptr[j + 1]] (L8)
+            start, stop = 0, n_row_tiles
+            if LISTS:
+                start, stop = col_ptrs[sb, sh, j], col_ptrs[sb, sh, j + 1]
             cuda.syncthreads()  # the previous K_j, V_j, Q_i and the state writes are done: every thread comes
-            guard_any = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, CAUSAL)  # PARTIAL for some tile: checked below
-            for i in range(n_row_tiles):
+            if stop == start:
+                continue  # a key tile no query tile sees is never staged (the whole block skips it together)
+            # PARTIAL for some tile: checked below
+            guard_any = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, CAUSAL or LISTS)
+            for idx in range(start, stop):
+                i = row_idxs[sb, sh, idx] if LISTS else idx
                 r0 = i * BR
                 last = min(r0 + BR, n_q) - 1 + delta  # the last key the tile's last row sees
                 if CAUSAL and c0 > last:
                     continue  # a SKIP tile: the whole block skips it together
                 n_tiles = n_key_tiles if not CAUSAL else min(n_key_tiles, (last + BC) // BC)
-                partial = CAUSAL and c0 + BC - 1 > r0 + delta
+                partial = row_kinds[sb, sh, idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + BC - 1 > r0 + delta
+                if LISTS:  # tile j is the last one row tile i visits when it ends i's list
+                    final = j == col_idxs[sb, sh, row_ptrs[sb, sh, i + 1] - 1]
+                else:
+                    final = j == n_tiles - 1
                 guard = guard_any and partial
                 masked = partial or c0 + BC > n_k
                 row0 = r0 + 16 * wid + g
@@ -100,13 +119,14 @@ def kernel_source(config: MmaConfig):
                     else:
                         m1, l1 = m_row, l_row if t == 0 else ZERO
                 m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
-                                      scale, t, mrow, mat, guard, masked, b, h, n_q, captured)
+                                      scale, t, mrow, mat, guard, masked, b, h, n_q, captured, lohis, denses, sb, sh)
                 l0, l1 = quad_sum(l0), quad_sum(l1)
-                final = j == n_tiles - 1
                 for half in range(2):
                     row = row0 + 8 * half
                     if row < n_q:
                         alive = (not CAUSAL or row + delta >= 0) and n_k > 0
+                        if LISTS:
+                            alive = lohis[sb, sh, row, 0] < lohis[sb, sh, row, 1]
                         l_row = l0 if half == 0 else l1
                         m_row = m0 if half == 0 else m1
                         for dn in range(DN):
@@ -150,11 +170,12 @@ class MmaV1Kernel(MmaKernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v1_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
-                async_copy: bool | None = None, mod=None) -> MmaV1Kernel:
+                async_copy: bool | None = None, mod=None, mask_form: str = "none") -> MmaV1Kernel:
     """The tensor-core v1 kernel (arguments as make_v2_mma); cached."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
-    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod), kernel_source)
+    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form),
+                       kernel_source)
 
 
 MmaV1Kernel.make = staticmethod(make_v1_mma)  # without_async goes back through the cache

@@ -5,7 +5,7 @@ masking) is `kernels.mma.engine`.
 HBM traffic per (batch, head), in elements, by construction that of the CUDA-core v2 (iomodel.traffic("v2",
 ...)): Q read once per query tile, K and V once per visited (query tile, key tile), O written N_q d, LSE N_q;
 no key past N is read; counted in the simulator equal to iomodel.traffic("v2", ...)
-(tests/test_registry_mma.py).
+(tests/test_registry_mma.py); with a block mask, K and V once per listed tile, as the CUDA-core v2's.
 Launch: grid (ceil(N_q / B_r), B H), 32 W threads.
 """
 
@@ -16,7 +16,9 @@ import functools
 from numba import cuda, float32, uint16, uint32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
+from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, MmaKernel, make_ops
+from fa_numba.tiling import PARTIAL
 
 
 def kernel_source(config: MmaConfig):
@@ -25,9 +27,11 @@ def kernel_source(config: MmaConfig):
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
     Z = E.sizes
     BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
-    CAUSAL = config.causal
+    CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
+    slot = masking.slot
 
-    def flash_v2_mma(q, k, v, o, lse, scale, captured):
+    def flash_v2_mma(q, k, v, o, lse, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds, lohis,
+                     denses, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
         sv = cuda.shared.array(KV_SIZE, uint16)
@@ -46,30 +50,38 @@ def kernel_source(config: MmaConfig):
         delta = n_k - n_q
         r0 = i * BR
         row0 = r0 + 16 * wid + g  # this lane's two rows: row0 and row0 + 8
-        # key tiles: all of them, or (causal) up to the one holding the last key the block's last row sees
+        sb, sh = slot(lohis, b, h)  # this block's slice of the block mask (kernels.mma.masking)
+        # key tiles: all of them, (causal) up to the one holding the last key the block's last row sees, or
+        # (a block mask) the listed ones col_idx[row_ptr[i]:row_ptr[i + 1]], in increasing j (L8)
         last = min(r0 + BR, n_q) - 1 + delta
-        n_tiles = (n_k + BC - 1) // BC
+        start, stop = 0, (n_k + BC - 1) // BC
         if CAUSAL:
-            n_tiles = min(n_tiles, (last + BC) // BC) if last >= 0 else 0
+            stop = min(stop, (last + BC) // BC) if last >= 0 else 0
+        if LISTS:
+            start, stop = row_ptrs[sb, sh, i], row_ptrs[sb, sh, i + 1]
 
         stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
         for dn in range(DN):
             for e in range(4):
                 acc[dn, e] = ZERO
         m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO
-        for j in range(n_tiles):
+        for idx in range(start, stop):
+            j = col_idxs[sb, sh, idx] if LISTS else idx
             c0 = j * BC
             cuda.syncthreads()  # the previous tile's K_j and V_j are no longer read: every thread comes here
-            partial = CAUSAL and c0 + BC - 1 > r0 + delta  # some key of the tile is hidden from some row
+            # some key of the tile is hidden from some row
+            partial = col_kinds[sb, sh, idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + BC - 1 > r0 + delta
             guard = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial)
             masked = partial or c0 + BC > n_k  # only a PARTIAL or the last, short tile hides keys
             m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
-                                  scale, t, mrow, mat, guard, masked, b, h, n_q, captured)
+                                  scale, t, mrow, mat, guard, masked, b, h, n_q, captured, lohis, denses, sb, sh)
         l0, l1 = quad_sum(l0), quad_sum(l1)
         for half in range(2):
             row = row0 + 8 * half
             if row < n_q:
                 alive = (not CAUSAL or row + delta >= 0) and n_k > 0
+                if LISTS:  # the row sees a key iff its interval is not empty (L8)
+                    alive = lohis[sb, sh, row, 0] < lohis[sb, sh, row, 1]
                 l_row = l0 if half == 0 else l1
                 for dn in range(DN):
                     for e in range(2):
@@ -100,14 +112,17 @@ class MmaV2Kernel(MmaKernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
-                async_copy: bool | None = None, mod=None) -> MmaV2Kernel:
+                async_copy: bool | None = None, mod=None, mask_form: str = "none") -> MmaV2Kernel:
     """The tensor-core v2 kernel for 16-bit inputs `kind` ("float16" or "bfloat16"), blocks of `warps` warps
     (block_q = 16 warps query rows), block_k keys per tile, head dim d, causal or not; cached. async_copy
     (default: where d % 8 == 0) stages the tiles by cp.async; a launch on inputs not 16-byte aligned then
-    takes the plain-load kernel. mod: a score_mod.KernelMod compiled in, or None."""
+    takes the plain-load kernel. mod: a score_mod.KernelMod compiled in (with a mask_mod's fn for the
+    "function" form), or None; mask_form: a block mask's list form (kernels.block_lists.LIST_FORMS), whose
+    KernelMask each launch takes, or "none" / "causal"."""
     if async_copy is None:
         async_copy = head_dim % 8 == 0
-    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod), kernel_source)
+    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form),
+                       kernel_source)
 
 
 MmaV2Kernel.make = staticmethod(make_v2_mma)  # without_async goes back through the cache
