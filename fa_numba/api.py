@@ -157,15 +157,14 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
                          f"order 'v1' or 'v2'), got {order!r}")
     kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
     if 0 in (prob.batch, prob.n_q, prob.n_k):
-        causal, mask = shapes.check_mask(causal, mask)
-        form = "causal" if causal else "none" if mask is None else mask.kernel_form()
-        engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d, block_q=block_q,
+        shapes.check_mask(causal, mask)
+        engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
                         block_k=block_k)  # its errors, as for any size
         mods.check_score_mod(score_mod)
         return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
-    if engines.resolve(engine, kind=kind, order=order, form=form, head_dim=prob.d, block_q=block_q,
+    if engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
                        block_k=block_k) == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order,
                                         score_mod, kmod, mask, form)
@@ -351,7 +350,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
     dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
-    if engines.backward(engine, kind=dtype, order=order, form=form, head_dim=prob.d, dout_kind=dout_kind,
+    if engines.backward(engine, kind=dtype, order=order, head_dim=prob.d, dout_kind=dout_kind,
                         causal=causal, deterministic=bool(deterministic), block_q=block_q, block_k=block_k) == "mma":
         grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
                                         block_q, block_k, dtype, score_mod, kmod, mask, form)

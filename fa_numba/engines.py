@@ -22,20 +22,20 @@ MMA_ORDERS = ("v1", "v2")
 MMA_MAX_HEAD_DIM = 128
 
 
-def resolve(engine: str, *, kind: str, order: str, form: str, head_dim: int, block_q: int | None = None,
+def resolve(engine: str, *, kind: str, order: str, head_dim: int, block_q: int | None = None,
             block_k: int | None = None) -> str:
     """"simt" or "mma" for a forward call (auto: the module docstring), or a ValueError naming what the
     tensor-core engine lacks for engine="mma"."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "auto":
-        return "mma" if _takes(lambda: _forward_fits(kind, order, form, head_dim, block_q, block_k)) else "simt"
+        return "mma" if _takes(lambda: _forward_fits(kind, order, head_dim, block_q, block_k)) else "simt"
     if engine != "mma":
         return "simt"
     if order not in MMA_ORDERS:
         raise ValueError(f"engine='mma' runs orders {MMA_ORDERS} (not the one-thread-per-row kernels), got "
                          f"order={order!r}")
-    _check_mma(kind, form, head_dim, "kernel")
+    _check_mma(kind, head_dim)
     return "mma"
 
 
@@ -48,17 +48,18 @@ def _takes(check) -> bool:
     return True
 
 
-def _forward_fits(kind, order, form, head_dim, block_q, block_k) -> None:
+def _forward_fits(kind, order, head_dim, block_q, block_k) -> None:
+    """A ValueError where the tensor-core forward does not take the call as it is (resolve's "auto")."""
     from fa_numba.kernels.mma.engine import MmaConfig
 
     if order not in MMA_ORDERS:
         raise ValueError(order)
-    _check_mma(kind, form, head_dim, "kernel")
+    _check_mma(kind, head_dim)
     warps, block_k = mma_tiles(head_dim, block_q, block_k)
-    MmaConfig(kind, warps, block_k, head_dim, form == "causal").check()  # shared memory
+    MmaConfig(kind, warps, block_k, head_dim, False).check()  # shared memory (the same for every mask)
 
 
-def _check_mma(kind: str, form: str, head_dim: int, what: str) -> None:
+def _check_mma(kind: str, head_dim: int) -> None:
     """What every tensor-core kernel needs of a call: a 16-bit dtype, d <= 128 (every mask form is taken)."""
     if kind not in MMA_KINDS:
         raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
@@ -80,8 +81,7 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None) -> tuple[
     return block_q // 16, block_k
 
 
-def backward(engine: str, *, kind: str | None = None, order: str = "kv", form: str = "none",
-             head_dim: int = 0, dout_kind: str | None = None, causal: bool = False, deterministic: bool = False,
+def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_dim: int = 0, dout_kind: str | None = None, causal: bool = False, deterministic: bool = False,
              block_q: int | None = None, block_k: int | None = None) -> str:
     """"simt" or "mma" for a backward call (auto: the module docstring), or a ValueError naming what the
     tensor-core backward lacks for engine="mma". kind None checks the engine's name only (callers that know
@@ -96,7 +96,7 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", form: s
 
             if order != "kv" or dout_kind not in (None, kind):
                 raise ValueError(order)
-            _check_mma(kind, form, head_dim, "backward")
+            _check_mma(kind, head_dim)
             plan(kind, head_dim, causal, deterministic, block_q, block_k)
         return "mma" if _takes(fits) else "simt"
     if engine != "mma":
@@ -104,7 +104,7 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", form: s
     if order != "kv":
         raise ValueError(f"engine='mma' runs the K/V-outer backward (order='kv', deterministic or not), got "
                          f"order={order!r}")
-    _check_mma(kind, form, head_dim, "backward")
+    _check_mma(kind, head_dim)
     return "mma"
 
 
