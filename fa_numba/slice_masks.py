@@ -21,10 +21,10 @@ digest of the captured arrays' bytes, with the sizes and tiles, never by the fun
 document ids in the same array object are seen. A global NumPy array read by fn is refused (Numba would
 freeze a copy of it: pass it as a captured array).
 
-Where they are taken: `fa_numba.attention`, `attention_backward`, `autograd.attention` on the CUDA-core
-kernels, and `reference` (dense, on every slice). Not taken (a ValueError naming the alternative): the
-tensor-core engine (no block masks yet), `tiling` / `tiled` / `iomodel` / `compare` (one (N_q, N_k) mask),
-decoding and ring attention.
+Where they are taken: `fa_numba.attention`, `attention_backward`, `autograd.attention` on both engines' kernels
+(the CUDA-core ones and the tensor-core ones, `kernels/mma/masking.py`), and `reference` (dense, on every slice).
+Not taken (a ValueError naming the alternative): `tiling` / `tiled` / `iomodel` / `compare` (one (N_q, N_k)
+mask), decoding and ring attention.
 """
 
 from __future__ import annotations
