@@ -2,8 +2,8 @@
 the same cache, each checked against the float64 reference, with its HBM traffic and the HBM bound.
 
 Variants: "split" (attention_with_kvcache, the heuristic's splits or --split-size), "unsplit" (num_splits=1),
-"v2" (fa_numba.attention, order v2, causal, on the cache as (B, H_kv, N_k, d): the same problem for the
-prefill kernel). Bytes are iomodel's (traffic_decode, traffic); the HBM bound is bytes / 4.8 TB/s (the H200's
+"v2" (fa_numba.attention, order v2 on the CUDA cores, the decode kernels' engine, causal, on the cache as
+(B, H_kv, N_k, d): the same problem for the prefill kernel). Bytes are iomodel's (traffic_decode, traffic); the HBM bound is bytes / 4.8 TB/s (the H200's
 HBM3e): the least time the call can take, the physical limit of decoding, **a bound, not a speed**. On a GPU
 each variant is timed (CUDA events, median after warm-up) and its bytes / time given as a share of that
 bandwidth; in the simulator the decode kernels' HBM accesses are counted and compared with the model.
@@ -94,7 +94,7 @@ def run(s: Shape, variants=VARIANTS, *, repeats: int = 20, count: bool | None = 
         row = {"variant": name}
         if name == "v2":
             call = lambda: fa_numba.attention(q, k, v, causal=True, order="v2", return_lse=True,  # noqa: E731
-                                              block_q=block_q, block_k=block_k)
+                                              block_q=block_q, block_k=block_k, engine="simt")
             out, lse = call()
             judged = lambda: [tolerance.check_attention(  # noqa: E731
                 out, lse, ref_q, ref_k, ref_v, causal=True, order="v2", block_q=block_q, block_k=block_k,

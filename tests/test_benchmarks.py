@@ -75,5 +75,6 @@ def test_masks_gpu_script_runs_in_smoke_mode(tmp_path):
     rows = json.loads((tmp_path / "masks_gpu.json").read_text())["rows"]
     assert all(r["passed"] for r in rows)
     assert {r["order"] for r in rows if r["what"] == "mask_mod"} == {"v1", "v2", "v1-rowwise", "v2-rowwise", "kv",
-                                                                     "kv-det", "q"}
+                                                                     "kv-det", "q", "v1-mma", "v2-mma", "kv-mma",
+                                                                     "kv-mma-det"}
     assert {r["what"] for r in rows} >= {"strided d=8", "strided d=72"}  # d = 72: v1 takes the copy path

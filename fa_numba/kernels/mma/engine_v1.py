@@ -39,6 +39,44 @@ def kernel_source(config: MmaConfig):
     CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
     slot = masking.slot
 
+    @cuda.jit(device=True, inline=True)
+    def read_state(o, l_hbm, m_hbm, acc, b, h, row, n_q, t, half):
+        """acc's columns of `half` (a constant at each call) = O l of `row` from HBM; returns (m, this lane's
+        part of l: the whole l in lane t = 0, else 0, so the quad's sum is l)."""
+        m_row, l_row = NEG_INF, ZERO
+        if row < n_q:
+            m_row, l_row = m_hbm[b, h, row], l_hbm[b, h, row]
+        for dn in range(DN):
+            for e in range(2):
+                x = 8 * dn + 2 * t + e
+                acc[dn, 2 * half + e] = o[b, h, row, x] * l_row if (row < n_q and x < D) else ZERO
+        return m_row, (l_row if t == 0 else ZERO)
+
+    @cuda.jit(device=True, inline=True)
+    def write_state(o, l_hbm, m_hbm, lse, acc, b, h, row, n_q, n_k, delta, t, final, m_row, l_row, lohis, sb, sh,
+                    half):
+        """The state of `row` to HBM from acc's columns of `half` (a constant at each call): O = acc / l (acc
+        itself while l = 0: nothing seen yet, 0, or NaN), l and m; at the row's last visit the output and LSE
+        (a row that sees no key by the mask: 0 and -inf)."""
+        if row < n_q:
+            alive = (not CAUSAL or row + delta >= 0) and n_k > 0
+            if LISTS:  # the row sees a key iff its interval is not empty (L8)
+                alive = lohis[sb, sh, row, 0] < lohis[sb, sh, row, 1]
+            if t == 0:
+                l_hbm[b, h, row] = l_row
+                m_hbm[b, h, row] = m_row
+                if final:
+                    lse[b, h, row] = log_sum_exp(m_row, l_row, alive)
+            for dn in range(DN):
+                for e in range(2):
+                    x = 8 * dn + 2 * t + e
+                    if x < D:
+                        a = acc[dn, 2 * half + e]
+                        if final:
+                            o[b, h, row, x] = output(a, l_row, alive)
+                        else:
+                            o[b, h, row, x] = a / l_row if l_row > ZERO else a
+
     def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
                      row_kinds, lohis, denses, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
@@ -104,45 +142,16 @@ def kernel_source(config: MmaConfig):
                 row0 = r0 + 16 * wid + g
                 cuda.syncthreads()  # the previous visit's Q_i is no longer read: every thread comes here
                 stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
-                m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO
-                for half in range(2):  # the state back from HBM: acc = O l, this quad's l in lane t = 0
-                    row = row0 + 8 * half
-                    m_row, l_row = NEG_INF, ZERO
-                    if row < n_q:
-                        m_row, l_row = m_hbm[b, h, row], l_hbm[b, h, row]
-                    for dn in range(DN):
-                        for e in range(2):
-                            x = 8 * dn + 2 * t + e
-                            acc[dn, 2 * half + e] = o[b, h, row, x] * l_row if (row < n_q and x < D) else ZERO
-                    if half == 0:
-                        m0, l0 = m_row, l_row if t == 0 else ZERO
-                    else:
-                        m1, l1 = m_row, l_row if t == 0 else ZERO
+                # the state back from HBM: acc = O l, this quad's l in lane t = 0 (one call per half: the
+                # accumulator's indices stay constants, so acc stays in registers)
+                m0, l0 = read_state(o, l_hbm, m_hbm, acc, b, h, row0, n_q, t, 0)
+                m1, l1 = read_state(o, l_hbm, m_hbm, acc, b, h, row0 + 8, n_q, t, 1)
                 m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
                                       scale, t, mrow, mat, guard, masked, b, h, n_q, captured, lohis, denses, sb, sh)
                 l0, l1 = quad_sum(l0), quad_sum(l1)
-                for half in range(2):
-                    row = row0 + 8 * half
-                    if row < n_q:
-                        alive = (not CAUSAL or row + delta >= 0) and n_k > 0
-                        if LISTS:
-                            alive = lohis[sb, sh, row, 0] < lohis[sb, sh, row, 1]
-                        l_row = l0 if half == 0 else l1
-                        m_row = m0 if half == 0 else m1
-                        for dn in range(DN):
-                            for e in range(2):
-                                x = 8 * dn + 2 * t + e
-                                if x < D:
-                                    a = acc[dn, 2 * half + e]
-                                    if final:
-                                        o[b, h, row, x] = output(a, l_row, alive)
-                                    else:  # acc / l, or acc itself while l = 0 (nothing seen yet: 0, or NaN)
-                                        o[b, h, row, x] = a / l_row if l_row > ZERO else a
-                        if t == 0:
-                            l_hbm[b, h, row] = l_row
-                            m_hbm[b, h, row] = m_row
-                            if final:
-                                lse[b, h, row] = log_sum_exp(m_row, l_row, alive)
+                write_state(o, l_hbm, m_hbm, lse, acc, b, h, row0, n_q, n_k, delta, t, final, m0, l0, lohis, sb, sh, 0)
+                write_state(o, l_hbm, m_hbm, lse, acc, b, h, row0 + 8, n_q, n_k, delta, t, final, m1, l1, lohis, sb,
+                            sh, 1)
 
     return flash_v1_mma
 
