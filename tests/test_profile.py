@@ -187,7 +187,7 @@ REPRESENTATIVES = [
     (dict(variant="v2-rowwise", head_dim=256, dtype="float32", causal=True),
      "the largest local arrays and shared memory of v2-rowwise, with its causal mask"),
     (dict(variant="v1-mma", head_dim=128, dtype="float16", causal=True),
-     "the tensor-core v1 at its most registers (254) and shared memory (34 KB), causal: its exact P V path"),
+     "the tensor-core v1 at its most registers (255, no spill) and shared memory (34 KB), causal: its exact P V path"),
     (dict(variant="v2-mma", head_dim=64, dtype="float16", causal=False),
      "the tensor-core v2 on FULL tiles only: no exact path, the fragment loops unrolled (the estimate's case)"),
     (dict(variant="bwd-kv", head_dim=64, dtype="float32", causal=True),

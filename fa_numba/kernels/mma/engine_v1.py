@@ -121,7 +121,7 @@ def kernel_source(config: MmaConfig):
             if LISTS:
                 start, stop = col_ptrs[sb, sh, j], col_ptrs[sb, sh, j + 1]
             cuda.syncthreads()  # the previous K_j, V_j, Q_i and the state writes are done: every thread comes
-            if stop == start:
+            if LISTS and stop == start:
                 continue  # a key tile no query tile sees is never staged (the whole block skips it together)
             # PARTIAL for some tile: checked below
             guard_any = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, CAUSAL or LISTS)
