@@ -111,8 +111,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
     bfloat16 inputs, order "v1" or "v2", any mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
     of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (the default: "mma" for float16
-    and bfloat16 inputs where it takes the call as it is, else "simt"; `fa_numba.engines` lists when). score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias,
-    temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
+    and bfloat16 inputs where it takes the call as it is, else "simt"; `fa_numba.engines` lists when).
+    score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias, temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
     at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
     CUDA-core kernels and the tensor-core ones take it (every order).
 

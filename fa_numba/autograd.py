@@ -17,13 +17,13 @@ CUDA simulator on a machine without a GPU (slowly: keep them small). Outputs and
 torch tensors on the inputs' device, in the inputs' dtype (computed in float32; out_dtype=torch.float32 keeps
 the float32 O).
 
-Strides: a CUDA tensor in any layout whose last axis has unit stride is read where it is by the CUDA-core
-kernels (the (B, N, H, d) view `x.view(B, N, H, d).transpose(1, 2)` costs no copy; each kernel is compiled a
-second time for strided arrays). What still copies: a tensor whose last axis is strided, leading batch axes
-that torch cannot merge into one without a copy, the inputs of the tile engine's v1 above d = 64 (its strided
-compilation spills: `api.reads_strided`) and of the tensor-core kernels (engine="mma", which "auto" takes for
-float16 and bfloat16 tensors: their cp.async copies read 16-byte rows of C-contiguous arrays), and dO for the backward (`.contiguous()`, usually a no-op). CPU tensors are copied to
-the simulator's device arrays in any case.
+Strides: a CUDA tensor in any layout whose last axis has unit stride is read where it is by the CUDA-core kernels
+(the (B, N, H, d) view `x.view(B, N, H, d).transpose(1, 2)` costs no copy; each kernel is compiled a second time
+for strided arrays). What still copies: a tensor whose last axis is strided, leading batch axes that torch cannot
+merge into one without a copy, the inputs of the tile engine's v1 above d = 64 (its strided compilation spills:
+`api.reads_strided`) and of the tensor-core kernels (engine="mma", which "auto" takes for float16 and bfloat16
+tensors: their cp.async copies read 16-byte rows of C-contiguous arrays), and dO for the backward (`.contiguous()`,
+usually a no-op). CPU tensors are copied to the simulator's device arrays in any case.
 
 torch is an optional extra (`pip install "fa_numba[torch]"`); this module imports it, `import fa_numba`
 does not.

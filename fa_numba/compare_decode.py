@@ -1,12 +1,12 @@
 """`python -m fa_numba compare --decode`: split-KV decoding beside the same call unsplit and the v2 kernel on
 the same cache, each checked against the float64 reference, with its HBM traffic and the HBM bound.
 
-Variants: "split" (attention_with_kvcache, the heuristic's splits or --split-size), "unsplit" (num_splits=1),
-"v2" (fa_numba.attention, order v2 on the CUDA cores, the decode kernels' engine, causal, on the cache as
-(B, H_kv, N_k, d): the same problem for the prefill kernel). Bytes are iomodel's (traffic_decode, traffic); the HBM bound is bytes / 4.8 TB/s (the H200's
-HBM3e): the least time the call can take, the physical limit of decoding, **a bound, not a speed**. On a GPU
-each variant is timed (CUDA events, median after warm-up) and its bytes / time given as a share of that
-bandwidth; in the simulator the decode kernels' HBM accesses are counted and compared with the model.
+Variants: "split" (attention_with_kvcache, the heuristic's splits or --split-size), "unsplit" (num_splits=1), "v2"
+(fa_numba.attention, order v2 on the CUDA cores, the decode kernels' engine, causal, on the cache as (B, H_kv, N_k,
+d): the same problem for the prefill kernel). Bytes are iomodel's (traffic_decode, traffic); the HBM bound is bytes
+/ 4.8 TB/s (the H200's HBM3e): the least time the call can take, the physical limit of decoding, **a bound, not a
+speed**. On a GPU each variant is timed (CUDA events, median after warm-up) and its bytes / time given as a share
+of that bandwidth; in the simulator the decode kernels' HBM accesses are counted and compared with the model.
 """
 
 from __future__ import annotations

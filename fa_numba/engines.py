@@ -81,7 +81,8 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None) -> tuple[
     return block_q // 16, block_k
 
 
-def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_dim: int = 0, dout_kind: str | None = None, causal: bool = False, deterministic: bool = False,
+def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_dim: int = 0,
+             dout_kind: str | None = None, causal: bool = False, deterministic: bool = False,
              block_q: int | None = None, block_k: int | None = None) -> str:
     """"simt" or "mma" for a backward call (auto: the module docstring), or a ValueError naming what the
     tensor-core backward lacks for engine="mma". kind None checks the engine's name only (callers that know

@@ -47,8 +47,9 @@ Masks (kernels.mma.masking): causal in closed form, or a block mask's lists (eve
 (batch, head)): the kv kernel walks the query tiles of key tile j in its slice's column lists, per query head
 under GQA; the dq pass the key tiles of query tile i in the row lists, each built for the kernel's own tiles.
 
-Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); d <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with
-B_r / 16 and W dividing one another; dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
+Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); d <= 128; static shared memory
+<= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with B_r / 16 and W dividing one another;
+dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
 Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-det,bwd-dq-mma`).
 """
 
@@ -562,7 +563,8 @@ def dq_source(config: MmaBackwardConfig):
                     store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
                     store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
                 cuda.syncwarp()
-                exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h, captured)
+                exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
+                         captured)
                 cuda.syncwarp()
             else:
                 for kk in range(PK):
