@@ -40,6 +40,12 @@ float64 reference materialises (`reference.dense`):
   weights. O moves by at most u16 sum_j P_ij |V_jx| + eta16 (max_j P_ij) sum_j |V_jx| (sum over the row's
   visible keys; e / l = P exp(m_final - m(t)) <= P and 1 / l = max_j P_ij); LSE does not move. u16 = 2^-11,
   eta16 = 2^-25 (half the smallest subnormal) for float16; 2^-8 and 2^-134 for bfloat16. `p_dtype=`.
+- tf32 products of float32 inputs (proofs/L6 part 9): 3xTF32 errs by at most eps |a| |b| + eta (|a| + |b|) per
+  product, eps = 3 u_t^2 + 2 u_t^3 (u_t = 2^-11: the dropped lo lo product and the residuals' rounding), eta =
+  2^-124 (parts below the normal range), plain TF32 by eps = 2 u_t + u_t^2. In Q K^T that is a score perturbation
+  dS_ij = |scale| sum_x (eps |q_ix| |k_jx| + eta (|q_ix| + |k_jx|)), moving O and LSE as the score floor's does
+  with W = P dS; in P V it is the P-rounding term's form with u16 = eps, eta16 = eta. `products=` ("3xtf32" or
+  "tf32").
 - with a score mod (`score_mod=`, a `fa_numba.mods.ScoreMod`; proofs/L13 claim 5): the reference and the naive
   evaluations apply it, and the score term's W becomes W' = P u |S| |mod'(S)| (the score's rounding seen
   through the mod). The gradients' rule takes no score_mod yet.
@@ -67,6 +73,12 @@ from fa_numba import mods, reference, shapes
 U32 = 2.0**-24  # unit roundoff of float32, the kernels' arithmetic: |fl(x) - x| <= U32 |x|
 # A 16-bit type P is rounded to before P V: (unit roundoff, largest absolute error below its normal range)
 P_ROUNDING = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
+U_TF32 = 2.0**-11  # unit roundoff of tf32 (10 stored significand bits, cvt.rna)
+# Tensor-core products of float32 inputs (proofs/L6 part 9): (eps, eta), one product a b errs by at most
+# eps |a| |b| + eta (|a| + |b|): eps relative (3xTF32 drops lo_a lo_b and rounds each residual, plain TF32 rounds
+# both operands), eta for the parts below float32's normal range (a subnormal part rounded to tf32, or flushed to
+# zero by the tensor core: PTX does not say), per unit of the other operand.
+SPLIT_ROUNDING = {"3xtf32": (3 * U_TF32**2 + 2 * U_TF32**3, 2.0**-124), "tf32": (2 * U_TF32 + U_TF32**2, 2.0**-124)}
 
 
 def gamma(n: int, u: float = U32) -> float:
@@ -111,6 +123,8 @@ class Terms:
     online_lse: what the online softmax's rescalings (acc and l times alpha = exp(m_old - m_new), both
     orders) can move O and LSE by (proofs/L6, part 6). The tiled terms are None when the tiles were not given.
     p_out: what rounding P to a 16-bit type before P V can move O by (`p_rounding_term`, proofs/L6 part 7).
+    split_out, split_lse: what tf32 products of float32 inputs (3xTF32 or plain TF32) can move O and LSE by
+    (`split_terms`, proofs/L6 part 9).
     """
 
     score_out: float
@@ -119,6 +133,8 @@ class Terms:
     online_out: float | None = None
     online_lse: float | None = None
     p_out: float = 0.0  # P rounded to a 16-bit type before P V (p_rounding_term); 0 for float32 P
+    split_out: float = 0.0  # tf32 products of float32 inputs (split_terms, proofs/L6 part 9); 0 without
+    split_lse: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,15 +215,16 @@ def _p_rounding(p_dtype: str) -> tuple[float, float]:
     return P_ROUNDING[p_dtype]
 
 
-def _rounded_operand_bound(a: np.ndarray, b: np.ndarray, visible: np.ndarray, p_dtype: str,
-                           eta_weight=1.0) -> np.ndarray:
+def _rounded_operand_bound(a: np.ndarray, b: np.ndarray, visible: np.ndarray, p_dtype: str | None,
+                           eta_weight=1.0, rounding: tuple[float, float] | None = None) -> np.ndarray:
     """u16 sum_j |a_ij| |b_jx| + eta16 w_i sum_j |b_jx| over the visible pairs (i, j), entrywise (..., rows, d):
     how far rounding every a_ij of the product a b to `p_dtype`, |fl16(a) - a| <= u16 |a| + eta16, can move
     each entry, when the rounded a_ij reach the result weighted by at most w_i (`eta_weight`, broadcast
     against (..., rows, 1)). a: (..., rows, keys), 0 off the visible pairs; b: (..., keys, d); visible:
     (rows, keys) or (B_m, H_m, rows, keys). A non-finite b that no row sees is never multiplied
-    (`reference.visible_matmul`); an entry made NaN by a visible NaN stays NaN, for `_finite_max` to drop."""
-    u16, eta16 = _p_rounding(p_dtype)
+    (`reference.visible_matmul`); an entry made NaN by a visible NaN stays NaN, for `_finite_max` to drop.
+    rounding: (u16, eta16) given outright instead of `p_dtype`'s (the tf32 products' SPLIT_ROUNDING)."""
+    u16, eta16 = _p_rounding(p_dtype) if rounding is None else rounding
     abs_b = np.abs(b)
     with np.errstate(invalid="ignore", over="ignore"):
         weighted = reference.visible_matmul(np.abs(a), abs_b, visible)
@@ -226,15 +243,60 @@ def p_rounding_term(p: np.ndarray, v4: np.ndarray, visible: np.ndarray, p_dtype:
     return _finite_max(_rounded_operand_bound(p, v4, visible, p_dtype, weight))
 
 
-def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None) -> Terms:
+def _products(products: str) -> tuple[float, float]:
+    """(eps, eta) of the tf32 products `products` (SPLIT_ROUNDING); a ValueError naming anything else."""
+    if products not in SPLIT_ROUNDING:
+        raise ValueError(f"products must be one of {sorted(SPLIT_ROUNDING)} (or None), got {products!r}")
+    return SPLIT_ROUNDING[products]
+
+
+def score_magnitudes(q, k, scale: float | None = None, eps: float = 1.0, eta: float = 0.0) -> np.ndarray:
+    """|scale| sum_x (eps |q_ix| |k_jx| + eta (|q_ix| + |k_jx|)) for every (batch, head, i, j), float64 (GQA: query
+    head h with K/V head h // group): the bound on a score's error from products that err by eps |a| |b| +
+    eta (|a| + |b|) each (eps = 1, eta = 0: the magnitudes sum_x |q_ix| |k_jx| themselves)."""
+    prob = shapes.problem(q, k, k)
+    scale = abs(float(shapes.resolve_scale(scale, prob.d)))
+    q4, k4 = (np.abs(shapes.as_4d(np.asarray(x)).astype(np.float64)) for x in (q, k))
+    k4 = np.repeat(k4, prob.group, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = eps * (q4 @ np.swapaxes(k4, -1, -2))
+        if eta:
+            bound += eta * (q4.sum(axis=-1)[..., :, None] + k4.sum(axis=-1)[..., None, :])
+        return scale * bound
+
+
+def split_terms(dense: reference.Dense, score_errors: np.ndarray, products: str) -> tuple[float, float]:
+    """(out, lse): how far tf32 products of float32 inputs can move O and LSE (proofs/L6 part 9). Each product
+    a b errs by at most eps |a| |b| + eta (|a| + |b|) (`SPLIT_ROUNDING[products]`): a score by dS_ij =
+    `score_magnitudes(q, k, scale, eps, eta)` (`score_errors`; seen through a score mod's |mod'(S)|), which moves
+    O_ix by sum_j P_ij dS_ij (|V_jx| + |O_ix|) and LSE_i by sum_j P_ij dS_ij to first order, as the score floor's
+    rounding does; P V's products move O_ix by eps sum_j P_ij |V_jx| + eta (max_j P_ij) sum_j |V_jx| (the
+    P-rounding term's form, `p_rounding_term`) and by eta sum_j P_ij = eta for the weights' own parts, which is
+    below 2^-98 of the rule's floor and left out (L6 part 9)."""
+    eps, eta = _products(products)
+    p, v4, visible, out = dense.p, dense.v, dense.visible, dense.out
+    with np.errstate(invalid="ignore", over="ignore"):
+        ds = score_errors
+        if dense.score_mod is not None:
+            ds = ds * np.abs(mods.derivatives(dense.score_mod, dense.s_raw, visible))
+        w = np.where(p == 0, 0.0, p * ds)
+        w_sum = w.sum(axis=-1)
+        score_out = reference.visible_matmul(w, np.abs(v4), visible) + np.abs(out) * w_sum[..., None]
+        weight = p.max(axis=-1, initial=0.0)[..., None]
+        pv_out = _rounded_operand_bound(p, v4, visible, None, weight, rounding=(eps, eta))
+    return _finite_max(score_out + pv_out), _finite_max(w_sum)
+
+
+def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None, split=None) -> Terms:
     """The derived terms from the float64 reference's S, P and O (`reference.dense`); the tiled ones with `tiles`,
-    the P-rounding one with `p_dtype`.
+    the P-rounding one with `p_dtype`, the tf32 products' with split = (score magnitudes, products).
 
     Consumes `dense`: S's memory is reused for W (its S holds W afterwards).
     """
     p, v4, s, visible, out = dense.p, dense.v, dense.s, dense.visible, dense.out
     v1_out = online_out = online_lse = None
     p_out = 0.0 if p_dtype is None else p_rounding_term(p, v4, visible, p_dtype)
+    split_out, split_lse = (0.0, 0.0) if split is None else split_terms(dense, *split)
     if tiles is not None:
         sums = _tile_sums(p, v4, s, visible, out, tiles)
         v1_out = ROUND_TRIP * (1 + ROUND_TRIP) ** max(sums.max_trips - 1, 0) * _finite_max(sums.trips)
@@ -252,7 +314,8 @@ def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None) -> Terms:
         w *= U32
         w_sum = w.sum(axis=-1)
         score_out = reference.visible_matmul(w, np.abs(v4), visible) + np.abs(out) * w_sum[..., None]
-    return Terms(_finite_max(score_out), _finite_max(w_sum), v1_out, online_out, online_lse, p_out)
+    return Terms(_finite_max(score_out), _finite_max(w_sum), v1_out, online_out, online_lse, p_out, split_out,
+                 split_lse)
 
 
 def _finite_max(x: np.ndarray) -> float:
@@ -364,26 +427,28 @@ class Baseline:
     def tolerances(self, order: str | None = None) -> tuple[float, float]:
         """(atol_out, atol_lse) for an implementation of `order`: None for a dense one; "v2" adds the online
         softmax's rescaling terms, "v1" those and its round-trip term (all need the tiles)."""
+        extra_out, extra_lse = self.terms.p_out + self.terms.split_out, self.terms.split_lse
         if order is None:
-            return self.atol_out + self.terms.p_out, self.atol_lse
+            return self.atol_out + extra_out, self.atol_lse + extra_lse
         if order not in ("v1", "v2"):
             raise ValueError(f"order must be 'v1', 'v2' or None, got {order!r}")
         if self.terms.online_out is None:
             raise ValueError(f"judging order {order!r} needs the tiles: build the baseline with block_q= and block_k=")
         atol_out = (self.atol_out + self.terms.online_out + (self.terms.v1_out if order == "v1" else 0.0)
-                    + self.terms.p_out)
-        return atol_out, self.atol_lse + self.terms.online_lse
+                    + extra_out)
+        return atol_out, self.atol_lse + self.terms.online_lse + extra_lse
 
 
 def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contractions=reference.CONTRACTIONS,
              mask=None, block_q: int | None = None, block_k: int | None = None,
-             p_dtype: str | None = None, score_mod=None) -> Baseline:
+             p_dtype: str | None = None, score_mod=None, products: str | None = None) -> Baseline:
     """Reference and tolerances, computed once per problem and shared by every implementation checked.
 
     The naive float32 baseline is evaluated once per contraction order; pass contractions=("matmul",) on
     large tensors, where one evaluation already samples the rounding noise well and the loops are slow.
     Give the tiles (block_q and block_k) to judge a v1 implementation: its round-trip term depends on them.
     p_dtype ("float16" or "bfloat16"): the implementation rounds P to that type before P V (tensor cores).
+    products ("3xtf32" or "tf32"): the implementation multiplies float32 inputs on tensor cores so (`split_terms`).
     score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it, and
     the score term carries the mod's derivative, W' = P u |S| |mod'(S)| (proofs/L13, claim 5).
     """
@@ -393,8 +458,13 @@ def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contr
     if (block_q is None) != (block_k is None):
         raise ValueError("give both block_q and block_k, or neither")
     tiles = None if block_q is None else (block_q, block_k)
+    split = None
+    if products is not None:
+        if p_dtype is not None:
+            raise ValueError("give p_dtype (16-bit P) or products (tf32 products of float32 inputs), not both")
+        split = (score_magnitudes(q, k, scale, *_products(products)), products)
     dense = reference.dense(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
-    (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles, p_dtype)
+    (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles, p_dtype, split)
     del dense  # its S and P (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c, mask=mask,
                                            score_mod=score_mod)
@@ -414,14 +484,15 @@ def judge(out, lse, base: Baseline, *, name: str = "kernel", order: str | None =
 def check_attention(out, lse, q, k, v, *, causal: bool = False, scale: float | None = None, name: str = "kernel",
                     contractions=reference.CONTRACTIONS, mask=None, order: str | None = None,
                     block_q: int | None = None, block_k: int | None = None, p_dtype: str | None = None,
-                    score_mod=None) -> Check:
+                    score_mod=None, products: str | None = None) -> Check:
     """Check (out, lse) from any implementation against the float64 reference with the derived rule.
 
     For a v1 implementation pass order="v1" and its tiles, so that its round-trip term is allowed for; for a
-    tensor-core one p_dtype, the 16-bit type its P V takes P in; for one that applies a score mod, score_mod.
+    tensor-core one p_dtype, the 16-bit type its P V takes P in, or products ("3xtf32", "tf32") for float32
+    inputs on tensor cores; for one that applies a score mod, score_mod.
     """
     base = baseline(q, k, v, causal=causal, scale=scale, contractions=contractions, mask=mask, block_q=block_q,
-                    block_k=block_k, p_dtype=p_dtype, score_mod=score_mod)
+                    block_k=block_k, p_dtype=p_dtype, score_mod=score_mod, products=products)
     return judge(out, lse, base, name=name, order=order)
 
 

@@ -169,7 +169,7 @@ def test_v2_mma_config_errors_name_the_argument():
     with pytest.raises(ValueError, match="head dim d must be in 1..128"):
         MmaConfig("float16", 1, 16, 256, False).check()
     with pytest.raises(ValueError, match="kind must be one of"):
-        MmaConfig("float32", 1, 16, 64, False).check()
+        MmaConfig("float64", 1, 16, 64, False).check()  # float32 is 3xTF32 (test_mma_tf32.py)
     with pytest.raises(ValueError, match="async_copy needs the head dim d to be a multiple of 8"):
         MmaConfig("float16", 1, 16, 20, False, async_copy=True).check()
     with pytest.raises(ValueError, match="over the 49152 static limit"):

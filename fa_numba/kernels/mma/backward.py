@@ -458,8 +458,7 @@ def dq_source(config: MmaBackwardConfig):
     """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale)."""
     E = make_ops(config.staging())
     stage_two, any_bad, mma, pack, to_f32 = E.stage_two, E.any_bad, E.mma, E.pack, E.to_f32
-    W, BR, BC, D, DP, SQ = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
-                            config.row_stride)
+    BR, BC, D, DP, SQ = config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride
     KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
     CAUSAL = config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart

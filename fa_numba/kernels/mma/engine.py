@@ -1,5 +1,6 @@
-"""The tensor-core engine: what both orders of the tensor-core forward are made of (mma.sync m16n8k16,
-float16 or bfloat16 inputs). The orders themselves are thin: engine_v2 (Q outer) and engine_v1 (K/V outer).
+"""The tensor-core engine: what both orders of the tensor-core forward are made of (mma.sync m16n8k16 on
+float16 or bfloat16 inputs; m16n8k8 on float32 inputs by 3xTF32 or plain TF32, whose products are
+`kernels.mma.tf32`'s). The orders themselves are thin: engine_v2 (Q outer) and engine_v1 (K/V outer).
 
 Math (per query row i, proofs/L2 and L4), as on the CUDA cores: fold the visible key tiles j into
 (m, l, acc) with the online softmax, then O_i = acc / l, LSE_i = m + log l; a row that sees no key (by the
@@ -30,8 +31,12 @@ must never be multiplied (a NaN or inf there would turn 0 into NaN): in a PARTIA
 non-finite value the warp computes P V on the CUDA cores over the visible keys only (`exact_pv`), which the
 tensor core cannot (it multiplies every key of the tile).
 
-Limits of this engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet), d <= 128,
-16-bit inputs (float32 by 3xTF32 is not built).
+float32 inputs (kind "float32": 3xTF32, kind "tf32": one TF32 product) share all of the above but the products
+(`make_ops` takes `kernels.mma.tf32.make_products` in place of `kernels.mma.products16`'s): Q's fragments come from HBM, not
+from a staged Q tile, P stays float32 (split, not rounded), and shared rows are DP + 4 floats apart.
+
+Limits of this engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet), d <= 128;
+the backward (kernels.mma.backward) takes 16-bit inputs only.
 """
 
 from __future__ import annotations
@@ -41,18 +46,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, uint16
+from numba import cuda, float32
 
 from fa_numba import backend, warp
 from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays, mask_types
 from fa_numba.kernels.common import NEG_INF, ZERO
-from fa_numba.kernels.mma import masking
+from fa_numba.kernels.mma import masking, products16, tf32
+from fa_numba.kernels.mma.tf32 import FLOAT32_KINDS
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, has_scores, tuple_type
 
-KINDS = ("float16", "bfloat16")
+KINDS = ("float16", "bfloat16")  # 16-bit inputs (the backward takes these only)
+FORWARD_KINDS = KINDS + FLOAT32_KINDS  # and float32 inputs by 3xTF32 ("float32") or plain TF32 ("tf32")
 MAX_HEAD_DIM = 128
 SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
-_EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # a 16-bit value is inf or NaN iff these bits are all set
 
 
 class PaddedRows:
@@ -74,14 +80,29 @@ class PaddedRows:
 class MmaConfig(PaddedRows):
     """A compile-time configuration of a tensor-core forward kernel (either order)."""
 
-    kind: str  # "float16" or "bfloat16": how the 16-bit inputs are read
+    kind: str  # "float16" / "bfloat16": how the 16-bit inputs are read; "float32" (3xTF32) / "tf32": float32 inputs
     warps: int  # W: the block has 32 W threads and B_r = 16 W query rows
     block_k: int  # B_c: keys per tile, a multiple of 16
     head_dim: int
     causal: bool
-    async_copy: bool = False  # stage tiles by cp.async (needs d % 8 == 0 and 16-byte aligned inputs)
+    async_copy: bool = False  # stage tiles by cp.async (16-byte rows: d % 8 == 0, float32 d % 4 == 0)
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod), applied to S on the fragments
     mask_form: str = "none"  # "none" / "causal" (closed forms, by `causal`) or a block mask's list form
+
+    @property
+    def float32(self) -> bool:
+        """float32 inputs, multiplied by tf32 products (kernels.mma.tf32) instead of 16-bit ones."""
+        return self.kind in FLOAT32_KINDS
+
+    @property
+    def padded_dim(self) -> int:
+        return tf32.padded_dim(self.head_dim) if self.float32 else PaddedRows.padded_dim.fget(self)
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between staged rows: 16 bytes of pad for ldmatrix's 16-bit rows, 4 floats for tf32's
+        32-bit reads (kernels.mma.tf32: no bank conflicts)."""
+        return self.padded_dim + (4 if self.float32 else 8)
 
     @property
     def lists(self) -> bool:
@@ -94,11 +115,15 @@ class MmaConfig(PaddedRows):
 
     @property
     def shared_bytes(self) -> int:
+        """K_j and V_j, and (16-bit) Q_i; the float32 engine reads Q's fragments from HBM and keeps K_j and V_j as
+        tf32 high parts and residuals (kernels.mma.tf32)."""
+        if self.float32:
+            return 4 * self.row_stride * 2 * self.block_k * 2
         return 2 * self.row_stride * (self.block_q + 2 * self.block_k)
 
     def check(self) -> "MmaConfig":
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS} for the tensor-core kernel, got {self.kind!r}")
+        if self.kind not in FORWARD_KINDS:
+            raise ValueError(f"kind must be one of {FORWARD_KINDS} for the tensor-core kernel, got {self.kind!r}")
         if self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
         if self.block_k <= 0 or self.block_k % 16:
@@ -106,9 +131,9 @@ class MmaConfig(PaddedRows):
         if not 1 <= self.head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"head dim d must be in 1..{MAX_HEAD_DIM} for the tensor-core kernel, got "
                              f"{self.head_dim}")
-        if self.async_copy and self.head_dim % 8:
-            raise ValueError(f"async_copy needs the head dim d to be a multiple of 8 (16-byte rows), got "
-                             f"{self.head_dim}")
+        if self.async_copy and self.head_dim % async_multiple(self.kind):
+            raise ValueError(f"async_copy needs the head dim d to be a multiple of {async_multiple(self.kind)} "
+                             f"(16-byte rows), got {self.head_dim}")
         if self.shared_bytes > SHARED_LIMIT:
             raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
                              f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
@@ -116,20 +141,46 @@ class MmaConfig(PaddedRows):
         return self
 
 
+def async_multiple(kind: str) -> int:
+    """d must be a multiple of this for cp.async staging (16-byte chunks of whole rows)."""
+    return 4 if kind in FLOAT32_KINDS else 8
+
+
 def make_ops(config: MmaConfig) -> SimpleNamespace:
     """The device functions both orders are built from, bound to the configuration's compile-time sizes (a
-    kernel can call only globals and closures: each order's kernel_source takes them from here)."""
+    kernel can call only globals and closures: each order's kernel_source takes them from here). The products
+    (Q's fragments, S = Q K^T, acc += P V, the exact path's dot products) are the 16-bit ones
+    (`kernels.mma.products16`) or the float32 inputs' tf32 ones (`kernels.mma.tf32`); the rest is shared."""
     W, BR, BC, D = config.warps, config.block_q, config.block_k, config.head_dim
     DP, SQ, CAUSAL = config.padded_dim, config.row_stride, config.causal
-    KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16  # k-steps of Q K^T, key blocks, O blocks, k-steps of P V
+    # k-steps of Q K^T (16-bit: 16 wide, tf32: 8), key blocks, O blocks
+    KS, NT, DN = DP // (8 if config.float32 else 16), BC // 8, DP // 8
     THREADS = 32 * W
-    ASYNC, CHUNKS = config.async_copy, DP // 8  # cp.async staging, in chunks of 8 elements per row
-    Q_SIZE, KV_SIZE = BR * SQ, BC * SQ  # shared array sizes: Python ints, so Numba sees constants
-    EXP_MASK = _EXP_MASK[config.kind]
-    mma = warp.mma_f16 if config.kind == "float16" else warp.mma_bf16
-    pack = warp.pack_f16x2 if config.kind == "float16" else warp.pack_bf16x2
-    to_f32 = _to_f32_function(config.kind)
-    ZERO16 = uint16(0)
+    HALF = BC * SQ  # one staged K or V tile; the float32 engine keeps two (its tf32 high parts, then residuals)
+    KV_SIZE = HALF * (2 if config.float32 else 1)  # shared array sizes: Python ints, so Numba sees constants
+    sizes = SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN, KV_SIZE=KV_SIZE, HALF=HALF)
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(x):
+        for mask in (1, 2):
+            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, mask))
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(x):
+        for mask in (1, 2):
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
+        return x
+
+    X = tf32.make_products(config.kind, sizes, quad_sum) if config.float32 else products16.make_products(config, sizes)
+    q_fragments, raw_scores, pv, key_dots = X.q_fragments, X.scores, X.pv, X.key_dots
+    nonfinite, nonfinite_staged, to_f32, Q_SHARED = X.nonfinite, X.nonfinite_staged, X.to_f32, X.q_in_shared
+    store, settle, value, SETTLE = X.store, X.settle, X.value, X.settles
+    ZERO_ELEM = X.zero
+    ASYNC, CH = config.async_copy, X.chunk  # cp.async staging, in chunks of CH elements (16 bytes) per row
+    CHUNKS = DP // CH
+    sizes.Q_SIZE = BR * SQ if X.q_in_shared else 1  # the float32 engine keeps no Q tile
+    sizes.ELEMENT, sizes.FRAGMENT, sizes.QF = X.element, X.fragment, X.fragment_width  # shared tiles' and Q's
     MOD = has_scores(config.mod)
     modded = apply_fn(config.mod)  # the score mod as a device function (the identity without one)
     M = masking.make(CAUSAL, config.mask_form, config.mod, rows=False)
@@ -138,22 +189,22 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     @cuda.jit(device=True, inline=True)
     def stage(src, b, h, r0, n, tile, rows):
         """tile[r SQ + x] = src[b, h, r0 + r, x] for r < rows, x < DP; zeros past N and past d. Returns whether
-        a staged element is inf or NaN (its exponent bits all set)."""
+        a staged element is inf or NaN."""
         bad = False
         for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
             r = idx // DP
             x = idx - r * DP
-            bits = ZERO16
+            val = ZERO_ELEM
             if r0 + r < n and x < D:
-                bits = src[b, h, r0 + r, x]
-            tile[r * SQ + x] = bits
-            bad = bad or (bits & EXP_MASK) == EXP_MASK
+                val = src[b, h, r0 + r, x]
+            store(tile, r * SQ + x, val)
+            bad = bad or nonfinite(val)
         return bad
 
     @cuda.jit(device=True, inline=True)
     def stage_async(src, b, h, r0, n, tile, rows):
-        """Issue the copies of the same tile by cp.async, 16 bytes (8 elements) a copy, rows past N zero-filled
-        (d % 8 == 0 here, so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes
+        """Issue the copies of the same tile by cp.async, 16 bytes (CH elements) a copy, rows past N zero-filled
+        (d % CH == 0 here, so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes
         through a register. The caller commits and waits (one round trip for all the copies it issued) and its
         barrier makes them visible to the block. `rows` is a constant at every call, so the trip count is one
         too and the loop unrolls: no remainder loop, and a guard only where the copies do not divide evenly."""
@@ -163,10 +214,10 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             idx = cuda.threadIdx.x + step * THREADS
             if total % THREADS == 0 or idx < total:
                 r = idx // CHUNKS
-                x = 8 * (idx - r * CHUNKS)
+                x = CH * (idx - r * CHUNKS)
                 row = min(r0 + r, n - 1)  # a valid address even where nothing is read
                 nbytes = 16 if (r0 + r < n and x < D) else 0
-                warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - 8), nbytes)
+                warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - CH), nbytes)
 
     @cuda.jit(device=True, inline=True)
     def stage_two(x, y, b, h, r0, n, tile_x, tile_y, rows):
@@ -187,7 +238,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         bad = False
         for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
             r = idx // DP
-            bad = bad or (tile[r * SQ + idx - r * DP] & EXP_MASK) == EXP_MASK
+            bad = bad or nonfinite_staged(tile[r * SQ + idx - r * DP])
         return bad
 
     @cuda.jit(device=True, inline=True)
@@ -198,27 +249,23 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return x
 
     @cuda.jit(device=True, inline=True)
-    def exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured, lohis,
-                 denses, sb, sh):
+    def exact_pv(qf, sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured,
+                 lohis, denses, sb, sh):
         """acc += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a masked key's
-        value row never read. Each lane recomputes its two rows' weights from Q_i and K_j in shared memory
-        (K_j is still staged) rather than index its S fragment at a run-time key, which would move the whole
-        fragment to local memory; the weights' own rounding differs from the mma's by a score perturbation,
-        which the rule's score terms bound."""
+        value row never read. Each lane recomputes its two rows' weights from Q_i and K_j (K_j is still
+        staged; `key_dots`, which the whole warp calls for every key) rather than index its S fragment at a
+        run-time key, which would move the whole fragment to local memory; the weights' own rounding differs
+        from the mma's by a score perturbation, which the rule's score terms bound."""
         for c in range(BC):
             see0 = pair_visible(row0, c0 + c, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
             see1 = pair_visible(row0 + 8, c0 + c, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
+            dot0, dot1 = key_dots(qf, sq, sk, c, qrow0, t)
             if see0 or see1:
-                dot0, dot1 = ZERO, ZERO
-                for x in range(DP):
-                    kx = to_f32(sk[c * SQ + x])
-                    dot0 += to_f32(sq[qrow0 * SQ + x]) * kx
-                    dot1 += to_f32(sq[(qrow0 + 8) * SQ + x]) * kx
                 p0 = math.exp(score(scale * dot0, b, h, row0, c0 + c, n_q, captured) - shift0) if see0 else ZERO
                 p1 = math.exp(score(scale * dot1, b, h, row0 + 8, c0 + c, n_q, captured) - shift1) if see1 else ZERO
                 for dn in range(DN):
                     for e in range(2):
-                        vx = to_f32(sv[c * SQ + 8 * dn + 2 * t + e])
+                        vx = value(sv, c * SQ + 8 * dn + 2 * t + e)
                         if see0:
                             acc[dn, e] += p0 * vx
                         if see1:
@@ -226,18 +273,17 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat):
-        """Stage Q_i (all threads, then a barrier every thread reaches) and read this lane's A fragments."""
-        if ASYNC:
-            stage_async(q, b, h, r0, n_q, sq, BR)
-            warp.cp_async_commit()
-            warp.cp_async_wait_all()  # this thread's copies of Q_i have landed
-        else:
-            stage(q, b, h, r0, n_q, sq, BR)
-        cuda.syncthreads()  # Q_i staged: every thread reaches this barrier
-        for ks in range(KS):
-            a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
-            for e in range(4):
-                qf[ks, e] = a[e]
+        """This lane's A fragments of Q_i: the 16-bit engine stages Q_i first (all threads, then a barrier every
+        thread reaches), the float32 one reads its fragments from HBM."""
+        if Q_SHARED:
+            if ASYNC:
+                stage_async(q, b, h, r0, n_q, sq, BR)
+                warp.cp_async_commit()
+                warp.cp_async_wait_all()  # this thread's copies of Q_i have landed
+            else:
+                stage(q, b, h, r0, n_q, sq, BR)
+            cuda.syncthreads()  # Q_i staged: every thread reaches this barrier
+        q_fragments(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
 
     @cuda.jit(device=True, inline=True)
     def stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial):
@@ -250,6 +296,13 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             warp.cp_async_commit()
             warp.cp_async_wait_all()  # this thread's copies of K_j and V_j have landed
             cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
+            if SETTLE:  # the float32 engine splits the staged tiles into tf32 parts, then a barrier
+                settle(sk, BC)
+                bad_v = settle(sv, BC)
+                if not GUARDED:
+                    cuda.syncthreads()  # the split tiles are complete: all threads reach this barrier
+                    return False
+                return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads
             if not GUARDED:
                 return False
             bad_v = partial and any_bad(sv, BC)
@@ -262,18 +315,6 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
 
     @cuda.jit(device=True, inline=True)
-    def quad_max(x):
-        for mask in (1, 2):
-            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, mask))
-        return x
-
-    @cuda.jit(device=True, inline=True)
-    def quad_sum(x):
-        for mask in (1, 2):
-            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
-        return x
-
-    @cuda.jit(device=True, inline=True)
     def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
              masked, b, h, n_q, captured, lohis, denses, sb, sh):
         """Fold the staged K_j, V_j into this lane's (m, l, acc) of rows row0 and row0 + 8 (l: the lane's part,
@@ -281,19 +322,16 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         With a score mod, S' = mod(S) at the visible pairs of rows < N_q (b, h, the query head: its positions).
         masked: some pair of the tile may be hidden (a PARTIAL or tail tile), so each is tested (`masking`);
         lohis, denses, (sb, sh): the block mask's arrays and the block's slice of them (placeholders without)."""
+        raw_scores(qf, s, sk, mrow, mat)
         for nt in range(NT):
-            d4 = (ZERO, ZERO, ZERO, ZERO)
-            for ks in range(KS):
-                bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
-                d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
             for e in range(4):
                 if masked or MOD:
                     key = c0 + 8 * nt + 2 * t + (e & 1)
                     row = row0 + 8 * (e >> 1)
                     see = pair_visible(row, key, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
-                    s[nt, e] = score(scale * d4[e], b, h, row, key, n_q, captured) if see else NEG_INF
+                    s[nt, e] = score(scale * s[nt, e], b, h, row, key, n_q, captured) if see else NEG_INF
                 else:
-                    s[nt, e] = scale * d4[e]
+                    s[nt, e] = scale * s[nt, e]
         # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
         t0, t1 = NEG_INF, NEG_INF
         for nt in range(NT):
@@ -314,53 +352,15 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
             acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
         if guard:
-            exact_pv(sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured,
+            exact_pv(qf, sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured,
                      lohis, denses, sb, sh)
         else:
-            for kk in range(PK):  # P's A fragment for keys 16 kk .. 16 kk + 15 (L10, claim 5)
-                pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
-                      pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
-                for dn in range(DN):
-                    bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
-                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, bv)
-                    for e in range(4):
-                        acc[dn, e] = d4[e]
+            pv(s, acc, sv, mrow, mat)
         return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=pair_visible,
-                           stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad, mma=mma, pack=pack, to_f32=to_f32,
-                           sizes=SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN,
-                                                 Q_SIZE=Q_SIZE, KV_SIZE=KV_SIZE))
-
-
-def _to_f32_function(kind: str):
-    """A 16-bit input's bits as float32, for the exact fallback (float16: through the half type)."""
-    from fa_numba.kernels.common import to_f32
-
-    if kind == "bfloat16":
-        return to_f32
-    if backend.name() == "simulator":
-        return lambda bits: np.float32(np.uint16(bits).view(np.float16))
-    return _f16_bits_to_f32
-
-
-def _make_f16_bits_to_f32():
-    from llvmlite import ir
-    from numba import types
-    from numba.core.extending import intrinsic
-
-    @intrinsic
-    def f16_bits_to_f32(typingctx, bits):
-        def codegen(context, builder, sig, args):
-            half = builder.bitcast(args[0], ir.HalfType())
-            return builder.fpext(half, ir.FloatType())
-
-        return types.float32(types.uint16), codegen
-
-    return f16_bits_to_f32
-
-
-_f16_bits_to_f32 = None if backend.name() == "simulator" else _make_f16_bits_to_f32()
+                           stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad,
+                           mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 
 
 def _aligned16(x) -> bool:
@@ -373,7 +373,7 @@ def _aligned16(x) -> bool:
 
 class MmaKernel:
     """A compiled tensor-core forward kernel: kernel(q, k, v, o, lse, scale, mask=, captured=) on device arrays,
-    q, k, v (B, H, N, d) uint16 bits of float16 or bfloat16 values (config.kind), o float32 (B, H, N_q, d), lse
+    q, k, v (B, H, N, d) uint16 bits of float16 or bfloat16 values, or float32 (config.kind), o float32 (B, H, N_q, d), lse
     float32 (B, H, N_q); mask: the block mask's kernels.block_lists.KernelMask on this kernel's tiles for a
     kernel compiled with a list form (config.mask_form), None otherwise. Subclasses give the order's grid and
     arguments."""
@@ -404,13 +404,19 @@ class MmaKernel:
         """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
         return self.grid(batch, heads, n_q), (32 * self.config.warps,)
 
+    def check_grid(self, batch: int, heads: int, n_q: int) -> None:
+        """A ValueError naming the axis where the launch's grid is past CUDA's limits (common.check_grid)."""
+        from fa_numba.kernels.common import check_grid
+
+        check_grid(self.grid(batch, heads, n_q), self.GRID_AXES, f"{self.ORDER}-mma")
+
     def arguments(self, q, k, v, o, lse, scale) -> tuple:
         return (q, k, v, o, lse, scale)
 
     def __call__(self, q, k, v, o, lse, scale, stream=0, captured=NO_CAPTURED, mask=None):
         """Launch; captured: the score mod's and the mask_mod's device arrays (`score_mod.device_arrays`) for a
         kernel compiled with them (config.mod), () otherwise; mask: the KernelMask (class docstring)."""
-        from fa_numba.kernels.common import check_grid, check_sequence
+        from fa_numba.kernels.common import check_sequence
 
         mod = self.config.mod
         if len(captured) != (0 if mod is None else len(mod.captured) + len(mod.mask_captured)):
@@ -421,8 +427,8 @@ class MmaKernel:
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
         check_sequence(q.shape[2], k.shape[2])
+        self.check_grid(q.shape[0], q.shape[1], q.shape[2])
         grid = self.grid(q.shape[0], q.shape[1], q.shape[2])
-        check_grid(grid, self.GRID_AXES, f"{self.ORDER}-mma")
         if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
             return self.without_async()(q, k, v, o, lse, scale, stream, captured, mask)
         threads = 32 * self.config.warps
@@ -432,14 +438,15 @@ class MmaKernel:
 
     def argtypes(self, dtype=None) -> tuple:
         """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
-        every 16-bit dtype (the inputs are their bits); the order's `base_types`, the mask arrays, then the
-        captured arrays'."""
-        return self.base_types() + mask_types() + (tuple_type(self.config.mod),)
+        every 16-bit dtype (the inputs are their bits), float32 arrays for the float32 kinds; the order's
+        `base_types`, the mask arrays, then the captured arrays'."""
+        return self.base_types(self.config.kind) + mask_types() + (tuple_type(self.config.mod),)
 
     @staticmethod
-    def array_types():
-        """The Numba types of the inputs (uint16 bits), the float32 output and the float32 statistics."""
+    def array_types(kind: str = "float16"):
+        """The Numba types of the inputs (uint16 bits, or float32 for the float32 kinds), the float32 output and
+        the float32 statistics."""
         from numba import types
 
-        return (types.Array(types.uint16, 4, "C"), types.Array(types.float32, 4, "C"),
-                types.Array(types.float32, 3, "C"))
+        inputs = types.float32 if kind in FLOAT32_KINDS else types.uint16
+        return (types.Array(inputs, 4, "C"), types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"))

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
 from fa_numba.kernels.mma import masking
-from fa_numba.kernels.mma.engine import MmaConfig, MmaKernel, make_ops
+from fa_numba.kernels.mma.engine import MmaConfig, MmaKernel, async_multiple, make_ops
 from fa_numba.tiling import PARTIAL
 
 
@@ -36,6 +36,7 @@ def kernel_source(config: MmaConfig):
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
     Z = E.sizes
     BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
+    ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF  # shared tiles' type; Q's fragments: type, per k-step
     CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
     slot = masking.slot
 
@@ -79,10 +80,10 @@ def kernel_source(config: MmaConfig):
 
     def flash_v1_mma(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
                      row_kinds, lohis, denses, captured):
-        sq = cuda.shared.array(Q_SIZE, uint16)
-        sk = cuda.shared.array(KV_SIZE, uint16)
-        sv = cuda.shared.array(KV_SIZE, uint16)
-        qf = cuda.local.array((KS, 4), uint32)
+        sq = cuda.shared.array(Q_SIZE, ELEMENT)  # 16-bit bits, or float32 (whose engine stages no Q)
+        sk = cuda.shared.array(KV_SIZE, ELEMENT)
+        sv = cuda.shared.array(KV_SIZE, ELEMENT)
+        qf = cuda.local.array((KS, QF), FRAGMENT)
         s = cuda.local.array((NT, 4), float32)
         acc = cuda.local.array((DN, 4), float32)
         bh = cuda.blockIdx.x
@@ -171,9 +172,9 @@ class MmaV1Kernel(MmaKernel):
         return (q, k, v, o, lse, l_hbm, m_hbm, scale)
 
     @staticmethod
-    def base_types():
-        """q, k, v (bits), o, lse, l, m, scale: the arguments before the captured arrays (MmaKernel.argtypes)."""
-        bits, out, stat = MmaKernel.array_types()
+    def base_types(kind: str = "float16"):
+        """q, k, v (bits), o, lse, l, m, scale: the arguments before the captured arrays (MmaKernel.argtypes), for inputs of `kind`."""
+        bits, out, stat = MmaKernel.array_types(kind)
         return (bits, bits, bits, out, stat, stat, stat, float32)
 
 
@@ -182,7 +183,7 @@ def make_v1_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool
                 async_copy: bool | None = None, mod=None, mask_form: str = "none") -> MmaV1Kernel:
     """The tensor-core v1 kernel (arguments as make_v2_mma); cached."""
     if async_copy is None:
-        async_copy = head_dim % 8 == 0
+        async_copy = head_dim % async_multiple(kind) == 0
     return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form),
                        kernel_source)
 

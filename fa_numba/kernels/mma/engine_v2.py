@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
 from fa_numba.kernels.mma import masking
-from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, MmaKernel, make_ops
+from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, MmaKernel, async_multiple, make_ops
 from fa_numba.tiling import PARTIAL
 
 
@@ -27,15 +27,16 @@ def kernel_source(config: MmaConfig):
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
     Z = E.sizes
     BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
+    ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF  # shared tiles' type; Q's fragments: type, per k-step
     CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
     slot = masking.slot
 
     def flash_v2_mma(q, k, v, o, lse, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds, lohis,
                      denses, captured):
-        sq = cuda.shared.array(Q_SIZE, uint16)
-        sk = cuda.shared.array(KV_SIZE, uint16)
-        sv = cuda.shared.array(KV_SIZE, uint16)
-        qf = cuda.local.array((KS, 4), uint32)  # this lane's A fragments of Q (constant indices once unrolled)
+        sq = cuda.shared.array(Q_SIZE, ELEMENT)  # 16-bit bits, or float32 (whose engine stages no Q)
+        sk = cuda.shared.array(KV_SIZE, ELEMENT)
+        sv = cuda.shared.array(KV_SIZE, ELEMENT)
+        qf = cuda.local.array((KS, QF), FRAGMENT)  # this lane's A fragments of Q (constant indices once unrolled)
         s = cuda.local.array((NT, 4), float32)  # S, then P, of the warp's 16 rows x B_c keys
         acc = cuda.local.array((DN, 4), float32)  # O's accumulator, 16 rows x DP columns
         i, bh = cuda.blockIdx.x, cuda.blockIdx.y
@@ -104,9 +105,9 @@ class MmaV2Kernel(MmaKernel):
         return (-(-n_q // self.config.block_q), batch * heads)
 
     @staticmethod
-    def base_types():
-        """q, k, v (bits), o, lse, scale: the arguments before the captured arrays (MmaKernel.argtypes)."""
-        bits, out, stat = MmaKernel.array_types()
+    def base_types(kind: str = "float16"):
+        """q, k, v (bits), o, lse, scale: the arguments before the captured arrays (MmaKernel.argtypes), for inputs of `kind`."""
+        bits, out, stat = MmaKernel.array_types(kind)
         return (bits, bits, bits, out, stat, float32)
 
 
@@ -120,7 +121,7 @@ def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool
     "function" form), or None; mask_form: a block mask's list form (kernels.block_lists.LIST_FORMS), whose
     KernelMask each launch takes, or "none" / "causal"."""
     if async_copy is None:
-        async_copy = head_dim % 8 == 0
+        async_copy = head_dim % async_multiple(kind) == 0
     return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form),
                        kernel_source)
 

@@ -1,0 +1,126 @@
+"""The tensor-core products of 16-bit inputs (mma.sync m16n8k16, float16 or bfloat16): what `engine.make_ops`
+takes for those kinds (the float32 kinds take `kernels.mma.tf32`'s). Q_i is staged in shared memory and its A
+fragments read by ldmatrix x4, K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans; P is packed to the input
+type in the lane that holds it (proofs/L10, claim 5); the exact path reads the staged bits back as float32.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda, uint16, uint32
+
+from fa_numba import backend, warp
+from fa_numba.kernels.common import ZERO
+
+_EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # a 16-bit value is inf or NaN iff these bits are all set
+
+
+def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
+    """The 16-bit engine's products (mma.sync m16n8k16): Q_i staged in shared memory and its A fragments read
+    by ldmatrix x4, K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans, P packed to the input type in
+    the lane that holds it (L10, claim 5)."""
+    DP, SQ, KS, NT, DN = sizes.DP, sizes.SQ, sizes.KS, sizes.NT, sizes.DN
+    PK = sizes.BC // 16  # k-steps of P V
+    EXP_MASK = _EXP_MASK[config.kind]
+    mma = warp.mma_f16 if config.kind == "float16" else warp.mma_bf16
+    pack = warp.pack_f16x2 if config.kind == "float16" else warp.pack_bf16x2
+    to_f32 = _to_f32_function(config.kind)
+    ZERO16 = uint16(0)
+
+    @cuda.jit(device=True, inline=True)
+    def nonfinite(bits):
+        return (bits & EXP_MASK) == EXP_MASK  # a 16-bit value is inf or NaN iff its exponent bits are all set
+
+    @cuda.jit(device=True, inline=True)
+    def store(tile, index, bits):
+        tile[index] = bits
+
+    @cuda.jit(device=True, inline=True)
+    def settle(tile, rows):
+        return False  # a staged 16-bit tile is what the products read
+
+    @cuda.jit(device=True, inline=True)
+    def value(tile, index):
+        return to_f32(tile[index])
+
+    @cuda.jit(device=True, inline=True)
+    def q_fragments(q, b, h, r0, n_q, sq, qf, wid, mrow, mat):
+        """This lane's A fragments of the staged Q_i (ldmatrix x4)."""
+        for ks in range(KS):
+            a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
+            for e in range(4):
+                qf[ks, e] = a[e]
+
+    @cuda.jit(device=True, inline=True)
+    def scores(qf, s, sk, mrow, mat):
+        """s[nt, e] = this lane's entries of Q_i K_j^T (unscaled)."""
+        for nt in range(NT):
+            d4 = (ZERO, ZERO, ZERO, ZERO)
+            for ks in range(KS):
+                bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
+                d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
+            for e in range(4):
+                s[nt, e] = d4[e]
+
+    @cuda.jit(device=True, inline=True)
+    def pv(s, acc, sv, mrow, mat):
+        """acc += P V_j, P rounded to the input type (L10, claim 5: P's A fragment for keys 16 kk .. 16 kk + 15)."""
+        for kk in range(PK):
+            pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
+                  pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
+            for dn in range(DN):
+                bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
+                d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, bv)
+                for e in range(4):
+                    acc[dn, e] = d4[e]
+
+    @cuda.jit(device=True, inline=True)
+    def key_dots(qf, sq, sk, c, qrow0, t):
+        """Q_i K_j^T of rows qrow0, qrow0 + 8 (of the tile) with key c, in float32 from shared memory."""
+        dot0, dot1 = ZERO, ZERO
+        for x in range(DP):
+            kx = to_f32(sk[c * SQ + x])
+            dot0 += to_f32(sq[qrow0 * SQ + x]) * kx
+            dot1 += to_f32(sq[(qrow0 + 8) * SQ + x]) * kx
+        return dot0, dot1
+
+    return SimpleNamespace(q_fragments=q_fragments, scores=scores, pv=pv, key_dots=key_dots, nonfinite=nonfinite,
+                           nonfinite_staged=nonfinite, store=store, settle=settle, settles=False, value=value,
+                           to_f32=to_f32, zero=ZERO16, element=uint16, fragment=uint32, fragment_width=4, chunk=8,
+                           q_in_shared=True,
+                           mma=mma, pack=pack)
+
+
+def _to_f32_function(kind: str):
+    """A 16-bit input's bits as float32, for the exact fallback (float16: through the half type)."""
+    from fa_numba.kernels.common import to_f32
+
+    if kind == "bfloat16":
+        return to_f32
+    if backend.name() == "simulator":
+        return lambda bits: np.float32(np.uint16(bits).view(np.float16))
+    return _f16_bits_to_f32
+
+
+def _make_f16_bits_to_f32():
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def f16_bits_to_f32(typingctx, bits):
+        def codegen(context, builder, sig, args):
+            half = builder.bitcast(args[0], ir.HalfType())
+            return builder.fpext(half, ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    return f16_bits_to_f32
+
+
+_f16_bits_to_f32 = None if backend.name() == "simulator" else _make_f16_bits_to_f32()
+
+
+__all__ = ["make_products"]
