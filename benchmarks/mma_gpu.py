@@ -3,9 +3,9 @@
     python benchmarks/mma_gpu.py [--out DIR] [--smoke]
 
 1. the warp-primitive and tensor-core tests with the simulator off (tests/test_warp.py, test_fragments.py,
-   test_mma_forward.py, the slow ones included): the hardware against the host-side reading of the PTX ISA;
-2. v2-mma (float16 and bfloat16) and v1-mma (float16) checked against the float64 reference with the derived
-   rule (proofs/L6 part 7) at B=1, H=2, N=1024, d in {64, 128}, causal and not;
+   test_mma_forward.py, test_mma_tf32.py, test_mma_backward.py, the slow ones included): the hardware against the host-side reading of the PTX ISA;
+2. v2-mma (float16, bfloat16, and float32 by 3xTF32) and v1-mma (float16) checked against the float64 reference
+   with the derived rule (proofs/L6 parts 7 and 9) at B=1, H=2, N=1024, d in {64, 128}, causal and not;
 3. each configuration that passed timed at B=4, H=16, N=4096 (CUDA events, 3 warm-up calls, median of 20)
    beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal;
 4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16) checked with the
@@ -42,6 +42,9 @@ def log(msg: str) -> None:
 
 
 def bits_of(x: np.ndarray, kind: str) -> np.ndarray:
+    """What the kernel of `kind` reads: 16-bit bits, or float32 itself for the 3xTF32 kernel ("float32")."""
+    if kind == "float32":
+        return x.astype(np.float32)
     if kind == "float16":
         return x.astype(np.float16).view(np.uint16)
     u = x.astype(np.float32).view(np.uint32)  # bfloat16: round to nearest even
@@ -49,6 +52,8 @@ def bits_of(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def values_of(bits: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "float32":
+        return bits.astype(np.float64)
     if kind == "float16":
         return bits.view(np.float16).astype(np.float64)
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -72,7 +77,9 @@ def check(order, kind, d, block_k, causal, n, heads=2) -> dict:
     q, k, v = (values_of(b, kind) for b in bits)
     try:
         c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order=order,
-                                      block_q=64, block_k=block_k, p_dtype=kind, contractions=("matmul",))
+                                      block_q=64, block_k=block_k, contractions=("matmul",),
+                                      p_dtype=None if kind == "float32" else kind,
+                                      products="3xtf32" if kind == "float32" else None)
         return {"passed": True, "err_out": c.err_out, "atol_out": c.atol_out}
     except AssertionError as err:
         return {"passed": False, "error": str(err)[:400]}
@@ -181,8 +188,8 @@ def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") ->
 
 
 def model_estimates() -> dict:
-    """{(order, d, causal): (TFLOP/s, limiter)} of the newest committed whole-kernel estimate of the tensor-core
-    kernels (benchmarks/results/estimate_mma_sm90_*.json, float16, B=4 H=16 N=4096; a model, not a timing),
+    """{(order, kind, d, causal): (TFLOP/s, limiter)} of the newest committed whole-kernel estimate of the
+    tensor-core kernels (benchmarks/results/estimate_mma_sm90_*.json, B=4 H=16 N=4096; a model, not a timing),
     printed beside each timing so the first GPU run calibrates the model's tensor-core term."""
     import glob
 
@@ -191,7 +198,7 @@ def model_estimates() -> dict:
         return {}
     with open(found[-1]) as fh:
         rows = json.load(fh)["rows"]
-    return {(r["variant"][:2], r["d"], r["causal"]): (r["estimate_tflops"], r["limiter"])
+    return {(r["variant"][:2], r.get("dtype", "float16"), r["d"], r["causal"]): (r["estimate_tflops"], r["limiter"])
             for r in rows if r.get("estimate_tflops")}
 
 
@@ -205,7 +212,7 @@ def main(argv=None) -> int:
     if not args.smoke:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
                                "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py",
-                               "tests/test_mma_backward.py"],
+                               "tests/test_mma_tf32.py", "tests/test_mma_backward.py"],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
         results["tests"] = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
         log(f"[tests] {results['tests']}")
@@ -213,7 +220,7 @@ def main(argv=None) -> int:
             log(done.stdout[-6000:] + done.stderr[-2000:])
     n_check, shape = (32, None) if args.smoke else (1024, (4, 16, 4096))
     models = model_estimates()
-    for order, kind in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16")):
+    for order, kind in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32")):
         for d, block_k in ([(16, 16)] if args.smoke else CONFIGS):
             for causal in (False, True):
                 row = {"order": order, "kind": kind, "d": d, "block_k": block_k, "causal": causal,
@@ -226,7 +233,7 @@ def main(argv=None) -> int:
                     ms = time_it(run)
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
                     row.update(ms=ms, tflops=flops / ms / 1e9, sdpa_ms=sdpa_ms(kind, b, h, n, d, causal))
-                    model = models.get((order, d, causal)) if shape == (4, 16, 4096) else None
+                    model = models.get((order, kind, d, causal)) if shape == (4, 16, 4096) else None
                     if model:  # the estimate, beside the measurement: not a speed
                         row.update(model_tflops=model[0], model_limiter=model[1])
                 log(json.dumps(row))

@@ -110,8 +110,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     CuPy call is launched on that library's current stream, so work queued before and after it on that
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
     bfloat16 inputs, order "v1" or "v2", any mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
-    of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7) or "auto" (the default: "mma" for float16
-    and bfloat16 inputs where it takes the call as it is, else "simt"; `fa_numba.engines` lists when).
+    of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7; float32 inputs by 3xTF32, within the
+    float32 rule plus proofs/L6 part 9's term), "mma-tf32" (float32 inputs by one TF32 product: about 2^-10
+    relative per product, not float32-exact) or "auto" (the default: "mma" for float16 and bfloat16 inputs where
+    it takes the call as it is, else "simt"; `fa_numba.engines` lists when).
     score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias, temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
     at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
     CUDA-core kernels and the tensor-core ones take it (every order).
@@ -166,8 +168,8 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
     if engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
                        block_k=block_k) == "mma":
-        return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order,
-                                        score_mod, kmod, mask, form)
+        return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
+                                        engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -207,19 +209,24 @@ def _without_launch(call, shape, value: float):
 
 def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None,
                    mask=None, form="none"):
-    """attention(..., engine="mma"): the tensor-core kernel of `order` on the inputs' 16-bit bits."""
+    """attention(..., engine="mma" or "mma-tf32"): the tensor-core kernel of `order` and `kind` (the kernel's:
+    float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs)."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
-    warps, block_k = engines.mma_tiles(prob.d, block_q, block_k)
+    warps, block_k = engines.mma_tiles(prob.d, block_q, block_k, kind)
     kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod,
                                                               mask_form=form if mask is not None else "none")
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
+    sixteen = kind in engines.MMA_KINDS
+    if not sixteen:
+        _check_value_range(v, prob.n_k, call.bfloat16, call.on_device)
     layout = tuple(q.shape[:-1])
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         bits = [_prepare(name, x, call.on_device, False, call.stream) for name, x in (("q", q), ("k", k), ("v", v))]
-        bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]  # float16: the same 16 bits
+        if sixteen:  # float16: the same 16 bits
+            bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, kernel.config.block_q, block_k, prob.batch, prob.heads)

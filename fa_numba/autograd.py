@@ -41,12 +41,12 @@ BACKWARD_ORDERS = ("kv", "q")
 def _flatten(name: str, x, engine: str):
     """(..., H, N, d) as (B, H, N, d) (shapes.batch_shape: leading batch axes as one, none as B = H = 1): a
     view where torch can make one and its last axis has unit stride (the CUDA-core kernels read it through
-    its strides); a contiguous copy otherwise, and always for engine="mma" (module docstring)."""
+    its strides); a contiguous copy otherwise, and always for engine="mma" / "mma-tf32" (module docstring)."""
     if x.dim() < 2:
         raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got {x.dim()}-D shape "
                          f"{tuple(x.shape)}")
     x = x.reshape(shapes.batch_shape(x.shape))
-    return x.contiguous() if engine == "mma" or x.stride(-1) != 1 else x
+    return x.contiguous() if engine in ("mma", "mma-tf32") or x.stride(-1) != 1 else x
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
@@ -61,7 +61,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     backward_block the backward's square tile (None: the defaults for the head dim; small tiles are what
     keep the simulator fast). Returns O in q's dtype, or in out_dtype
     (torch.float32 keeps the kernels' float32 result). engine: "simt" (CUDA cores), "mma" (tensor cores,
-    forward and backward: float16 or bfloat16, any mask, d <= 128, backward_order "kv") or "auto" (the
+    forward and backward: float16 or bfloat16, any mask, d <= 128, backward_order "kv"; float32 by 3xTF32 and
+    "mma-tf32" by plain TF32 have a forward only: refused where a gradient is wanted) or "auto" (the
     default: each pass takes the tensor cores for float16 and bfloat16 tensors where they take it as it is,
     `fa_numba.engines`, and the CUDA cores otherwise, float32 always: a float32 dO, with out_dtype=torch.float32,
     keeps the CUDA-core backward). mask: as fa_numba.attention's, or a bool tensor broadcastable to
@@ -100,6 +101,10 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     if q.dim() > 4 and not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
         raise ValueError(f"q, k, v must share their leading batch axes, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
+    if (engine in ("mma", "mma-tf32") and q.dtype == torch.float32 and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))):
+        raise ValueError(f"engine={engine!r} runs float32 inputs' forward only (the 3xTF32 backward is not built "
+                         "yet): use engine='simt' or 'auto' for gradients, or call it under torch.no_grad()")
     shape = q.shape
     tiles = [0 if b is None else shapes.check_block(name, b)
              for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]

@@ -2,7 +2,8 @@
 
 For each registered kernel variant that takes the shape: its error against the float64 reference and the
 verdict of the derived tolerance rule (a tensor-core variant's with the rounding of P to the input's 16-bit
-type, tolerance's p_dtype term); its tiles computed / skipped / masked; its HBM bytes per tensor from `iomodel` and, in the
+type, tolerance's p_dtype term, or for float32 its 3xTF32 products' term); its tiles computed / skipped / masked;
+its HBM bytes per tensor from `iomodel` and, in the
 simulator, the bytes its element accesses actually counted; on a GPU, its time (CUDA events, median and
 10th-90th percentiles after warm-up), TFLOP/s, GB/s and the v2/v1 speed-up. A variant that fails its check
 is reported as failed and never timed. Shapes too large for the simulator get the analytic columns only.
@@ -282,11 +283,14 @@ def run(shape: Shape, variants=None, *, repeats: int = 20, warmup: int = 3, coun
     n_scores = qc.shape[0] * qc.shape[1] * s.n_q * s.n_k
     contractions = reference.CONTRACTIONS if n_scores <= EXACT_CHECK_MAX_SCORES else ("matmul",)
     tensor_cores = any(VARIANTS[name].unit == "mma" for name in variants)
-    # one baseline: the tensor-core kernels' rule adds the rounding of P to the 16-bit input type (p_out), which
-    # the CUDA-core kernels (P in float32) are judged without
+    # one baseline: the tensor-core kernels' rule adds the rounding of P to the 16-bit input type (p_out), or for
+    # float32 the 3xTF32 products' term (split_*), which the CUDA-core kernels are judged without
+    sixteen = s.dtype in ("float16", "bfloat16")
     base_mma = tolerance.baseline(qc, kc, vc, causal=causal, contractions=contractions, block_q=s.block_q,
-                                  block_k=s.block_k, mask=mask, p_dtype=s.dtype if tensor_cores else None)
-    bases = {"mma": base_mma, "simt": replace(base_mma, terms=replace(base_mma.terms, p_out=0.0))}
+                                  block_k=s.block_k, mask=mask, p_dtype=s.dtype if tensor_cores and sixteen else None,
+                                  products="3xtf32" if tensor_cores and not sixteen else None)
+    simt_terms = replace(base_mma.terms, p_out=0.0, split_out=0.0, split_lse=0.0)
+    bases = {"mma": base_mma, "simt": replace(base_mma, terms=simt_terms)}
     dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
     blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, s.block_q, s.block_k)
     for row in rows:

@@ -1,5 +1,6 @@
 """Which compute units a call runs on: `engine="simt"` (the FP32 CUDA-core kernels of the registry),
-`engine="mma"` (the tensor-core kernels, `kernels.mma`) or `engine="auto"`.
+`engine="mma"` (the tensor-core kernels, `kernels.mma`), `engine="mma-tf32"` (float32 inputs on tensor cores
+by one TF32 product: an opt-in, not float32-exact) or `engine="auto"`.
 
 `auto` takes the tensor cores for float16 and bfloat16 inputs wherever the tensor-core kernels take the call as
 it is, and the CUDA cores otherwise:
@@ -7,17 +8,20 @@ it is, and the CUDA cores otherwise:
   128; block_k a multiple of 16) and within 48 KB of shared memory; any mask, any score mod;
 - backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
   tensor-core backward takes (`kernels.mma.backward.plan`).
-float32 inputs always take the CUDA cores (float32 on tensor cores, 3xTF32, is not built). The tensor-core
-results carry the rounding of P (and, backward, dS) to the inputs' 16-bit type before their products
-(proofs/L6 part 7, L7), as FlashAttention's own 16-bit kernels do; `engine="simt"` keeps P in float32.
-`engine="mma"` asks for the tensor cores outright: a call they do not take is a ValueError that says why,
-never a quiet fallback.
+float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
+3xTF32 (kernels.mma.tf32: three TF32 products per product, within the float32 rule with the term of proofs/L6
+part 9), `engine="mma-tf32"` by one (about 2^-10 relative per product: for speed where that is acceptable, as
+torch's allow_tf32); neither has a backward yet (a ValueError says so). The 16-bit tensor-core results carry the
+rounding of P (and, backward, dS) to the inputs' 16-bit type before their products (proofs/L6 part 7, L7), as
+FlashAttention's own 16-bit kernels do; `engine="simt"` keeps P in float32. `engine="mma"` asks for the tensor
+cores outright: a call they do not take is a ValueError that says why, never a quiet fallback.
 """
 
 from __future__ import annotations
 
-ENGINES = ("auto", "simt", "mma")
-MMA_KINDS = ("float16", "bfloat16")
+ENGINES = ("auto", "simt", "mma", "mma-tf32")
+MMA_KINDS = ("float16", "bfloat16")  # the 16-bit inputs: forward and backward, and auto's choice
+FLOAT32_KINDS = ("float32",)  # float32 inputs: the forward on tensor cores (3xTF32, or TF32 by "mma-tf32")
 MMA_ORDERS = ("v1", "v2")
 MMA_MAX_HEAD_DIM = 128
 
@@ -29,14 +33,27 @@ def resolve(engine: str, *, kind: str, order: str, head_dim: int, block_q: int |
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "auto":
+        if kind not in MMA_KINDS:
+            return "simt"  # float32: the CUDA cores, unless asked for (3xTF32 is slower than fp16, still exact)
         return "mma" if _takes(lambda: _forward_fits(kind, order, head_dim, block_q, block_k)) else "simt"
-    if engine != "mma":
+    if engine == "simt":
         return "simt"
     if order not in MMA_ORDERS:
-        raise ValueError(f"engine='mma' runs orders {MMA_ORDERS} (not the one-thread-per-row kernels), got "
+        raise ValueError(f"engine={engine!r} runs orders {MMA_ORDERS} (not the one-thread-per-row kernels), got "
                          f"order={order!r}")
-    _check_mma(kind, head_dim)
+    _check_mma(mma_kind(engine, kind), head_dim)
     return "mma"
+
+
+def mma_kind(engine: str, kind: str) -> str:
+    """The tensor-core kernel's kind for inputs of `kind` under `engine` ("mma" or "mma-tf32"): the 16-bit kinds
+    as they are, "float32" (3xTF32) for float32 inputs, "tf32" for float32 inputs under "mma-tf32"."""
+    if engine == "mma-tf32":
+        if kind not in FLOAT32_KINDS:
+            raise ValueError(f"engine='mma-tf32' multiplies float32 inputs by one TF32 product; got {kind} inputs "
+                             f"(use engine='mma' for them)")
+        return "tf32"
+    return kind
 
 
 def _takes(check) -> bool:
@@ -55,24 +72,32 @@ def _forward_fits(kind, order, head_dim, block_q, block_k) -> None:
     if order not in MMA_ORDERS:
         raise ValueError(order)
     _check_mma(kind, head_dim)
-    warps, block_k = mma_tiles(head_dim, block_q, block_k)
+    warps, block_k = mma_tiles(head_dim, block_q, block_k, kind)
     MmaConfig(kind, warps, block_k, head_dim, False).check()  # shared memory (the same for every mask)
 
 
-def _check_mma(kind: str, head_dim: int) -> None:
-    """What every tensor-core kernel needs of a call: a 16-bit dtype, d <= 128 (every mask form is taken)."""
-    if kind not in MMA_KINDS:
-        raise ValueError(f"engine='mma' takes float16 or bfloat16 inputs (float32 on tensor cores, 3xTF32, is "
-                         f"not built yet), got {kind}; use engine='simt' for {kind}")
+def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
+    """What every tensor-core kernel needs of a call: a kind it multiplies (the kernel's: 16-bit, or forward
+    "float32" / "tf32"), d <= 128 (every mask form is taken)."""
+    if backward and kind not in MMA_KINDS:
+        raise ValueError(f"engine='mma' runs the backward for float16 or bfloat16 inputs (the 3xTF32 backward for "
+                         f"float32 is not built yet), got {kind}; use engine='simt' for its backward")
+    if kind not in MMA_KINDS + FLOAT32_KINDS + ("tf32",):
+        raise ValueError(f"engine='mma' takes float16, bfloat16 or float32 inputs, got {kind}; use engine='simt' "
+                         f"for {kind}")
     if head_dim > MMA_MAX_HEAD_DIM:
         raise ValueError(f"engine='mma' needs head dim d <= {MMA_MAX_HEAD_DIM}, got {head_dim}")
 
 
-def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str = "float16") -> tuple[int, int]:
     """(warps, block_k) of the tensor-core kernel: block_q = 16 warps (default 64), block_k a multiple of 16
-    (default 64 for d <= 64, else 32: under 48 KB of shared memory)."""
+    (default 64 for d <= 64, else 32: under 48 KB of shared memory; half that for the float32 kinds, whose tiles
+    hold two tf32 parts of each element)."""
     block_q = 64 if block_q is None else block_q
-    block_k = (64 if head_dim <= 64 else 32) if block_k is None else block_k
+    if block_k is None:
+        block_k = 64 if head_dim <= 64 else 32
+        if kind not in MMA_KINDS:
+            block_k //= 2
     if block_q not in (16, 32, 64, 128):
         raise ValueError(f"block_q must be 16, 32, 64 or 128 for engine='mma' (16 query rows per warp), got "
                          f"{block_q}")
@@ -97,15 +122,18 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_di
 
             if order != "kv" or dout_kind not in (None, kind):
                 raise ValueError(order)
-            _check_mma(kind, head_dim)
+            _check_mma(kind, head_dim, backward=True)
             plan(kind, head_dim, causal, deterministic, block_q, block_k)
         return "mma" if _takes(fits) else "simt"
-    if engine != "mma":
+    if engine == "simt":
         return "simt"
+    if engine == "mma-tf32":
+        raise ValueError("engine='mma-tf32' has no backward yet (the tensor-core backward takes float16 and "
+                         "bfloat16); use engine='simt' for the float32 backward")
     if order != "kv":
         raise ValueError(f"engine='mma' runs the K/V-outer backward (order='kv', deterministic or not), got "
                          f"order={order!r}")
-    _check_mma(kind, head_dim)
+    _check_mma(kind, head_dim, backward=True)
     return "mma"
 
 
@@ -114,6 +142,6 @@ def decode(engine: str) -> None:
     tensor-core split kernel exists (the split kernel is built on the CUDA-core tile engine)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine == "mma":
-        raise NotImplementedError("engine='mma': the tensor-core decode kernel is not built yet; use engine='simt' "
-                                  "or 'auto' (both run the CUDA-core split-KV kernels)")
+    if engine in ("mma", "mma-tf32"):
+        raise NotImplementedError(f"engine={engine!r}: the tensor-core decode kernel is not built yet; use "
+                                  "engine='simt' or 'auto' (both run the CUDA-core split-KV kernels)")

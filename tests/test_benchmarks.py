@@ -28,7 +28,8 @@ def test_device_scripts_run_in_smoke_mode(tmp_path, script, report):
     assert {"v1", "v2", "v1-rowwise", "v2-rowwise"} <= variants
     assert all(r["passed"] for r in rows)
     assert {"v1-mma", "v2-mma"} <= variants  # on the float16 shape, beside the CUDA-core variants
-    assert {r["dtype"] for r in rows if r["variant"].endswith("-mma")} == {"float16"}
+    # on the float32 shape too, by 3xTF32
+    assert {r["dtype"] for r in rows if r["variant"].endswith("-mma")} == {"float16", "float32"}
     if script == "gpu_check.py":
         assert {"bwd-kv", "bwd-kv-deterministic", "bwd-q"} <= variants
     else:
@@ -45,7 +46,8 @@ def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
     rows = json.loads((tmp_path / "mma_gpu.json").read_text())["rows"]
     forward = [r for r in rows if r["order"] != "bwd-kv-mma"]
     assert {(r["order"], r["kind"], r["causal"]) for r in forward} == {
-        (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16")) for c in (False, True)}
+        (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32"))
+        for c in (False, True)}
     assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in forward)
     backward = [r for r in rows if r["order"] == "bwd-kv-mma"]
     assert {(r["causal"], r["deterministic"]) for r in backward} == {(c, t) for c in (False, True) for t in (False, True)}

@@ -17,10 +17,10 @@ from fa_numba.kernels import VARIANTS
 from fa_numba.timing import attention_flops
 from test_masks import definition
 
-FLOAT32 = sorted(name for name, v in VARIANTS.items() if "float32" in v.dtypes)  # the variants compare runs here
-
 SIMULATOR = cmp.backend.name() == "simulator"
 B, H, H_KV, D, TILE = 1, 2, 1, 8, 8
+# the variants compare runs here: float32 on tiles of 8 (the tensor-core ones take tiles of 16: left out)
+FLOAT32 = sorted(name for name, v in VARIANTS.items() if "float32" in v.dtypes and TILE % v.tile_multiple == 0)
 # (spec, N_q, N_k): a window with N_q != N_k (delta = 8) and ragged tail tiles, documents whose boundaries
 # cut tiles (FULL, PARTIAL and SKIP tiles all occur), and documents with causal.
 CASES = [("window:6,2", 20, 28), ("documents:5,11,14", 30, 30), ("documents-causal:12,4,16", 32, 32)]

@@ -23,7 +23,7 @@ def test_the_registry_lists_the_tensor_core_variants_with_what_they_take():
     for name, order in zip(MMA, ("v1", "v2")):
         variant = VARIANTS[name]
         assert (variant.name, variant.order, variant.unit) == (name, order, "mma")
-        assert variant.dtypes == ("float16", "bfloat16") and variant.tile_multiple == 16
+        assert variant.dtypes == ("float16", "bfloat16", "float32") and variant.tile_multiple == 16  # float32: 3xTF32
         assert variant.block_masks and variant.engine
         assert "tensor cores" in variant.description and "\n" not in variant.description
     assert SIMT_VARIANTS == ("v1", "v2", "v1-rowwise", "v2-rowwise")
@@ -36,7 +36,7 @@ def test_the_registry_lists_the_tensor_core_variants_with_what_they_take():
 
 TAKEN = dict(block_q=16, block_k=16, head_dim=16, causal=False, mask_form="none", dtype="float16")
 REFUSED = [  # (arguments past the default 16, 16, d=16, causal=False; the argument the error must name)
-    (dict(dtype="float32"), r"dtype must be one of \('float16', 'bfloat16'\) for v2-mma.*got 'float32'"),
+    (dict(dtype="float64"), r"dtype must be one of \('float16', 'bfloat16', 'float32'\) for v2-mma.*got 'float64'"),
     (dict(block_q=8), r"block_q must be 16, 32, 64 or 128 for v2-mma.*got 8"),
     (dict(block_q=48), r"block_q must be 16, 32, 64 or 128 for v2-mma.*got 48"),
     (dict(block_k=24), r"block_k must be a positive multiple of 16.*got 24"),
@@ -92,10 +92,11 @@ def _shape(dtype, **changes):
     return cmp.Shape(**dict(dict(heads=1, n_q=32, head_dim=16, dtype=dtype, block_q=16, block_k=16), **changes))
 
 
-def _expected_tolerances(s: cmp.Shape, order: str, p_dtype):
+def _expected_tolerances(s: cmp.Shape, order: str, p_dtype, products=None):
     """The rule's tolerances for this shape, built here from compare's inputs (not read from compare's rows)."""
     q, k, v = (cmp.reference_view(x) for x in cmp.inputs(s.resolved()))
-    base = tolerance.baseline(q, k, v, causal=s.causal, block_q=s.block_q, block_k=s.block_k, p_dtype=p_dtype)
+    base = tolerance.baseline(q, k, v, causal=s.causal, block_q=s.block_q, block_k=s.block_k, p_dtype=p_dtype,
+                              products=products)
     return base.tolerances(order)
 
 
@@ -124,24 +125,40 @@ def test_compare_runs_and_passes_the_tensor_core_variants_on_16_bit_inputs(dtype
     assert "v2/v1 speed-up" not in text  # no GPU, no times
 
 
-def test_compare_leaves_the_tensor_core_variants_out_of_float32_with_a_note():
-    why = r"dtype must be one of \('float16', 'bfloat16'\) for {} \(tensor cores multiply 16-bit operands.*got 'float32'"
-    result = cmp.run(_shape("float32", n_q=16), ("v2", "v1-mma", "v2-mma"), count=False)
+def test_compare_runs_the_3xtf32_variants_on_float32_with_their_products_term():
+    """float32 shapes take v1-mma and v2-mma by 3xTF32, judged with the products' term (the CUDA-core row without
+    it); v2-mma's counted bytes are iomodel's v2 at 4 bytes an element."""
+    s = _shape("float32", n_q=16)
+    result = cmp.run(s, ("v2", "v1-mma", "v2-mma"))
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["v2", "v1-mma", "v2-mma"] and all(r["passed"] for r in rows.values())
+    for name in MMA:
+        assert (rows[name]["atol_out"], rows[name]["atol_lse"]) == _expected_tolerances(s, rows[name]["order"], None,
+                                                                                        "3xtf32")
+    assert (rows["v2"]["atol_out"], rows["v2"]["atol_lse"]) == _expected_tolerances(s, "v2", None)
+    assert rows["v2-mma"]["atol_lse"] > rows["v2"]["atol_lse"]
+    model = iomodel.to_bytes(iomodel.traffic("v2", 16, 16, 16, 16, 16, False, heads=1), 4)
+    assert rows["v2-mma"]["bytes_counted"] == rows["v2-mma"]["bytes_model"] == model
+
+
+def test_compare_leaves_out_what_the_tensor_cores_do_not_take_with_a_note():
+    why = r"head dim d must be in 1\.\.128 for the tensor-core kernel, got 160"
+    result = cmp.run(_shape("float32", n_q=16, head_dim=160), ("v2", "v1-mma", "v2-mma"), count=False)
     assert [r["variant"] for r in result["rows"]] == ["v2"] and result["rows"][0]["passed"]
     for name in MMA:
         note = next(n for n in result["notes"] if n.startswith(f"{name} left out: "))
-        assert re.search(why.format(name), note), note
+        assert re.search(why, note), note
         assert f"note: {note}" in cmp.render(result).splitlines()
-    with pytest.raises(ValueError, match=r"no variant asked for takes this shape: dtype must be one of"):
-        cmp.run(_shape("float32", n_q=16), ("v2-mma",))
+    with pytest.raises(ValueError, match=r"no variant asked for takes this shape: head dim d must be in"):
+        cmp.run(_shape("float32", n_q=16, head_dim=160), ("v2-mma",))
 
 
-def test_the_cli_refuses_only_tensor_core_orders_on_float32_without_a_traceback(capsys):
+def test_the_cli_refuses_only_tensor_core_orders_it_cannot_run_without_a_traceback(capsys):
     with pytest.raises(SystemExit) as stop:
-        cli.main(["compare", "--n-q", "16", "--heads", "1", "--orders", "v1-mma,v2-mma"])
+        cli.main(["compare", "--n-q", "16", "--heads", "1", "--head-dim", "160", "--orders", "v1-mma,v2-mma"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --orders: no variant asked for takes this shape: dtype must be one of" in err
+    assert "argument --orders: no variant asked for takes this shape: head dim d must be in" in err
     assert "Traceback" not in err
 
 

@@ -7,7 +7,8 @@ workspace=None, stream=0, mask=None) on device arrays of shape (B, H, N, d), o f
 float32 (B, H, N_q).
 
 Variants differ in what they take, and say so: `unit` ("simt": the CUDA-core kernels, float32 arithmetic;
-"mma": the tensor-core kernels of `kernels.mma`, whose `make` also takes dtype="float16" or "bfloat16"),
+"mma": the tensor-core kernels of `kernels.mma`, whose `make` also takes dtype="float16", "bfloat16" or
+"float32", the last multiplied by 3xTF32),
 `dtypes` (input dtypes), `tile_multiple` (block_q and block_k multiples of it), `block_masks` (block-mask
 lists, mask_form "intervals" / "dense"), `not_counted` (why the simulator's counted traffic is not its HBM
 traffic, for a variant where it is not: v1-mma). `Variant.refusal(...)` says why a variant cannot take a
@@ -32,7 +33,7 @@ backend.patch_simulator()  # thread-safe shared arrays in the simulator (see bac
 
 
 ALL_DTYPES = ("float32", "float16", "bfloat16")
-MMA_DTYPES = ("float16", "bfloat16")
+MMA_DTYPES = mma_variant.DTYPES  # float16, bfloat16, and float32 by 3xTF32
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Variant:
         return self.make(block_q, block_k, head_dim, causal, mask_form, **extra)
 
 
-# what the tensor-core kernels take: 16-bit inputs, tiles of 16, every mask form (kernels.mma_variant)
+# what the tensor-core kernels take: 16-bit or float32 (3xTF32) inputs, tiles of 16, every mask form
 _MMA = dict(unit="mma", dtypes=MMA_DTYPES, tile_multiple=mma_variant.TILE_MULTIPLE, block_masks=True)
 # v1-mma's element counts differ from iomodel's v1 (tests/test_registry_mma.py pins by how much): the 4 lanes of
 # a quad each read the row's l and m (one address: one HBM read on a GPU, 4 counted reads here), and LSE is filled
@@ -94,11 +95,11 @@ VARIANTS = {
                           "in local memory", make_v1, False),
     "v2-rowwise": Variant("v2-rowwise", "v2", "FlashAttention-2 line by line: one thread per query row, its row of Q, "
                           "S and O in local memory", make_v2, False),
-    "v1-mma": Variant("v1-mma", "v1", "Alg. 1 on tensor cores: mma.sync m16n8k16 on 16-bit Q, K, V, P, float32 "
-                      "accumulators; O/l/m round-trip HBM; grid (B*H), 16 query rows per warp",
+    "v1-mma": Variant("v1-mma", "v1", "Alg. 1 on tensor cores: mma.sync m16n8k16 on 16-bit Q, K, V, P (float32: "
+                      "3xTF32 m16n8k8), float32 accumulators; O/l/m round-trip HBM; grid (B*H), 16 query rows per warp",
                       mma_variant.make_v1_mma_variant, True, **_MMA, not_counted=_V1_MMA_NOT_COUNTED),
-    "v2-mma": Variant("v2-mma", "v2", "FlashAttention-2 on tensor cores: mma.sync m16n8k16 on 16-bit Q, K, V, P, "
-                      "(m, l, acc) in registers; grid (T_r, B*H), 16 query rows per warp",
+    "v2-mma": Variant("v2-mma", "v2", "FlashAttention-2 on tensor cores: mma.sync m16n8k16 on 16-bit Q, K, V, P "
+                      "(float32: 3xTF32 m16n8k8), (m, l, acc) in registers; grid (T_r, B*H), 16 query rows per warp",
                       mma_variant.make_v2_mma_variant, True, **_MMA),
 }
 # the CUDA-core variants: fa_numba.attention's orders (engine="mma" picks v1-mma / v2-mma by order "v1" / "v2")

@@ -6,8 +6,8 @@ kernel is compiled for, and return an `MmaVariantKernel`: kernel(q, k, v, o, lse
 stream=0, mask=None) on device arrays, like the CUDA-core kernels (common.CompiledKernel). What they take is
 narrower, and each limit is a ValueError naming the argument (`check`):
 
-- dtype float16 or bfloat16 (q, k, v as float16 arrays or the uint16 bits of `dtype`; float32 on tensor
-  cores, 3xTF32, is not built);
+- dtype float16 or bfloat16 (q, k, v as float16 arrays or the uint16 bits of `dtype`), or float32 (float32
+  arrays, multiplied by 3xTF32: kernels.mma.tf32; tolerance's products="3xtf32" term, proofs/L6 part 9);
 - block_q in {16, 32, 64, 128} (16 query rows per warp), block_k a positive multiple of 16 (the k of
   m16n8k16), d <= 128, under 48 KB of static shared memory;
 - mask_form any the registry takes: "none", "causal", or a block mask's list form ("intervals", "dense"),
@@ -16,7 +16,7 @@ narrower, and each limit is a ValueError naming the argument (`check`):
 
 v1's workspace (l, m), when given, is the kernel's l and m in HBM (so `counting.run_counted` counts them);
 otherwise the engine allocates it. The arithmetic is the engine's: 16-bit products accumulated in float32, P
-rounded to `dtype` before P V (tolerance's p_dtype term, proofs/L6 part 7).
+rounded to `dtype` before P V (tolerance's p_dtype term, proofs/L6 part 7); for float32, 3xTF32 products.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from numba import float32
 from fa_numba import backend
 from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays
 from fa_numba.kernels.common import check_grid, check_mask_form, check_sequence
-from fa_numba.kernels.mma.engine import KINDS, MmaConfig, _aligned16
+from fa_numba.kernels.mma.engine import MmaConfig, _aligned16, async_multiple
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
 BLOCK_Q = (16, 32, 64, 128)  # 16 W query rows for W in 1, 2, 4, 8 warps
 TILE_MULTIPLE = 16  # block_q and block_k: multiples of the mma's 16 rows and 16-key k-step
+DTYPES = ("float16", "bfloat16", "float32")  # float32: the 3xTF32 kernels (kind "float32")
 _MAKE = {"v1": make_v1_mma, "v2": make_v2_mma}
 
 
@@ -42,9 +43,9 @@ def check(order: str, block_q: int, block_k: int, head_dim: int, causal: bool, m
           dtype: str = "float16") -> MmaConfig:
     """The checked MmaConfig of `order`-mma for these arguments, or a ValueError naming the one it cannot take."""
     name = f"{order}-mma"
-    if dtype not in KINDS:
-        raise ValueError(f"dtype must be one of {KINDS} for {name} (tensor cores multiply 16-bit operands; float32 "
-                         f"by 3xTF32 is not built yet), got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} for {name} (tensor cores multiply 16-bit operands, or "
+                         f"float32 by 3xTF32), got {dtype!r}")
     check_mask_form(mask_form, causal)
     if mask_form == "function":
         raise ValueError(f"mask_form 'function' (a mask_mod) needs its fn compiled into {name}: run it through "
@@ -52,7 +53,7 @@ def check(order: str, block_q: int, block_k: int, head_dim: int, causal: bool, m
     if block_q not in BLOCK_Q:
         raise ValueError(f"block_q must be 16, 32, 64 or 128 for {name} (16 query rows per warp), got {block_q}")
     lists = mask_form if mask_form in LIST_FORMS else "none"
-    return MmaConfig(dtype, block_q // 16, block_k, head_dim, bool(causal), head_dim % 8 == 0,
+    return MmaConfig(dtype, block_q // 16, block_k, head_dim, bool(causal), head_dim % async_multiple(dtype) == 0,
                      mask_form=lists).check()
 
 
@@ -82,8 +83,13 @@ class MmaVariantKernel:
         return self.inner.argtypes()
 
     def _bits(self, name: str, x):
-        """x as the uint16 bits the kernel reads: float16 arrays viewed, uint16 / int16 bits of config.kind."""
+        """x as the kernel reads it: float16 arrays viewed, uint16 / int16 bits of config.kind; float32 as it is
+        for the 3xTF32 kernels."""
         dtype = np.dtype(x.dtype)
+        if self.config.kind == "float32":
+            if dtype != np.float32:
+                raise TypeError(f"{name} must be float32 for this {self.name} kernel (3xTF32), got {dtype}")
+            return x
         if dtype == np.float16 and self.config.kind == "float16":
             return x.view(np.uint16)
         if dtype in (np.dtype(np.uint16), np.dtype(np.int16)):
@@ -127,11 +133,11 @@ def _maker(order: str):
 
     make.__name__ = make.__qualname__ = f"make_{order}_mma_variant"
     make.__doc__ = (f"The tensor-core {order} kernel as a registry variant ({order}-mma): the registry's "
-                    f"arguments plus dtype, the 16-bit input type (float16 or bfloat16); cached.")
+                    f"arguments plus dtype, the input type (float16, bfloat16, or float32 by 3xTF32); cached.")
     return make
 
 
 make_v1_mma_variant = _maker("v1")
 make_v2_mma_variant = _maker("v2")
 
-__all__ = ["BLOCK_Q", "MmaVariantKernel", "TILE_MULTIPLE", "check", "make_v1_mma_variant", "make_v2_mma_variant"]
+__all__ = ["BLOCK_Q", "DTYPES", "MmaVariantKernel", "TILE_MULTIPLE", "check", "make_v1_mma_variant", "make_v2_mma_variant"]
