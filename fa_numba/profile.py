@@ -266,7 +266,7 @@ def kernel_names() -> list[str]:
     return forward + list(whole_kernel.MMA_VARIANTS) + list(backward.VARIANTS) + list(whole_kernel.MMA_BACKWARD)
 
 
-def _mma_tiles(head_dim: int, name: str = "v2-mma") -> tuple[int, int] | None:
+def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> tuple[int, int] | None:
     """(block_q, block_k) the tensor-core kernels launch with by default (engines.mma_tiles; the backward's
     kernels.mma.backward.default_tiles), or None for a head dim they do not take."""
     from fa_numba import engines
@@ -277,14 +277,15 @@ def _mma_tiles(head_dim: int, name: str = "v2-mma") -> tuple[int, int] | None:
         from fa_numba.kernels.mma.backward import default_tiles
 
         return default_tiles("dq" if name == "bwd-dq-mma" else "kv", head_dim)[1:]
-    warps, block_k = engines.mma_tiles(head_dim, None, None)
+    warps, block_k = engines.mma_tiles(head_dim, None, None, dtype)
     return 16 * warps, block_k
 
 
 def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
     """The shipped configurations: every kernel at the default tiles of each head dim, each dtype (the
     backward kernels at float32 only: they read float16 through the same conversion; the tensor-core
-    kernels at 16-bit dtypes and d <= 128 only, at their own default tiles) and causal or not."""
+    kernels at d <= 128 only, at their own default tiles, the forwards' float32 by 3xTF32, the backward's at
+    16-bit dtypes only) and causal or not."""
     from fa_numba.kernels import backward, default_tiles
 
     for name in orders or kernel_names():
@@ -299,8 +300,10 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
             for dtype in dtypes:
                 if is_backward and dtype != "float32" and "float32" in dtypes:
                     continue
-                if is_mma and dtype == "float32":  # 3xTF32 is not built: no float32 tensor-core kernel
+                if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # no 3xTF32 backward yet
                     continue
+                if name in whole_kernel.MMA_VARIANTS:  # float32's tiles hold two tf32 parts: smaller defaults
+                    block_q, block_k = _mma_tiles(head_dim, name, dtype)
                 for causal in causals:
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
                                causal=causal)

@@ -44,6 +44,10 @@ MMA_VARIANTS = ("v1-mma", "v2-mma")  # the tensor-core forwards: products on mma
 # and the deterministic mode's Q-outer dQ pass
 MMA_BACKWARD = ("bwd-kv-mma", "bwd-kv-mma-det", "bwd-dq-mma")
 MMA_KERNELS = MMA_VARIANTS + MMA_BACKWARD
+# the products' multiply-adds one HMMA does, by the inputs' dtype: 16-bit m16n8k16; float32 by 3xTF32, three
+# m16n8k8 per product (kernels.mma.tf32); and the instruction's shape (Device.mma_cycles)
+USEFUL_MACS = {"float16": 16 * 8 * 16, "bfloat16": 16 * 8 * 16, "float32": 16 * 8 * 8 / 3}
+MMA_SHAPE = {"float16": "m16n8k16", "bfloat16": "m16n8k16", "float32": "m16n8k8"}
 # the warps of a kernel's block own 16 rows each of the tile it keeps (query rows, or keys in the kv backward);
 # one product of an iteration is then 16 x (the other tile) x D multiply-adds per warp
 _WARP_OWNS_KEYS = ("bwd-kv-mma", "bwd-kv-mma-det")
@@ -126,8 +130,9 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     `inner_trips` times if it holds HMMA and the kernel says how often its layout runs it (the kv backward's
     dQ column blocks, `MmaBackwardKernel.inner_trips`), else once, listed in `unattributed`. Round trips:
     dependent global loads and cp.async waits (`sass.async_copy_waits`). "products": the HMMAs as products of
-    B_r B_c D, each warp owning 16 rows of its tile and one m16n8k16 covering 16 x 8 x 16 multiply-adds, so
-    exactly 2 for a forward that does S and P V once."""
+    B_r B_c D, each warp owning 16 rows of its tile and one HMMA covering `USEFUL_MACS[dtype]` of the products'
+    multiply-adds (m16n8k16: 16 x 8 x 16; 3xTF32's m16n8k8: 16 x 8 x 8 over its three products), so exactly 2
+    for a forward that does S and P V once."""
     tree = sass.loop_tree(text)
     total = sum(1 for i in sass.parse_sass(text)[0] if i.base == "HMMA")
     holding = [node for node in tree if sum(i.base == "HMMA" for i in node.instructions) == total]
@@ -156,7 +161,7 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     counts["ffma"] = counts["by_category"]["FFMA"]
     counts["mufu"] = counts["by_category"]["MUFU"]
     rows = cfg["block_q"] if cfg["variant"] in _WARP_OWNS_KEYS else cfg["block_k"]
-    counts["products"] = counts["hmma"] * 16 * 8 * 16 / (16 * rows * d_pad)
+    counts["products"] = counts["hmma"] * USEFUL_MACS[cfg["dtype"]] / (16 * rows * d_pad)
     return counts
 
 
@@ -233,7 +238,7 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     # halved for causal), times the products over the forward's two, spread evenly over the iterations.
     useful = (attention_flops(launch["batch"], launch["heads"], launch["n"], launch["n"], cfg["head_dim"],
                               cfg["causal"]) * expected / 2)
-    tensor = counts.get("hmma", 0) * warps * device.mma_cycles("m16n8k16")
+    tensor = counts.get("hmma", 0) * warps * (device.mma_cycles(MMA_SHAPE[cfg["dtype"]]) if mma else 0.0)
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],
                          flops=useful / (iterations * blocks), tensor_cycles=tensor)
