@@ -111,6 +111,7 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
     # above, kept as float32 and split at each key tile (4 words a k-step)
     QSPLIT = KS <= 8
     TILE = sizes.BC * DP  # elements of a staged K or V tile
+    ROWS_PER_STEP = THREADS // DP if THREADS % DP == 0 else 0  # a step of THREADS elements is whole rows
     mma = warp.mma_tf32
 
     @cuda.jit(device=True, inline=True)
@@ -145,11 +146,17 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
         tile[index + HALF] = lo
 
     @cuda.jit(device=True, inline=True)
-    def settle_step(step, tile, bad, unused0, unused1, unused2):
+    def settle_step(step, tile, bad, base, unused1, unused2):
+        """Element tid + step THREADS: consecutive lanes on consecutive words (no bank conflict). Where THREADS
+        is whole rows (ROWS_PER_STEP), its index is base + step ROWS_PER_STEP SQ, a constant offset, so the
+        unrolled steps keep no address registers (computing each from scratch spilled at d = 128)."""
         idx = cuda.threadIdx.x + step * THREADS
         if TILE % THREADS == 0 or idx < TILE:
-            r = idx // DP
-            i = r * SQ + idx - r * DP
+            if ROWS_PER_STEP:
+                i = base + step * ROWS_PER_STEP * SQ
+            else:
+                r = idx // DP
+                i = r * SQ + idx - r * DP
             x = warp.tf32_value(tile[i])  # the float32 whose bits were copied
             if nonfinite(x):
                 bad[0] = True
@@ -164,7 +171,8 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
         copies) and after."""
         bad = cuda.local.array(1, boolean)  # one element at a constant index: a register
         bad[0] = False
-        settle_steps(tile, bad, 0, 0, 0)
+        tid = cuda.threadIdx.x
+        settle_steps(tile, bad, (tid // DP) * SQ + tid % DP, 0, 0)
         return bad[0]
 
     @cuda.jit(device=True, inline=True)
