@@ -85,20 +85,19 @@ def test_the_split_clamps_so_a_finite_input_never_gives_a_non_finite_part():
     assert np.isposinf(lo[5]) and np.isneginf(lo[6]) and np.isnan(lo[7])
 
 
-@cuda.jit
-def _split_probe(x, hi, lo):
-    i = cuda.grid(1)
-    if i < x.size:
-        h, l_ = tf32.split(x[i])
-        hi[i], lo[i] = h, l_
+def _probe(split):
+    """A kernel writing split(x[i]) of every element: its tf32 bits (hi, lo)."""
+    @cuda.jit
+    def probe(x, hi, lo):
+        i = cuda.grid(1)
+        if i < x.size:
+            h, l_ = split(x[i])
+            hi[i], lo[i] = h, l_
+
+    return probe
 
 
-@cuda.jit
-def _split_weight_probe(x, hi, lo):
-    i = cuda.grid(1)
-    if i < x.size:
-        h, l_ = tf32.split_weight(x[i])
-        hi[i], lo[i] = h, l_
+_split_probe, _split_weight_probe = _probe(tf32.split), _probe(tf32.split_weight)
 
 
 def test_the_device_split_is_the_host_reading():

@@ -91,6 +91,19 @@ def split_weight(x):
     return hi, warp.to_tf32(x - warp.tf32_value(hi))
 
 
+def _four(one):
+    """A device function splitting four values by `one` (a fragment's registers): (the 4 hi, the 4 lo)."""
+    @cuda.jit(device=True, inline=True)
+    def four(x0, x1, x2, x3):
+        h0, l0 = one(x0)
+        h1, l1 = one(x1)
+        h2, l2 = one(x2)
+        h3, l3 = one(x3)
+        return (h0, h1, h2, h3), (l0, l1, l2, l3)
+
+    return four
+
+
 def padded_dim(head_dim: int) -> int:
     """d rounded up to whole k-steps of 8 (the k of m16n8k8)."""
     return -(-head_dim // 8) * 8
@@ -114,21 +127,7 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
     ROWS_PER_STEP = THREADS // DP if THREADS % DP == 0 else 0  # a step of THREADS elements is whole rows
     mma = warp.mma_tf32
 
-    @cuda.jit(device=True, inline=True)
-    def split4(x0, x1, x2, x3):
-        h0, l0 = split(x0)
-        h1, l1 = split(x1)
-        h2, l2 = split(x2)
-        h3, l3 = split(x3)
-        return (h0, h1, h2, h3), (l0, l1, l2, l3)
-
-    @cuda.jit(device=True, inline=True)
-    def split4_weights(x0, x1, x2, x3):
-        h0, l0 = split_weight(x0)
-        h1, l1 = split_weight(x1)
-        h2, l2 = split_weight(x2)
-        h3, l3 = split_weight(x3)
-        return (h0, h1, h2, h3), (l0, l1, l2, l3)
+    split4, split4_weights = _four(split), _four(split_weight)
 
     @cuda.jit(device=True, inline=True)
     def product(c, ahi, alo, bhi, blo):
@@ -138,6 +137,15 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
             c = mma(c, alo, bhi)
             c = mma(c, ahi, blo)
         return mma(c, ahi, bhi)
+
+    @cuda.jit(device=True, inline=True)
+    def accumulate(c, row, ahi, alo, tile, at, step):
+        """c[row, :] += A B on one m16n8k8 block, B's two registers the staged tile's words at and at + step
+        (their high parts, and the residuals HALF further)."""
+        d4 = product((c[row, 0], c[row, 1], c[row, 2], c[row, 3]), ahi, alo, (tile[at], tile[at + step]),
+                     (tile[HALF + at], tile[HALF + at + step]))
+        for e in range(4):
+            c[row, e] = d4[e]
 
     @cuda.jit(device=True, inline=True)
     def store(tile, index, x):
@@ -215,11 +223,7 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
         """k-step ks of S = Q K_j^T for every key block: Q's split made once and used by all of them."""
         ahi, alo = q_parts(qf, ks)
         for nt in range(NT):
-            at = (8 * nt + g) * SQ + 8 * ks + t
-            d4 = product((s[nt, 0], s[nt, 1], s[nt, 2], s[nt, 3]), ahi, alo, (sk[at], sk[at + 4]),
-                         (sk[HALF + at], sk[HALF + at + 4]))
-            for e in range(4):
-                s[nt, e] = d4[e]
+            accumulate(s, nt, ahi, alo, sk, (8 * nt + g) * SQ + 8 * ks + t, 4)  # K[g][t], K[g][t + 4]
 
     score_steps = unrolled(KS, score_step)
 
@@ -237,11 +241,7 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
         """Key block kk of acc += P V_j: P's float32 weights in s as they are (the module docstring's key order)."""
         ahi, alo = split4_weights(s[kk, 0], s[kk, 2], s[kk, 1], s[kk, 3])
         for dn in range(DN):
-            at = (8 * kk + 2 * t) * SQ + 8 * dn + g
-            d4 = product((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), ahi, alo, (sv[at], sv[at + SQ]),
-                         (sv[HALF + at], sv[HALF + at + SQ]))
-            for e in range(4):
-                acc[dn, e] = d4[e]
+            accumulate(acc, dn, ahi, alo, sv, (8 * kk + 2 * t) * SQ + 8 * dn + g, SQ)  # V[2t][g], V[2t + 1][g]
 
     pv_steps = unrolled(NT, pv_step)
 
