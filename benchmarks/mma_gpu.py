@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 import fa_numba  # noqa: F401  (first: it chooses the backend before numba.cuda is imported)
-from fa_numba import tolerance
+from fa_numba import engines, tolerance
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
@@ -42,8 +42,8 @@ def log(msg: str) -> None:
 
 
 def bits_of(x: np.ndarray, kind: str) -> np.ndarray:
-    """What the kernel of `kind` reads: 16-bit bits, or float32 itself for the 3xTF32 kernel ("float32")."""
-    if kind == "float32":
+    """What the kernel of `kind` reads: 16-bit bits, or float32 itself (3xTF32 "float32", plain "tf32")."""
+    if kind in ("float32", "tf32"):
         return x.astype(np.float32)
     if kind == "float16":
         return x.astype(np.float16).view(np.uint16)
@@ -52,7 +52,7 @@ def bits_of(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def values_of(bits: np.ndarray, kind: str) -> np.ndarray:
-    if kind == "float32":
+    if kind in ("float32", "tf32"):
         return bits.astype(np.float64)
     if kind == "float16":
         return bits.view(np.float16).astype(np.float64)
@@ -78,8 +78,8 @@ def check(order, kind, d, block_k, causal, n, heads=2) -> dict:
     try:
         c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order=order,
                                       block_q=64, block_k=block_k, contractions=("matmul",),
-                                      p_dtype=None if kind == "float32" else kind,
-                                      products="3xtf32" if kind == "float32" else None)
+                                      p_dtype=kind if kind in ("float16", "bfloat16") else None,
+                                      products={"float32": "3xtf32", "tf32": "tf32"}.get(kind))
         return {"passed": True, "err_out": c.err_out, "atol_out": c.atol_out}
     except AssertionError as err:
         return {"passed": False, "error": str(err)[:400]}
@@ -132,7 +132,8 @@ def sdpa_ms(kind, b, h, n, d, causal):
     torch = _cuda_torch()
     if torch is None:
         return None
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, kind)) for _ in range(3))
+    dtype = getattr(torch, "float32" if kind == "tf32" else kind)  # SDPA's float32 beside either float32 kernel
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return _torch_median(torch, lambda _: sdpa(q, k, v, is_causal=causal))
 
@@ -220,8 +221,11 @@ def main(argv=None) -> int:
             log(done.stdout[-6000:] + done.stderr[-2000:])
     n_check, shape = (32, None) if args.smoke else (1024, (4, 16, 4096))
     models = model_estimates()
-    for order, kind in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32")):
+    for order, kind in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32"), ("v1", "float32"),
+                        ("v2", "tf32")):
         for d, block_k in ([(16, 16)] if args.smoke else CONFIGS):
+            if kind in ("float32", "tf32"):  # tiles of tf32 parts: the float32 kinds' smaller default block_k
+                block_k = min(block_k, engines.mma_tiles(d, None, None, kind)[1])
             for causal in (False, True):
                 row = {"order": order, "kind": kind, "d": d, "block_k": block_k, "causal": causal,
                        **check(order, kind, d, block_k, causal, n_check, heads=1 if args.smoke else 2)}

@@ -46,7 +46,8 @@ def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
     rows = json.loads((tmp_path / "mma_gpu.json").read_text())["rows"]
     forward = [r for r in rows if r["order"] != "bwd-kv-mma"]
     assert {(r["order"], r["kind"], r["causal"]) for r in forward} == {
-        (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32"))
+        (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32"),
+                               ("v1", "float32"), ("v2", "tf32"))
         for c in (False, True)}
     assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in forward)
     backward = [r for r in rows if r["order"] == "bwd-kv-mma"]

@@ -34,7 +34,8 @@ Layouts (proofs/L10, the m16n8k8 tables; g = lane >> 2, t = lane & 3):
   d = 64, 16 above (engines.mma_tiles), under the 48 KB static limit.
 
 Cost, per k-step of 8 and key block: three mma.sync and four 32-bit shared loads; Q's split is made once per
-(key tile, k-step) and P's once per key block (cvt.rna.tf32 is several instructions on sm_90, not one).
+query tile at d <= 64 (kept in registers), else once per (key tile, k-step), and P's once per key block
+(cvt.rna.tf32 is three instructions on sm_90, not one).
 """
 
 from __future__ import annotations
