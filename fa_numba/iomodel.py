@@ -47,6 +47,9 @@ The backward (`traffic_backward`, proofs/L7_backward.md), per query head unless 
             K, V read K d each;  dK, dV read K d and written K d each (atomic adds);  dQ written N_q d
             (zeros for a query tile with an empty list).
 
+With a value head dim of its own (d_v=, MLA's d = 192, d_v = 128), every count of V, O, dO and dV above has
+d_v where it says d; Q, K, dQ and dK keep d.
+
 Non-causal (R = T_c N_q, K = T_r N_k, Q_vis = N_q): "kv" moves Q, dO, dQ about T_c times and K, V, dK,
 dV once; "q" moves K, V about T_r times and dK, dV 2 T_r times (read and written).
 
@@ -141,9 +144,16 @@ def _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv, 
     return d, batch, heads, heads_kv, visits(n_q, n_k, block_q, block_k, causal, mask, skip)
 
 
+def _value_dim(d_v, d: int) -> int:
+    """V's and O's head dim: d_v, or d where it is None."""
+    return d if d_v is None else shapes.check_block("d_v", d_v)
+
+
 def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False,
-            batch: int = 1, heads: int = 1, heads_kv: int | None = None, skip: bool = True, mask=None) -> Ledger:
+            batch: int = 1, heads: int = 1, heads_kv: int | None = None, skip: bool = True, mask=None,
+            d_v: int | None = None) -> Ledger:
     """Elements read and written per tensor by one call, summed over batch and query heads.
+    d is Q's and K's head dim, d_v V's and O's (None: d); Q and K travel with d, V and O with d_v.
 
     `heads_kv` only has to divide `heads`: each query head streams its own K/V head, so GQA does not
     change the counts. skip=False gives the traffic of a schedule that computes SKIP tiles too. mask: any
@@ -152,19 +162,20 @@ def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, 
     check_order(order)
     d, batch, heads, heads_kv, seen = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv,
                                                    skip, mask)
+    dv = _value_dim(d_v, d)
     ledger = Ledger()
     if order == "v2":
         ledger.read("Q", seen.live_rows * d)
         ledger.read("K", seen.keys * d)
-        ledger.read("V", seen.keys * d)
-        ledger.write("O", n_q * d)
+        ledger.read("V", seen.keys * dv)
+        ledger.write("O", n_q * dv)
         ledger.write("LSE", n_q)
     else:
         ledger.read("K", seen.live_keys * d)
-        ledger.read("V", seen.live_keys * d)
+        ledger.read("V", seen.live_keys * dv)
         ledger.read("Q", seen.rows * d)
-        ledger.read("O", seen.rows * d)
-        ledger.write("O", (n_q + seen.rows) * d)
+        ledger.read("O", seen.rows * dv)
+        ledger.write("O", (n_q + seen.rows) * dv)
         for stat in ("l", "m"):
             ledger.read(stat, seen.rows + n_q)
             ledger.write(stat, n_q + seen.rows)
@@ -174,8 +185,9 @@ def traffic(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, 
 
 def traffic_backward(order: str, n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False,
                      batch: int = 1, heads: int = 1, heads_kv: int | None = None, deterministic: bool = False,
-                     skip: bool = True, mask=None) -> Ledger:
+                     skip: bool = True, mask=None, d_v: int | None = None) -> Ledger:
     """Elements read and written per tensor (BACKWARD_TENSORS) by one backward call of `tiled.attention_backward`.
+    d is Q's, K's, dQ's and dK's head dim, d_v that of V, O, dO and dV (None: d).
 
     order "kv" (K/V outer, dQ by atomic adds, or with deterministic=True by a separate Q-outer pass) or
     "q" (Q outer, dK and dV by atomic adds); formulas in the module docstring and proofs/L7. Unlike the
@@ -187,33 +199,35 @@ def traffic_backward(order: str, n_q: int, n_k: int, d: int, block_q: int, block
     order, deterministic = check_backward_order(order, deterministic)
     d, batch, heads, heads_kv, seen = _check_sizes(n_q, n_k, d, block_q, block_k, causal, batch, heads, heads_kv,
                                                    skip, mask)
+    dv = _value_dim(d_v, d)
+    width = {"Q": d, "K": d, "dQ": d, "dK": d, "V": dv, "O": dv, "dO": dv, "dV": dv}  # elements per row
     q_heads, kv_heads = batch * heads, batch * heads_kv
     ledger = Ledger.empty(BACKWARD_TENSORS)
-    ledger.read("O", q_heads * n_q * d)  # preprocess: D = rowsum(dO o O)
-    ledger.read("dO", q_heads * n_q * d)
+    ledger.read("O", q_heads * n_q * dv)  # preprocess: D = rowsum(dO o O)
+    ledger.read("dO", q_heads * n_q * dv)
     ledger.write("D", q_heads * n_q)
 
     def q_outer(kv_grads: bool) -> None:  # per query head: each query tile with a non-empty list, once
         live = seen.live_rows
-        for name, count in (("Q", live * d), ("dO", live * d), ("LSE", live), ("D", live),
-                            ("K", seen.keys * d), ("V", seen.keys * d)):
+        for name, count in (("Q", live * d), ("dO", live * dv), ("LSE", live), ("D", live),
+                            ("K", seen.keys * d), ("V", seen.keys * dv)):
             ledger.read(name, q_heads * count)
         ledger.write("dQ", q_heads * n_q * d)
         if kv_grads:  # dK_j, dV_j += ... for every visit: atomic read-modify-writes
             for name in ("dK", "dV"):
-                ledger.read(name, q_heads * seen.keys * d)
-                ledger.write(name, q_heads * seen.keys * d)
+                ledger.read(name, q_heads * seen.keys * width[name])
+                ledger.write(name, q_heads * seen.keys * width[name])
 
     if order == "q":
         ledger.write("dK", kv_heads * n_k * d)  # dK = dV = 0
-        ledger.write("dV", kv_heads * n_k * d)
+        ledger.write("dV", kv_heads * n_k * dv)
         q_outer(kv_grads=True)
         return ledger
     for name in ("K", "V"):  # per K/V head: K_j, V_j read once if key tile j's list is non-empty, dK_j, dV_j written
-        ledger.read(name, kv_heads * seen.live_keys * d)
-        ledger.write("d" + name, kv_heads * n_k * d)
+        ledger.read(name, kv_heads * seen.live_keys * width[name])
+        ledger.write("d" + name, kv_heads * n_k * width[name])
     rows = seen.rows
-    for name, count in (("Q", rows * d), ("dO", rows * d), ("LSE", rows), ("D", rows)):
+    for name, count in (("Q", rows * d), ("dO", rows * dv), ("LSE", rows), ("D", rows)):
         ledger.read(name, q_heads * count)
     if deterministic:
         q_outer(kv_grads=False)

@@ -145,9 +145,9 @@ class Dense:
     """What the dense forward materialises, 4-D (B, H, ...), K/V heads repeated per query head (GQA).
 
     s: (B, H, N_q, N_k) the scores the softmax sees, -inf on masked pairs: S, or S' = mod(S) with a score_mod;
-    p: the same shape, P = exp(s - m) / l, 0 on masked pairs and on rows with no visible key; v: (B, H, N_k, d)
+    p: the same shape, P = exp(s - m) / l, 0 on masked pairs and on rows with no visible key; v: (B, H, N_k, d_v)
     the values as each query head reads them; visible: (N_q, N_k) bool, the visible pairs, or (B_m, H_m, N_q,
-    N_k) for a mask that differs by batch and head (`visible_mask`; it broadcasts against s); out: (B, H, N_q, d)
+    N_k) for a mask that differs by batch and head (`visible_mask`; it broadcasts against s); out: (B, H, N_q, d_v)
     O; lse: (B, H, N_q) LSE; lead: q's axes before N (q.shape[:-2]), which `result` gives back. With a
     score_mod: s_raw, the scores S = scale Q K^T before it (-inf on masked pairs), and score_mod itself; both
     None without one.
@@ -164,7 +164,7 @@ class Dense:
     score_mod: mods.ScoreMod | None = None
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(out, lse) in the caller's layout: out like q, lse like q without its last axis."""
+        """(out, lse) in the caller's layout: out like q with v's head dim d_v, lse like q without its last axis."""
         return shapes.drop_lead(self.out, self.lead), shapes.drop_lead(self.lse, self.lead)
 
 
@@ -178,7 +178,7 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
     """
     if contraction not in CONTRACTIONS:
         raise ValueError(f"contraction must be one of {CONTRACTIONS}, got {contraction!r}")
-    prob = shapes.problem(q, k, v)
+    prob = shapes.problem(q, k, v, value_dim=True)
     causal, mask = shapes.check_mask(causal, mask)
     score_mod = mods.check_score_mod(score_mod)
     if score_mod is not None:
@@ -208,7 +208,8 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, score_mod=None):
-    """Float64 dense attention. Returns (out, lse) with out like q and lse like q without its last axis.
+    """Float64 dense attention. Returns (out, lse) with out like q (its last axis v's head dim d_v, which may differ
+    from q's d) and lse like q without its last axis.
 
     mask: a `fa_numba.masks` mask applied densely (not with causal=True; that is mask=masks.causal()).
     score_mod: a `fa_numba.mods.ScoreMod`: softmax(mod(S)) V with mod applied after the scale, at the visible
@@ -295,8 +296,8 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     dP and dS: B H N_q N_k elements each. score_mod: a `mods.ScoreMod` with a grad (ValueError without one):
     dS = dS' mod'(S), and the captured arrays' gradients in `dcaptured` (module docstring, proofs/L13).
     """
-    prob = shapes.problem(q, k, v)
-    shapes.check_like("dout", dout, q.shape, "as q")
+    prob = shapes.problem(q, k, v, value_dim=True)
+    shapes.check_like("dout", dout, shapes.out_shape(q, v), "as q with v's head dim")
     causal, mask = shapes.check_mask(causal, mask)
     score_mod = mods.check_score_mod(score_mod)
     if score_mod is not None and score_mod.grad is None:
@@ -326,7 +327,7 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     # The gradients (L7.1, L7.3, L7.5). Masked pairs get dS = 0 by the mask, and their operands are never
     # multiplied (visible_matmul), so a row with no visible key gives exactly 0 in dQ and adds nothing to
     # dK, dV, whatever its dO holds.
-    d_row = _contract(do4 * out4, np.ones((prob.d, 1), dtype=dtype), contraction)[..., 0]  # D: (B, H, N_q)
+    d_row = _contract(do4 * out4, np.ones((prob.d_v, 1), dtype=dtype), contraction)[..., 0]  # D: (B, H, N_q)
     dp = _contract(do4, np.swapaxes(v4, -1, -2), contraction)  # dP: (B, H, N_q, N_k)
     with np.errstate(invalid="ignore"):
         ds = np.where(visible, p * (dp - d_row[..., None]), dtype(0))  # dS
@@ -343,7 +344,7 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     dk = scale * visible_matmul(np.swapaxes(ds, -1, -2), q4, visible_t, contraction)
     dq = scale * visible_matmul(ds, k4, visible, contraction)
     # GQA: K/V head h_kv is used by query heads h_kv * group ... (h_kv + 1) * group - 1; its gradient is the sum.
-    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)  # -1: d for dk, d_v for dv
     dk = dk.reshape(grouped).sum(axis=2)
     dv = dv.reshape(grouped).sum(axis=2)
     dq, dk, dv = (shapes.drop_lead(g, x.shape[:-2]) for g, x in ((dq, q), (dk, k), (dv, v)))
@@ -356,7 +357,7 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
                        score_mod=None):
     """Float64 gradients (dq, dk, dv) of <dout, O(q, k, v)>, densely from its own float64 forward (O, LSE).
 
-    dout is like q; dq comes out like q, dk and dv like k and v (H_kv heads: with GQA each is the sum over
+    dout is like the forward's out (q's shape with v's head dim d_v); dq comes out like q, dk and dv like k and v (H_kv heads: with GQA each is the sum over
     the query heads of its group). mask: a `fa_numba.masks` mask applied densely, as in `attention` (not with
     causal=True): masked pairs have P = 0 and dS = 0 and their operands are never multiplied. A row with no
     visible key (causal with N_q > N_k, or any mask's empty row) gives a zero row of dq and nothing to dk,

@@ -4,6 +4,8 @@ Layout is (B, H, N, d) like torch SDPA; (N, d) and (H, N, d) are accepted and me
 (B1, ..., Bm, H, N, d) any number of leading batch axes, which q, k, v share and which count as one batch
 B = B1 ... Bm.
 K and V may have fewer heads than Q (GQA/MQA): query head h reads K/V head h // (H_q // H_kv).
+V (and O) may have a head dim of their own, d_v != d (MLA: d = 192, d_v = 128), where a caller takes it
+(`problem(..., value_dim=True)`); the scale's default 1/sqrt(d) reads q's.
 
 Every check raises before any work is done, with a message that names the argument and what was expected.
 """
@@ -27,6 +29,11 @@ class Problem:
     n_q: int
     n_k: int
     d: int
+    d_v: int = 0  # V's and O's head dim; 0 (the default) means d
+
+    def __post_init__(self):
+        if self.d_v == 0:
+            object.__setattr__(self, "d_v", self.d)
 
     @property
     def group(self) -> int:
@@ -65,10 +72,11 @@ def batch_shape(shape) -> tuple[int, int, int, int]:
 
 
 def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | None = None,
-            empty: bool = False) -> Problem:
+            empty: bool = False, value_dim: bool = False) -> Problem:
     """Validate q, k, v against the layout convention and return their sizes (`names`: the accepted dtypes
     as an error message should name them, if not the allowed dtypes themselves). With empty=True, N_q,
-    N_k and B may be 0 (the caller returns an empty, or for N_k = 0 a dead-row, result without a launch)."""
+    N_k and B may be 0 (the caller returns an empty, or for N_k = 0 a dead-row, result without a launch).
+    With value_dim=True, v's last axis may differ from k's (Problem.d_v); without, it must not."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, allowed, names)
     if not (len(q.shape) == len(k.shape) == len(v.shape)):
@@ -76,8 +84,12 @@ def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | 
             f"q, k, v must have the same number of dimensions, got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if value_dim and tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)} but for its last axis (d_v), got "
+                         f"{tuple(v.shape)}")
+    if not value_dim and tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)} (a value head dim of its own, "
+                         f"d_v != d, is taken by fa_numba.attention and its backward), got {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     batch, heads, n_q, d = batch_shape(q.shape)
@@ -93,6 +105,9 @@ def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | 
             raise ValueError(f"{name} must have sequence length N >= 1 (axis -2), got 0")
     if d == 0:
         raise ValueError("q must have head dim d >= 1 (axis -1), got 0")
+    d_v = tuple(v.shape)[-1]
+    if d_v == 0:
+        raise ValueError("v must have head dim d_v >= 1 (axis -1), got 0")
     if batch == 0 and not empty:
         raise ValueError("q must have batch >= 1 (axis 0), got 0")
     if heads == 0 or heads_kv == 0:
@@ -101,7 +116,12 @@ def problem(q, k, v, allowed: tuple[np.dtype, ...] = FLOAT_DTYPES, names: str | 
         raise ValueError(
             f"k and v heads ({heads_kv}) must divide q heads ({heads}) for GQA/MQA"
         )
-    return Problem(batch, heads, heads_kv, n_q, n_k, d)
+    return Problem(batch, heads, heads_kv, n_q, n_k, d, d_v)
+
+
+def out_shape(q, v) -> tuple[int, ...]:
+    """The shape of O (and of dO): q's, with v's head dim d_v as its last axis."""
+    return tuple(q.shape)[:-1] + tuple(v.shape)[-1:]
 
 
 def check_like(name: str, x, shape: tuple[int, ...], like: str,

@@ -118,7 +118,7 @@ def _decode(m, l, O):
 
 def _run_v1(q, k, v, scale, sched, mask, ledger):
     grid = sched.grid
-    n_q, d = q.shape
+    n_q, d = q.shape[0], v.shape[1]  # d: O's head dim, V's (d_v)
     # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM.
     O = np.zeros((n_q, d), dtype=q.dtype)
     l = np.zeros(n_q, dtype=q.dtype)
@@ -136,13 +136,13 @@ def _run_v1(q, k, v, scale, sched, mask, ledger):
         r0, r1 = grid.rows(i)
         q_i = q[r0:r1]  # Q_i, O_i, l_i, m_i: read from HBM on every visit
         state = _decode(m[r0:r1], l[r0:r1], O[r0:r1])  # O is stored normalised
-        for name, count in (("Q", q_i.size), ("O", q_i.size), ("l", r1 - r0), ("m", r1 - r0)):
+        for name, count in (("Q", q_i.size), ("O", (r1 - r0) * d), ("l", r1 - r0), ("m", r1 - r0)):
             ledger.read(name, count)
         s, visible = _scores(q_i, k_j, scale, grid, i, j, kind, mask)
         state = osm.update(state, s, v_j, visible)
         O[r0:r1] = _encode(state)
         l[r0:r1], m[r0:r1] = state.l, state.m
-        for name, count in (("O", q_i.size), ("l", r1 - r0), ("m", r1 - r0)):
+        for name, count in (("O", (r1 - r0) * d), ("l", r1 - r0), ("m", r1 - r0)):
             ledger.write(name, count)
     # Last pass: LSE = m + log l (-inf on rows that see no key, by the mask). O already holds acc / l, except
     # on a row that sees keys whose scores are all -inf (l = 0: only infinite inputs do that), where it
@@ -160,7 +160,7 @@ def _run_v1(q, k, v, scale, sched, mask, ledger):
 
 def _run_v2(q, k, v, scale, sched, mask, ledger):
     grid = sched.grid
-    n_q, d = q.shape
+    n_q, d = q.shape[0], v.shape[1]  # d: O's head dim, V's (d_v)
     O = np.empty((n_q, d), dtype=q.dtype)
     lse = np.empty(n_q, dtype=q.dtype)
     by_row = {i: [] for i in range(grid.t_r)}
@@ -207,7 +207,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     visited, only PARTIAL ones masked, and a row it shows no key gets O = 0, LSE = -inf. The ledger sums
     all batches and heads and equals `iomodel.traffic(order, ..., mask=mask)`.
     """
-    prob = shapes.problem(q, k, v)
+    prob = shapes.problem(q, k, v, value_dim=True)
     tiling.check_order(order)
     block_q, block_k, causal, mask, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale,
                                                                     mask)
@@ -215,7 +215,7 @@ def attention(q, k, v, *, order: str, block_q: int, block_k: int, causal: bool =
     sched = tiling.schedule(order, prob.n_q, prob.n_k, block_q, block_k, causal, skip=skip, mask=mask)
     visible = _Mask.of(prob.n_q, prob.n_k, causal, mask)
     run = _run_v1 if order == "v1" else _run_v2
-    out = np.empty(q4.shape, dtype=dtype)
+    out = np.empty(q4.shape[:-1] + (prob.d_v,), dtype=dtype)
     lse = np.empty(q4.shape[:-1], dtype=dtype)
     ledger = Ledger()
     for b in range(prob.batch):
@@ -315,9 +315,9 @@ def _backward_q(q, k, v, lse, D, dout, scale, sched, mask, ledger, dk=None, dv=N
             if dk is not None:  # dK_j, dV_j += ... in HBM: atomic read-modify-writes
                 dv[c0:c1] += visible_matmul(p.T, do_i, _transposed(visible))
                 dk[c0:c1] += scale * visible_matmul(ds.T, q_i, _transposed(visible))
-                for name in ("dK", "dV"):
-                    ledger.read(name, k_j.size)
-                    ledger.write(name, k_j.size)
+                for name, count in (("dK", k_j.size), ("dV", v_j.size)):
+                    ledger.read(name, count)
+                    ledger.write(name, count)
         dq[r0:r1] = scale * dq_i  # written once
         ledger.write("dQ", dq_i.size)
     return dq
@@ -354,10 +354,10 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
     matrix products of 2 r c d each (S, dP, dV, dK, dQ); the deterministic dQ pass adds 3 (S, dP, dQ), so 8
     instead of 5.
     """
-    prob = shapes.problem(q, k, v)
-    shapes.check_like("out", out, q.shape, "as q")
+    prob = shapes.problem(q, k, v, value_dim=True)
+    shapes.check_like("out", out, shapes.out_shape(q, v), "as q with v's head dim")
     shapes.check_like("lse", lse, q.shape[:-1], "as q without its last axis")
-    shapes.check_like("dout", dout, q.shape, "as q")
+    shapes.check_like("dout", dout, shapes.out_shape(q, v), "as q with v's head dim")
     order, deterministic = tiling.check_backward_order(order, deterministic)
     block_q, block_k, causal, mask, dtype, scale = _check_spec_args(prob, block_q, block_k, causal, dtype, scale,
                                                                     mask)
@@ -369,12 +369,13 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
     ledger = Ledger.empty(BACKWARD_TENSORS)
     group = prob.group
     n_qd, n_kd = prob.n_q * prob.d, prob.n_k * prob.d
+    n_qv, n_kv = prob.n_q * prob.d_v, prob.n_k * prob.d_v  # O, dO, dV: V's head dim
 
     # Preprocess, per query head: read O and dO, write D (and with atomic dQ, zero it).
     D = _preprocess(out4, do4)
     heads_q = prob.batch * prob.heads
-    ledger.read("O", heads_q * n_qd)
-    ledger.read("dO", heads_q * n_qd)
+    ledger.read("O", heads_q * n_qv)
+    ledger.read("dO", heads_q * n_qv)
     ledger.write("D", heads_q * prob.n_q)
     dq = np.zeros(q4.shape, dtype=dtype)
     dk = np.zeros(k4.shape, dtype=dtype)
@@ -397,7 +398,7 @@ def attention_backward(q, k, v, out, lse, dout, *, order: str, block_q: int, blo
                                            do4[b, h], scale, q_sched, visible, ledger)
     else:
         ledger.write("dK", prob.batch * prob.heads_kv * n_kd)  # dK = dV = 0 in HBM before the atomic adds
-        ledger.write("dV", prob.batch * prob.heads_kv * n_kd)
+        ledger.write("dV", prob.batch * prob.heads_kv * n_kv)
         for b in range(prob.batch):
             for h in range(prob.heads):
                 dq[b, h] = _backward_q(q4[b, h], k4[b, h // group], v4[b, h // group], lse4[b, h], D[b, h],

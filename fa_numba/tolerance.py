@@ -540,7 +540,7 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
     q4, k4, do4, visible, scale = grads.q, grads.k, grads.dout, grads.visible, grads.scale
     prob = grads.problem
     zero = grads.p.dtype.type(0)
-    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)  # d for dk, d_v for dv
     e, p_lse = _ds_floor(grads)
     with np.errstate(invalid="ignore", over="ignore"):
         if grads.mod_grad is not None:  # dS = dS' mod'(S) (L13): the floors of dS' carried through mod'
@@ -575,7 +575,7 @@ def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[f
     _p_rounding(p_dtype)  # a bad p_dtype is a ValueError naming it
     q4, k4, do4, p, dp, d_row = grads.q, grads.k, grads.dout, grads.p, grads.dp, grads.d_row
     visible, prob = grads.visible, grads.problem
-    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, prob.d)
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)  # d for dk, d_v for dv
     with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
         ds = np.where(visible, p * (dp - d_row[..., None]), p.dtype.type(0))  # dS, 0 off the visible pairs
         if grads.mod_grad is not None:  # with a score mod the rounded operand is dS = dS' mod'(S) (proofs/L13)
