@@ -9,10 +9,12 @@ Everything is checked before any launch; errors name the argument.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, engines, masks, mods, shapes
+from fa_numba import arrays, backend, engines, masks, mods, shapes, value_dims
 from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
 from fa_numba.kernels import score_mod as kernel_mods
 from fa_numba.kernels.block_lists import kernel_mask
@@ -89,7 +91,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
     q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
-    and H_kv heads dividing H (GQA/MQA). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy
+    and H_kv heads dividing H (GQA/MQA), v's last axis d_v may differ from d (O then has d_v; the kernels run
+    at max(d, d_v) on zero-padded operands, exact: fa_numba.value_dims). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy
     arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
     bfloat16, or float32: None) asks for O in another (NumPy, torch, CuPy and Numba device results, a Numba
     one cast by a kernel, its bfloat16 as uint16 bits; fa_numba.autograd and the drop-ins return the input
@@ -152,24 +155,29 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES,
-                          names=arrays.accepted(INPUT_DTYPES, bfloat16=True), empty=True)
-    scale = shapes.resolve_scale(scale, prob.d)
+                          names=arrays.accepted(INPUT_DTYPES, bfloat16=True), empty=True, value_dim=True)
+    scale = shapes.resolve_scale(scale, prob.d)  # q's head dim, before any padding
+    out_shape = shapes.out_shape(q, v)
     if order not in SIMT_VARIANTS:  # the registry's v1-mma / v2-mma are engine="mma" with order "v1" / "v2"
         raise ValueError(f"order must be one of {SIMT_VARIANTS} (engine='mma' picks the tensor-core kernel of "
                          f"order 'v1' or 'v2'), got {order!r}")
     kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
     if 0 in (prob.batch, prob.n_q, prob.n_k):
         shapes.check_mask(causal, mask)
-        engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
+        engines.resolve(engine, kind=kind, order=order, head_dim=max(prob.d, prob.d_v), block_q=block_q,
                         block_k=block_k)  # its errors, as for any size
         mods.check_score_mod(score_mod)
-        return call, _without_launch(call, q.shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
+        return call, _without_launch(call, out_shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
+    if prob.d_v != prob.d:  # the kernels take one head dim: the narrower operands padded with zeros (value_dims)
+        width = max(prob.d, prob.d_v)
+        q, k, v = (value_dims.widened(call, name, x, width) for name, x in (("q", q), ("k", k), ("v", v)))
+        prob = dataclasses.replace(prob, d=width, d_v=width)
     if engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
                        block_k=block_k) == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
-                                        engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form)
+                                        engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape)
     if prob.d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
     default_q, default_k = default_tiles(prob.d)
@@ -193,7 +201,7 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
                   if mask is not None else None)
         captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
         kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks, captured=captured)
-        return call, call.output(out, layout + (prob.d,)), call.output(lse, layout)
+        return call, value_dims.result(call, out, out_shape), call.output(lse, layout)
 
 
 def _without_launch(call, shape, value: float):
@@ -208,9 +216,10 @@ def _without_launch(call, shape, value: float):
 
 
 def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None,
-                   mask=None, form="none"):
+                   mask=None, form="none", out_shape=None):
     """attention(..., engine="mma" or "mma-tf32"): the tensor-core kernel of `order` and `kind` (the kernel's:
-    float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs)."""
+    float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs). out_shape:
+    O's (None: q's), its last axis d_v <= the kernel's head dim (value_dims.result)."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
@@ -233,7 +242,7 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
                   if mask is not None else None)
         kernel(*bits, out, lse, scale, stream=call.stream, mask=blocks,
                captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask))
-        return call.output(out, layout + (prob.d,)), call.output(lse, layout)
+        return value_dims.result(call, out, out_shape or layout + (prob.d,)), call.output(lse, layout)
 
 
 BACKWARD_ORDERS = ("kv", "q")
@@ -249,14 +258,15 @@ def _prepare_stats(name: str, x, on_device: bool, ndim: int):
     return cuda.to_device(x.reshape(shapes.batch_shape(x.shape + (1,))[:3]))
 
 
-def _saved_inputs(call, q, named: dict) -> tuple:
-    """out, lse, dout read like q, k, v (same library and side) and checked by name: shapes from q; out
+def _saved_inputs(call, q, v, named: dict) -> tuple:
+    """out, lse, dout read like q, k, v (same library and side) and checked by name: shapes from q (and v's
+    head dim for out and dout); out
     and dout in float32 or q's dtype (bfloat16 included: each is read on its own, so a bfloat16 out can
     come with a float32 dout and the float32 lse), lse float32."""
     q_dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
     wanted = {"out": f"dtype float32 or q's dtype {q_dtype} (the forward's output)",
               "dout": f"q's dtype {q_dtype} or float32", "lse": "dtype float32 (the forward's)"}
-    shapes_ = {"out": q.shape, "dout": q.shape, "lse": q.shape[:-1]}
+    shapes_ = {"out": shapes.out_shape(q, v), "dout": shapes.out_shape(q, v), "lse": tuple(q.shape)[:-1]}
     found = []
     for name, x in named.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -272,7 +282,8 @@ def _saved_inputs(call, q, named: dict) -> tuple:
                             f"{'device' if one.on_device else 'host'}")
         (value,) = one.arrays
         if tuple(value.shape) != tuple(shapes_[name]):
-            raise ValueError(f"{name} must have shape {tuple(shapes_[name])} (from q), got {tuple(value.shape)}")
+            raise ValueError(f"{name} must have shape {tuple(shapes_[name])} (from q{'' if name == 'lse' else ' and v'}), "
+                             f"got {tuple(value.shape)}")
         dtype = np.dtype(value.dtype)
         ok = one.bfloat16 or dtype == np.dtype(np.float32) or (name != "lse" and not call.bfloat16
                                                                 and dtype == np.dtype(q.dtype))
@@ -288,9 +299,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
                        captured_grads: bool = False):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
-    q, k, v as for `attention`; out and lse are that forward's outputs (out like q, float32 or q's dtype;
-    lse float32, q's layout without its last axis), dout like q (q's dtype or float32). Returns (dq, dk, dv) in float32 in the
-    inputs' layout and array library: dq like q, dk and dv like k (H_kv heads: the sums over each group's
+    q, k, v as for `attention`; out and lse are that forward's outputs (out like q with v's head dim d_v,
+    float32 or q's dtype; lse float32, q's layout without its last axis), dout like out (q's dtype or float32).
+    Returns (dq, dk, dv) in float32 in the inputs' layout and array library: dq like q, dk like k and dv like v (H_kv heads: the sums over each group's
     query heads). order "kv" (K/V outer, FlashAttention-2's backward: dK, dV on chip, dQ added into HBM with
     atomic adds, or with deterministic=True computed by a second, Q-outer pass without atomics, bitwise
     repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
@@ -327,8 +338,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
     accepted = arrays.accepted(INPUT_DTYPES, bfloat16=True)
-    prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted, empty=True)
-    out, lse, dout = _saved_inputs(call, q, {"out": out, "lse": lse, "dout": dout})
+    prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted, empty=True,
+                          value_dim=True)
+    out, lse, dout = _saved_inputs(call, q, v, {"out": out, "lse": lse, "dout": dout})
+    grad_shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))  # the caller's, before any padding
     empty = 0 in (prob.batch, prob.n_q, prob.n_k)
     if empty:
         shapes.check_mask(causal, mask)  # mask.check would refuse the zero sizes
@@ -353,6 +366,11 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
                             zip(score_mod.captured, score_mod.captured_grad)),)
         return grads
     score_mod, kmod = _check_mod(score_mod, prob, backward=True, mask=mask)
+    if prob.d_v != prob.d:  # the kernels take one head dim: the narrower operands padded with zeros (value_dims)
+        width = max(prob.d, prob.d_v)
+        q, k, v, out, dout = (value_dims.widened(call, name, x, width)
+                              for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
+        prob = dataclasses.replace(prob, d=width, d_v=width)
     dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
@@ -360,7 +378,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     if engines.backward(engine, kind=dtype, order=order, head_dim=prob.d, dout_kind=dout_kind,
                         causal=causal, deterministic=bool(deterministic), block_q=block_q, block_k=block_k) == "mma":
         grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
-                                        block_q, block_k, dtype, score_mod, kmod, mask, form)
+                                        block_q, block_k, dtype, score_mod, kmod, mask, form, grad_shapes)
         if captured_grads:  # the CUDA-core pair kernels, on the float32 view of the same inputs
             grads += (_captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask),)
         return grads
@@ -394,8 +412,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
                      deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks, mod=kmod,
                      captured=captured)
-        grads = (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
-                 call.output(grad_v, tuple(v.shape)))
+        grads = tuple(value_dims.result(call, g, shape) for g, shape in zip((grad_q, grad_k, grad_v), grad_shapes))
         if captured_grads:
             from fa_numba.kernels import captured_grad
 
@@ -420,9 +437,10 @@ def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mo
 
 
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
-                            kind, score_mod=None, kmod=None, mask=None, form="none"):
+                            kind, score_mod=None, kmod=None, mask=None, form="none", grad_shapes=None):
     """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
-    16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are)."""
+    16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are). grad_shapes: those of
+    (dq, dk, dv) (None: q's, k's, v's), their last axes at most the kernels' head dim (value_dims.result)."""
     from fa_numba.kernels.mma import backward as mma_backward
 
     dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
@@ -449,5 +467,5 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
                          deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream, mod=kmod,
                          captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask), mask=mask,
                          mask_form=form)
-        return (call.output(grad_q, tuple(q.shape)), call.output(grad_k, tuple(k.shape)),
-                call.output(grad_v, tuple(v.shape)))
+        grad_shapes = grad_shapes or (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        return tuple(value_dims.result(call, g, shape) for g, shape in zip((grad_q, grad_k, grad_v), grad_shapes))

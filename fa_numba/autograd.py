@@ -114,4 +114,5 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     key = torch_ops.mod_key(mods.check_score_mod(score_mod))
     out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
                                       tiles[1], backward_order, deterministic, tiles[2], key)
-    return out.reshape(shape).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])
+    out_shape = tuple(shape[:-1]) + (v.shape[-1],)  # v's head dim d_v
+    return out.reshape(out_shape).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])

@@ -132,7 +132,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     cache_text = "(num_pages, H_kv, page_size, d) with block_table" if paged else "(B, H_kv, N_max, d)"
     pages, heads_kv, page, d_k = _check_4d("k_cache", kc, cache_text)
     if tuple(vc.shape) != tuple(kc.shape):
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(kc.shape)}, got {tuple(vc.shape)}")
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(kc.shape)} (decoding takes no value head dim of "
+                         f"its own, d_v != d; fa_numba.attention does), got {tuple(vc.shape)}")
     if d_k != d:
         raise ValueError(f"k_cache must have head dim d = {d} (q's last axis), got {d_k}")
     if d == 0 or d > MAX_HEAD_DIM:

@@ -228,6 +228,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D torch tensor (B, H, N / W, d), got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
+    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+        raise ValueError(f"v must have k's head dim {k.shape[-1]}: ring attention takes no value head dim of its "
+                         f"own (d_v != d; fa_numba.attention does), got {v.shape[-1]}")
     if q.shape[-2] != k.shape[-2] or k.shape != v.shape:
         raise ValueError(f"q, k, v must be shards of one sequence: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")

@@ -24,8 +24,9 @@ take float32 too). A float attn_mask, softcap and alibi_slopes are score mods (`
 into the CUDA-core kernels; their mod is built in eager Python from the tensors' values (a graph break
 under torch.compile, which fullgraph=True refuses) and cached by value, so repeated calls reuse one mod
 and one compiled graph; no gradient reaches the float mask or the slopes (a float attn_mask that requires
-grad is refused). What is refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba
-is exact), a value head dim other than q's (not built yet), float64.
+grad is refused). A value head dim other than q's (d_v != d, MLA's 192 / 128) is taken: the kernels run at
+max(d, d_v) with the narrower operands padded with zeros, which is exact (fa_numba.value_dims). What is
+refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba is exact), float64.
 """
 
 from __future__ import annotations
@@ -65,12 +66,6 @@ def _no_dropout(dropout_p) -> None:
                          f"{dropout_p!r}")
 
 
-def _same_head_dim(query, value, name: str = "value") -> None:
-    if query.shape[-1] != value.shape[-1]:
-        raise ValueError(f"{name} must have q's head dim {query.shape[-1]} (a value head dim of its own, d_v != "
-                         f"d_qk, is not built yet), got {value.shape[-1]}")
-
-
 def _float_inputs(*named) -> None:
     for name, x in named:
         if not isinstance(x, torch.Tensor):
@@ -83,18 +78,18 @@ def _float_inputs(*named) -> None:
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention's signature and semantics on fa_numba's kernels.
 
-    query (..., H, L, d), key and value (..., H_kv, S, d), the same leading axes; attn_mask a bool tensor
+    query (..., H, L, d), key (..., H_kv, S, d) and value (..., H_kv, S, d_v) (a value head dim of its own, as
+    SDPA takes it), the same leading axes; attn_mask a bool tensor
     broadcastable to (..., H, L, S), True where the query takes part in attention with the key (a mask that
     differs by batch or head is one launch reading each slice's tile lists), or a float tensor
     broadcastable to it, added to the scores (-inf masks a pair; a score mod, `mods.conventions.additive`,
     taking no gradient); is_causal the top-left causal mask (query
     i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d); H_kv < H (GQA) only with
     enable_gqa=True, as SDPA. A row that sees no key gets O = 0 (so does torch SDPA's, since torch 2.5).
-    Returns O, (..., H, L, d), in query's dtype. Differentiable and traced by torch.compile (see the module
+    Returns O, (..., H, L, d_v), in query's dtype. Differentiable and traced by torch.compile (see the module
     docstring for what is refused)."""
     _float_inputs(("query", query), ("key", key), ("value", value))
     _no_dropout(dropout_p)
-    _same_head_dim(query, value)
     if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
         raise ValueError(f"key must have query's {query.shape[-3]} heads (axis -3), got {key.shape[-3]}: pass "
                          "enable_gqa=True for grouped-query attention, as torch SDPA asks")
@@ -137,10 +132,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn 2's flash_attn_func signature and semantics on fa_numba's kernels.
 
-    q (B, S_q, H, d), k and v (B, S_k, H_kv, d) with H_kv dividing H (GQA/MQA); causal and window_size
+    q (B, S_q, H, d), k (B, S_k, H_kv, d) and v (B, S_k, H_kv, d_v) with H_kv dividing H (GQA/MQA; d_v != d as
+    FlashAttention-3 takes it); causal and window_size
     bottom-right aligned (query i sees keys j with i + S_k - S_q - left <= j <= i + S_k - S_q + right, -1
     unbounded; causal means right = 0); softmax_scale default 1/sqrt(d); deterministic=True runs the
-    backward's deterministic mode (no atomic adds). Returns O (B, S_q, H, d) in q's dtype, contiguous; with
+    backward's deterministic mode (no atomic adds). Returns O (B, S_q, H, d_v) in q's dtype, contiguous; with
     return_attn_probs=True (out, softmax_lse, None): LSE (B, H, S_q) float32, and None where flash-attn
     returns its testing-only S_dmask (fa_numba never materialises P). dropout_p must be 0, softcap and
     alibi_slopes as (see the module docstring): softcap > 0 gives S' = softcap tanh(S / softcap), and
@@ -148,7 +144,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     `mods.conventions.flash_attn`; no gradient reaches the slopes)."""
     _float_inputs(("q", q), ("k", k), ("v", v))
     _no_dropout(dropout_p)
-    _same_head_dim(q, v, "v")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must have shape (B, N, H, d) (flash-attn's layout), got {tuple(x.shape)}")

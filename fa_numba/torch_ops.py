@@ -93,7 +93,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, or
 @attention_op.register_fake
 def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order,
                     deterministic, backward_block, score_mod=""):
-    return (q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)  # O has V's head dim d_v
+    return (q.new_empty(out_shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op("fa_numba::attention_backward", mutates_args=())

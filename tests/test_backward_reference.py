@@ -139,7 +139,7 @@ def test_layouts_agree():
 
 def test_dout_is_validated_by_name():
     q, k, v = Case(n_q=4, n_k=4, d=2, block_q=1, block_k=1, causal=False).inputs()
-    with pytest.raises(ValueError, match=r"dout must have shape \(1, 1, 4, 2\) \(as q\), got \(1, 1, 4, 3\)"):
+    with pytest.raises(ValueError, match=r"dout must have shape \(1, 1, 4, 2\) \(as q with v's head dim\), got \(1, 1, 4, 3\)"):
         reference.attention_backward(q, k, v, np.zeros((1, 1, 4, 3)))
     with pytest.raises(TypeError, match="dout must have dtype in"):
         reference.attention_backward(q, k, v, np.zeros(q.shape, dtype=np.int32))

@@ -188,7 +188,7 @@ def test_arguments_are_validated_by_name():
         call(order="v2")
     with pytest.raises(ValueError, match=r"lse must have shape \(1, 1, 4\) \(as q without its last axis\)"):
         call(lse=lse[..., :3])
-    with pytest.raises(ValueError, match=r"out must have shape \(1, 1, 4, 2\) \(as q\)"):
+    with pytest.raises(ValueError, match=r"out must have shape \(1, 1, 4, 2\) \(as q with v's head dim\)"):
         call(out=out[..., :1])
     with pytest.raises(TypeError, match="dout must have dtype in"):
         call(dout=dout.astype(np.int64))

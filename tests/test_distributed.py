@@ -140,6 +140,8 @@ def test_bad_layouts_and_shapes_are_refused_by_name():
         fd.ring_attention(x[0], x, x)
     with pytest.raises(NotImplementedError, match="ring attention runs on the CUDA-core kernels"):
         fd.ring_attention(x, x, x, engine="mma")
+    with pytest.raises(ValueError, match=r"v must have k's head dim 2: ring attention takes no value head dim"):
+        fd.ring_attention(x, x, torch.zeros(1, 1, 4, 3))
     with pytest.raises(RuntimeError, match="not initialised"):
         fd.ring_attention(x, x, x)
 

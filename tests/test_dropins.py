@@ -88,12 +88,12 @@ def test_sdpa_refuses_what_it_does_not_do_by_name(kwargs, error, message):
         fa_numba.sdpa(q, q, q, **kwargs)
 
 
-def test_sdpa_asks_for_enable_gqa_and_refuses_another_value_head_dim():
+def test_sdpa_asks_for_enable_gqa_and_takes_another_value_head_dim():
     q, k = torch.zeros(1, 4, 4, 4), torch.zeros(1, 2, 4, 4)
     with pytest.raises(ValueError, match="enable_gqa=True"):
         fa_numba.sdpa(q, k, k)
-    with pytest.raises(ValueError, match=r"value must have q's head dim 4.*not built yet"):
-        fa_numba.sdpa(q, q, torch.zeros(1, 4, 4, 3))
+    value = torch.arange(12.0).reshape(1, 1, 4, 3).expand(1, 4, 4, 3)  # d_v = 3: zero scores average it
+    assert torch.equal(fa_numba.sdpa(q, q, value), value.mean(dim=-2, keepdim=True).expand(1, 4, 4, 3))
     with pytest.raises(TypeError, match="query must have dtype float32, float16 or bfloat16"):
         fa_numba.sdpa(q.double(), q.double(), q.double())
 

@@ -1,6 +1,8 @@
 """Casting a float32 result on the device to a 16-bit type, for Numba device arrays (`arrays.cast`: torch and
-CuPy results are cast by their own library, NumPy results by NumPy); and the C-contiguous copy of a strided
-4-D device array (`contiguous_copy`), for the kernels that do not read strides (api._prepare).
+CuPy results are cast by their own library, NumPy results by NumPy); the C-contiguous copy of a strided
+4-D device array (`contiguous_copy`), for the kernels that do not read strides (api._prepare); and a copy
+with another last axis (`resized_copy`): zeros appended, or the tail cut, for a value head dim d_v != d
+(api: the kernels take one head dim, so the narrower operands are padded with zeros, which is exact).
 
 - float16: round to nearest even (Numba's float32 -> float16 conversion, cvt.rn.f16.f32 on a GPU).
 - bfloat16: Numba has no bfloat16 type, so the result is its uint16 bits, as the kernels take bfloat16
@@ -41,16 +43,19 @@ def _kernels():
                 dst[i] = uint16((u + uint32(0x7FFF) + ((u >> 16) & uint32(1))) >> 16)
 
     @cuda.jit
-    def copy4(src, dst):
+    def copy4(src, dst):  # unsigned-integer views: a bit copy, 0 is +0.0 in every float type
         start = cuda.grid(1)
-        n2, n3 = src.shape[2], src.shape[3]
-        n1 = src.shape[1]
+        n1, n2, n3 = dst.shape[1], dst.shape[2], dst.shape[3]
+        width = src.shape[3]
         for i in range(start, dst.size, cuda.gridsize(1)):
             e = i % n3
             r = (i // n3) % n2
             h = (i // (n3 * n2)) % n1
             b = i // (n3 * n2 * n1)
-            dst[b, h, r, e] = src[b, h, r, e]
+            if e < width:
+                dst[b, h, r, e] = src[b, h, r, e]
+            else:
+                dst[b, h, r, e] = 0
 
     return to_f16, to_bf16_bits, copy4
 
@@ -58,14 +63,29 @@ def _kernels():
 def contiguous_copy(x, stream=0):
     """A new C-contiguous device array with the values of the 4-D device array x (any strides), on `stream`:
     what `.contiguous()` is for a torch tensor, for a Numba device array (one read and one write of x)."""
-    if len(x.shape) != 4:
-        raise ValueError(f"x must be a 4-D device array, got shape {tuple(x.shape)}")
     out = cuda.device_array(tuple(x.shape), dtype=x.dtype, stream=stream)
-    if out.size:
-        blocks = min(MAX_BLOCKS, -(-out.size // THREADS))
-        with backend.serialised(THREADS):
-            _kernels()[2][blocks, THREADS, stream](x, out)
+    resized_copy(x, out, stream=stream)
     return out
+
+
+BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def resized_copy(src, dst, stream=0) -> None:
+    """dst[..., e] = src[..., e] for e < the narrower last axis, dst[..., e] = 0 beyond src's: two 4-D device
+    arrays of one dtype that differ at most in their last axis, src any strides, on `stream` (bits copied as
+    they are: a NaN's payload and -0.0 stay; one read of what dst keeps and one write of dst)."""
+    for name, x in (("src", src), ("dst", dst)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be a 4-D device array, got shape {tuple(x.shape)}")
+    if tuple(src.shape[:3]) != tuple(dst.shape[:3]) or src.dtype != dst.dtype:
+        raise ValueError(f"src and dst must share their first three axes and dtype, got {tuple(src.shape)} "
+                         f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+    if dst.size:
+        bits = BITS[np.dtype(dst.dtype).itemsize]
+        blocks = min(MAX_BLOCKS, -(-dst.size // THREADS))
+        with backend.serialised(THREADS):
+            _kernels()[2][blocks, THREADS, stream](src.view(bits), dst.view(bits))
 
 
 def cast_device(result, name: str, stream=0):

@@ -1,0 +1,226 @@
+"""A value head dim of its own, d_v != d (MLA: d = 192, d_v = 128): the spec, the reference, the traffic model
+and every kernel path (by zero padding, fa_numba.value_dims), forward and backward, host and device, and the
+PyTorch entry points, each against an expected value computed apart from the code under test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import fa_numba
+from fa_numba import iomodel, reference, shapes, tiled, tolerance
+from fa_numba.kernels import cast
+
+RNG = np.random.default_rng(20261203)
+SHAPES = [(8, 5), (5, 12)]  # (d, d_v): V narrower than Q and K, and wider
+
+
+def _inputs(d, d_v, dtype=np.float32, batch=2, heads=2, heads_kv=1, n_q=11, n_k=9):
+    q = RNG.standard_normal((batch, heads, n_q, d)).astype(dtype)
+    k = RNG.standard_normal((batch, heads_kv, n_k, d)).astype(dtype)
+    v = RNG.standard_normal((batch, heads_kv, n_k, d_v)).astype(dtype)
+    return q, k, v
+
+
+def _dense64(q, k, v, causal):
+    """softmax(Q K^T / sqrt(d)) V in float64 by einsum, written apart from fa_numba.reference (GQA repeated)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("bhid,bhjd->bhij", q, k) / np.sqrt(q.shape[-1])
+    n_q, n_k = s.shape[-2:]
+    if causal:  # bottom-right: key j visible to query i iff j <= i + n_k - n_q
+        s = np.where(np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("bhij,bhjx->bhix", np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0), v)
+    lse = np.where(l[..., 0] > 0, (m + np.log(np.where(l > 0, l, 1.0)))[..., 0], -np.inf)
+    return out, lse
+
+
+def test_problem_takes_a_value_head_dim_only_where_asked():
+    q, k, v = _inputs(8, 5)
+    with pytest.raises(ValueError, match=r"v must have the same shape as k .*d_v != d"):
+        shapes.problem(q, k, v)
+    prob = shapes.problem(q, k, v, value_dim=True)
+    assert (prob.d, prob.d_v) == (8, 5)
+    assert shapes.problem(q, k, k).d_v == 8  # the default: d_v = d
+    assert shapes.Problem(1, 1, 1, 2, 2, 4) == shapes.Problem(1, 1, 1, 2, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"v must have the shape of k .* but for its last axis"):
+        shapes.problem(q, k, v[:, :, :5], value_dim=True)
+    with pytest.raises(ValueError, match=r"v must have head dim d_v >= 1"):
+        shapes.problem(q, k, v[..., :0], value_dim=True)
+
+
+@pytest.mark.parametrize("d, d_v", SHAPES)
+def test_reference_and_spec_against_einsum(d, d_v):
+    q, k, v = _inputs(d, d_v, np.float64)
+    want_out, want_lse = _dense64(q, k, v, causal=True)
+    out, lse = reference.attention(q, k, v, causal=True)
+    assert out.shape == q.shape[:-1] + (d_v,)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-13)
+    for order in ("v1", "v2"):
+        t_out, t_lse, ledger = tiled.attention(q, k, v, order=order, block_q=4, block_k=3, causal=True)
+        np.testing.assert_allclose(t_out, want_out, rtol=0, atol=1e-13)
+        np.testing.assert_allclose(t_lse, want_lse, rtol=0, atol=1e-13)
+        model = iomodel.traffic(order, 11, 9, d, 4, 3, causal=True, batch=2, heads=2, heads_kv=1, d_v=d_v)
+        assert (ledger.reads, ledger.writes) == (model.reads, model.writes)
+
+
+def test_traffic_counts_value_columns_with_d_v():
+    """Known answers, non-causal v2 and v1 (N_q = 8, N_k = 6, tiles 4 x 3: T_r = 2, T_c = 2), per head."""
+    def moved(counts):
+        return {name: n for name, n in counts.items() if n}
+
+    v2 = iomodel.traffic("v2", 8, 6, 16, 4, 3, d_v=10)
+    assert moved(v2.reads) == {"Q": 8 * 16, "K": 2 * 6 * 16, "V": 2 * 6 * 10}
+    assert moved(v2.writes) == {"O": 8 * 10, "LSE": 8}
+    v1 = iomodel.traffic("v1", 8, 6, 16, 4, 3, d_v=10)
+    assert (v1.reads["Q"], v1.reads["K"], v1.reads["V"], v1.reads["O"]) == (2 * 8 * 16, 6 * 16, 6 * 10, 2 * 8 * 10)
+    assert v1.writes["O"] == (8 + 2 * 8) * 10
+    back = iomodel.traffic_backward("kv", 8, 6, 16, 4, 3, d_v=10)
+    assert (back.reads["O"], back.reads["dO"]) == (8 * 10, 8 * 10 + 2 * 8 * 10)
+    assert (back.writes["dK"], back.writes["dV"], back.writes["dQ"]) == (6 * 16, 6 * 10, (8 + 2 * 8) * 16)
+    assert iomodel.traffic("v2", 8, 6, 16, 4, 3, d_v=16).reads == iomodel.traffic("v2", 8, 6, 16, 4, 3).reads
+
+
+@pytest.mark.parametrize("d, d_v", SHAPES)
+def test_reference_backward_against_torch_autograd(d, d_v):
+    torch = pytest.importorskip("torch")
+    q, k, v = _inputs(d, d_v, np.float64, heads_kv=2)
+    dout = RNG.standard_normal(q.shape[:-1] + (d_v,))
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=False)
+    out.backward(torch.tensor(dout))
+    dq, dk, dv = reference.attention_backward(q, k, v, dout)
+    for got, want in ((dq, tq), (dk, tk), (dv, tv)):
+        np.testing.assert_allclose(got, want.grad.numpy(), rtol=0, atol=1e-12)
+    for order, det in (("kv", False), ("kv", True), ("q", False)):
+        o, lse = reference.attention(q, k, v)
+        t = tiled.attention_backward(q, k, v, o, lse, dout, order=order, block_q=4, block_k=3, deterministic=det)
+        for got, want in zip(t[:3], (dq, dk, dv)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+        model = iomodel.traffic_backward(order, 11, 9, d, 4, 3, batch=2, heads=2, heads_kv=2, deterministic=det,
+                                         d_v=d_v)
+        assert (t[3].reads, t[3].writes) == (model.reads, model.writes)
+
+
+@pytest.mark.parametrize("d, d_v", SHAPES)
+@pytest.mark.parametrize("order", ["v1", "v2"])
+def test_attention_simt_within_the_rule(d, d_v, order):
+    q, k, v = _inputs(d, d_v)
+    out, lse = fa_numba.attention(q, k, v, causal=True, order=order, return_lse=True, block_q=8, block_k=8)
+    assert out.shape == (2, 2, 11, d_v) and lse.shape == (2, 2, 11)
+    tolerance.check_attention(out, lse, q, k, v, causal=True, order=order, block_q=8, block_k=8)
+
+
+@pytest.mark.parametrize("d, d_v", SHAPES)
+def test_attention_mma_within_the_rule(d, d_v):
+    q, k, v = (x.astype(np.float16) for x in _inputs(d, d_v))
+    out, lse = fa_numba.attention(q, k, v, causal=True, engine="mma", return_lse=True, block_q=16, block_k=16)
+    assert out.shape == (2, 2, 11, d_v)
+    tolerance.check_attention(out, lse, q, k, v, causal=True, p_dtype="float16",
+                              contractions=("matmul",))
+
+
+@pytest.mark.parametrize("d, d_v", SHAPES)
+def test_padding_is_exact_against_an_explicitly_padded_call(d, d_v):
+    """The call with d_v != d gives exactly the values of the same kernel on inputs the test pads itself."""
+    q, k, v = _inputs(d, d_v)
+    width = max(d, d_v)
+
+    def pad(x):
+        return np.concatenate([x, np.zeros(x.shape[:-1] + (width - x.shape[-1],), x.dtype)], axis=-1)
+
+    out, lse = fa_numba.attention(q, k, v, return_lse=True, block_q=8, block_k=8)
+    scale = 1 / np.sqrt(d)  # q's head dim: the padded call's default would read the padded one
+    p_out, p_lse = fa_numba.attention(pad(q), pad(k), pad(v), scale=scale, return_lse=True, block_q=8, block_k=8)
+    np.testing.assert_array_equal(out, p_out[..., :d_v])
+    np.testing.assert_array_equal(lse, p_lse)
+    dout = RNG.standard_normal(out.shape).astype(np.float32)
+    grads = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=8, deterministic=True)
+    p_grads = fa_numba.attention_backward(pad(q), pad(k), pad(v), p_out, p_lse, pad(dout), scale=scale, block_q=8,
+                                          deterministic=True)
+    for got, want, width_ in zip(grads, p_grads, (d, d, d_v)):
+        np.testing.assert_array_equal(got, want[..., :width_])
+        assert not np.any(want[..., width_:])  # the cut columns are zeros: nothing of value was dropped
+
+
+@pytest.mark.parametrize("d, d_v", SHAPES)
+def test_backward_simt_and_mma_within_the_rule(d, d_v):
+    q, k, v = _inputs(d, d_v)
+    out, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, block_q=8, block_k=8)
+    dout = RNG.standard_normal(out.shape).astype(np.float32)
+    for order, det in (("kv", False), ("kv", True), ("q", False)):
+        grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=True, order=order, deterministic=det,
+                                            block_q=8)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        tolerance.check_attention_backward(*grads, q, k, v, dout, causal=True)
+    h = [x.astype(np.float16) for x in (q, k, v, dout)]
+    out16, lse16 = fa_numba.attention(*h[:3], causal=True, return_lse=True, engine="mma")
+    grads = fa_numba.attention_backward(*h[:3], out16, lse16, h[3], causal=True, engine="mma")
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    tolerance.check_attention_backward(*grads, *h, causal=True, p_dtype="float16",
+                                       contractions=("matmul",))
+
+
+def test_device_arrays_strided_and_empty():
+    """Numba device arrays (the device copy kernels, cast.resized_copy), a strided 4-D view among them."""
+    q, k, v = _inputs(6, 10, heads_kv=2, n_q=7, n_k=5)
+    want, want_lse = fa_numba.attention(q, k, v, return_lse=True, block_q=8, block_k=8)
+    k_strided = cuda.to_device(np.ascontiguousarray(k.transpose(0, 2, 1, 3))).transpose((0, 2, 1, 3))
+    assert not k_strided.is_c_contiguous()  # (B, N, H, d) memory read as (B, H, N, d): widened from a view
+    out, lse = fa_numba.attention(cuda.to_device(q), k_strided, cuda.to_device(v), return_lse=True, block_q=8,
+                                  block_k=8)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+    np.testing.assert_array_equal(lse.copy_to_host(), want_lse)
+    empty = fa_numba.attention(q, k[:, :, :0], v[:, :, :0])
+    assert empty.shape == (2, 2, 7, 10) and not np.any(empty)
+    grads = fa_numba.attention_backward(q[:, :, :0], k, v, want[:, :, :0], want_lse[:, :, :0], want[:, :, :0])
+    assert [g.shape for g in grads] == [(2, 2, 0, 6), k.shape, v.shape]
+
+
+def test_resized_copy_pads_and_cuts_bits_as_they_are():
+    x = np.array([1.5, -0.0, np.nan, np.inf, -2.0, 3.0], dtype=np.float32).reshape(1, 1, 2, 3)
+    x.view(np.uint32)[0, 0, 0, 2] = 0x7FC00123  # a NaN payload the copy must keep
+    wide = cuda.device_array((1, 1, 2, 5), dtype=np.float32)
+    cast.resized_copy(cuda.to_device(x), wide)
+    got = wide.copy_to_host()
+    np.testing.assert_array_equal(got.view(np.uint32)[..., :3], x.view(np.uint32))
+    np.testing.assert_array_equal(got.view(np.uint32)[..., 3:], 0)
+    narrow = cuda.device_array((1, 1, 2, 2), dtype=np.float16)
+    cast.resized_copy(cuda.to_device(x.astype(np.float16)), narrow)
+    np.testing.assert_array_equal(narrow.copy_to_host().view(np.uint16), x.astype(np.float16).view(np.uint16)[..., :2])
+    with pytest.raises(ValueError, match="src and dst must share their first three axes and dtype"):
+        cast.resized_copy(cuda.to_device(x), cuda.device_array((1, 1, 2, 5), dtype=np.float64))
+
+
+def test_decoding_refuses_a_value_head_dim_by_name():
+    q = np.zeros((1, 2, 1, 8), np.float32)
+    k_cache, v_cache = np.zeros((1, 1, 16, 8), np.float32), np.zeros((1, 1, 16, 4), np.float32)
+    with pytest.raises(ValueError, match=r"v_cache must have k_cache's shape .*d_v != d"):
+        fa_numba.attention_with_kvcache(q, k_cache, v_cache)
+
+
+def test_torch_sdpa_drop_in_autograd_and_compile():
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 3, 10, 6, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 10, 4, generator=gen, requires_grad=True)
+    out = fa_numba.sdpa(q, k, v, is_causal=True)
+    want = torch.nn.functional.scaled_dot_product_attention(*(x.double() for x in (q, k, v)), is_causal=True)
+    assert out.shape == (2, 3, 10, 4) and out.dtype == torch.float32
+    assert float((out - want).detach().abs().max()) < 1e-5
+    ours = torch.autograd.grad(out.sum(), (q, k, v))
+    theirs = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and float((a - b).abs().max()) < 1e-5
+    half = fa_numba.autograd.attention(q.detach().half(), k.detach().half(), v.detach().half())
+    assert half.dtype == torch.float16 and half.shape == (2, 3, 10, 4)
+    fa = fa_numba.flash_attn_func(*(x.detach().transpose(1, 2) for x in (q, k, v)), causal=True)
+    assert fa.shape == (2, 10, 3, 4)
+    compiled = torch.compile(lambda a, b, c: fa_numba.autograd.attention(a, b, c, causal=True), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), fa_numba.autograd.attention(q, k, v, causal=True))
