@@ -41,10 +41,11 @@ def _prepare(name: str, x, on_device: bool, strided: bool = True, stream=0):
 def reads_strided(kernel) -> bool:
     """Whether a compiled kernel takes strided inputs as they are (`_prepare`): every CUDA-core kernel but the
     tile engine's v1 above d = 64, whose strided compilation spills to local memory (255 registers at d = 128;
-    `python -m fa_numba profile --strided`, 2026-12-02), and no tensor-core kernel (its cp.async copies read
-    16-byte rows of C-contiguous arrays)."""
+    `python -m fa_numba profile --strided`, 2026-12-02). The tensor-core kernels read views too: their cp.async
+    copies find rows by the strides (kernels/mma/engine.py, stage_async; a view whose rows are not 16-byte
+    aligned takes the kernel's synchronous loads instead), and none spills when compiled for them."""
     config = kernel.config
-    return not (config.order == "v1" and getattr(config, "engine", False) and config.head_dim > 64)
+    return not (getattr(config, "order", None) == "v1" and getattr(config, "engine", False) and config.head_dim > 64)
 
 
 def _resolve_mask(causal, mask, prob):
@@ -233,7 +234,8 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
         _check_value_range(v, prob.n_k, call.bfloat16, call.on_device)
     layout = tuple(q.shape[:-1])
     with backend.explain_driver_errors(), backend.serialised(), call.context():
-        bits = [_prepare(name, x, call.on_device, False, call.stream) for name, x in (("q", q), ("k", k), ("v", v))]
+        strided = reads_strided(kernel)
+        bits = [_prepare(name, x, call.on_device, strided, call.stream) for name, x in (("q", q), ("k", k), ("v", v))]
         if sixteen:  # float16: the same 16 bits
             bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]
         out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
@@ -456,7 +458,7 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
         kernel.check_grid(prob.batch, *((prob.heads, prob.n_q) if side == "q" else (prob.heads_kv, prob.n_k)))
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
-        q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device, False, call.stream)
+        q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device, True, call.stream)  # views read where they are
                                for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
         lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
         grad_q = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))

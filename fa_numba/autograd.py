@@ -18,12 +18,12 @@ torch tensors on the inputs' device, in the inputs' dtype (computed in float32; 
 the float32 O).
 
 Strides: a CUDA tensor in any layout whose last axis has unit stride is read where it is by the CUDA-core kernels
-(the (B, N, H, d) view `x.view(B, N, H, d).transpose(1, 2)` costs no copy; each kernel is compiled a second time
-for strided arrays). What still copies: a tensor whose last axis is strided, leading batch axes that torch cannot
-merge into one without a copy, the inputs of the tile engine's v1 above d = 64 (its strided compilation spills:
-`api.reads_strided`) and of the tensor-core kernels (engine="mma", which "auto" takes for float16 and bfloat16
-tensors: their cp.async copies read 16-byte rows of C-contiguous arrays), and dO for the backward (`.contiguous()`,
-usually a no-op). CPU tensors are copied to the simulator's device arrays in any case.
+and the tensor-core ones (the (B, N, H, d) view `x.view(B, N, H, d).transpose(1, 2)` costs no copy; each kernel
+is compiled a second time for strided arrays; the tensor-core kernels' cp.async copies find rows by the strides,
+and a view whose rows are not 16-byte aligned takes their synchronous loads). What still copies: a tensor whose
+last axis is strided, leading batch axes that torch cannot merge into one without a copy, the inputs of the tile
+engine's v1 above d = 64 (its strided compilation spills: `api.reads_strided`), and dO for the backward
+(`.contiguous()`, usually a no-op). CPU tensors are copied to the simulator's device arrays in any case.
 
 torch is an optional extra (`pip install "fa_numba[torch]"`); this module imports it, `import fa_numba`
 does not.
@@ -38,15 +38,15 @@ from fa_numba import engines, mods, shapes, torch_ops
 BACKWARD_ORDERS = ("kv", "q")
 
 
-def _flatten(name: str, x, engine: str):
+def _flatten(name: str, x):
     """(..., H, N, d) as (B, H, N, d) (shapes.batch_shape: leading batch axes as one, none as B = H = 1): a
     view where torch can make one and its last axis has unit stride (the CUDA-core kernels read it through
-    its strides); a contiguous copy otherwise, and always for engine="mma" / "mma-tf32" (module docstring)."""
+    its strides, as the tensor-core ones do); a contiguous copy otherwise (module docstring)."""
     if x.dim() < 2:
         raise ValueError(f"{name} must have shape (..., N, d) with at least 2 axes, got {x.dim()}-D shape "
                          f"{tuple(x.shape)}")
     x = x.reshape(shapes.batch_shape(x.shape))
-    return x.contiguous() if engine in ("mma", "mma-tf32") or x.stride(-1) != 1 else x
+    return x.contiguous() if x.stride(-1) != 1 else x
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
@@ -108,7 +108,7 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     shape = q.shape
     tiles = [0 if b is None else shapes.check_block(name, b)
              for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]
-    q4, k4, v4 = (_flatten(name, x, engine) for name, x in (("q", q), ("k", k), ("v", v)))
+    q4, k4, v4 = (_flatten(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
     scale = shapes.resolve_scale(scale, q.shape[-1])
     mask_spec, mask_dense = torch_ops.mask_arguments(mask, q.shape, k.shape[-2])
     key = torch_ops.mod_key(mods.check_score_mod(score_mod))

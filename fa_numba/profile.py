@@ -445,7 +445,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--score-mod", choices=SCORE_MODS, default=None,
                    help="compile this built-in score mod into every kernel profiled (default: none)")
     p.add_argument("--strided", action="store_true",
-                   help="compile the CUDA-core kernels for strided q, k, v (layout 'A': a (B, N, H, d) tensor's "
+                   help="compile the kernels for strided q, k, v (layout 'A': a (B, N, H, d) tensor's "
                         "(B, H, N, d) view, read where it is) instead of C-contiguous ones (default: off)")
     p.add_argument("--no-estimate", action="store_true",
                    help="skip the whole-kernel estimate, which traces one block of each kernel in the simulator "
@@ -482,9 +482,8 @@ def main(argv=None) -> int:
     configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
     if args.score_mod:  # every kernel with the mod compiled in
         configs = [dict(c, score_mod=args.score_mod) for c in configs]
-    if args.strided:  # the CUDA-core kernels only: the tensor-core engine reads C-contiguous inputs
-        configs = [dict(c, strided=True) for c in configs
-                   if c["variant"] not in whole_kernel.MMA_VARIANTS + whole_kernel.MMA_BACKWARD]
+    if args.strided:  # every kernel's q, k, v as views (the tensor-core backward's dO and O stay C-contiguous)
+        configs = [dict(c, strided=True) for c in configs]
     start = time.perf_counter()
     tracing = None if args.no_estimate else start_wavefronts(configs)  # in the simulator, while we compile
     jobs = max(1, min(args.jobs, len(configs)))

@@ -57,9 +57,11 @@ def test_what_a_kernel_cannot_read_in_place_is_copied_on_the_device_or_named():
     contiguous = np.ascontiguousarray(x.transpose(0, 1, 3, 2))
     np.testing.assert_array_equal(out.copy_to_host(), fa_numba.attention(contiguous, contiguous, contiguous,
                                                                          block_q=8, block_k=8))
-    # the tile engine's v1 above d = 64 and the tensor-core kernels take copies (api.reads_strided)
+    # the tile engine's v1 above d = 64 takes copies (api.reads_strided), the tensor-core kernels views
     from fa_numba.kernels import VARIANTS
+    from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
+    assert api.reads_strided(make_v2_mma("float16", 4, 32, 128, False))
     assert not api.reads_strided(VARIANTS["v1"].make(64, 16, 128, False))
     assert api.reads_strided(VARIANTS["v1"].make(64, 32, 64, False))
     assert api.reads_strided(VARIANTS["v2"].make(64, 16, 128, False))
@@ -70,35 +72,80 @@ def test_what_a_kernel_cannot_read_in_place_is_copied_on_the_device_or_named():
         fa_numba.attention(*(cuda.to_device(np.zeros((3, 8), np.float32)).transpose(),) * 3)
 
 
-def test_autograd_keeps_a_view_unless_the_engine_needs_a_copy():
+@pytest.mark.parametrize("order, dtype", [("v2", np.float16),
+                                          pytest.param("v1", np.float16, marks=pytest.mark.slow),  # 11 s each
+                                          pytest.param("v2", np.float32, marks=pytest.mark.slow)])
+def test_the_tensor_cores_read_a_transposed_view_where_it_is(order, dtype):
+    """cp.async finds rows by the strides (kernels/mma/engine.py, stage_async; the emulation addresses the
+    view's buffer as the hardware does, warp.emulated_tc._memory): the bits of the contiguous call, for 2-byte
+    and (3xTF32) 4-byte elements."""
+    views = [_bnhd(seed, dtype) for seed in (11, 12, 13)]
+    for _, view in views:
+        assert api._prepare("q", view, True) is view and not view.is_c_contiguous()
+    contiguous = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x, _ in views]
+    out, lse = fa_numba.attention(*(v for _, v in views), causal=True, order=order, engine="mma", return_lse=True)
+    want, want_lse = fa_numba.attention(*contiguous, causal=True, order=order, engine="mma", return_lse=True)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+    np.testing.assert_array_equal(lse.copy_to_host(), want_lse)
+    if dtype == np.float16 and order == "v2":  # the backward's stages are the forward's: dO and O views too
+        (xd, dout) = _bnhd(14, np.float16)
+        grads = fa_numba.attention_backward(*(v for _, v in views), out, lse, dout, causal=True, engine="mma")
+        want_grads = fa_numba.attention_backward(*contiguous, want, want_lse,
+                                                 np.ascontiguousarray(xd.transpose(0, 2, 1, 3)), causal=True,
+                                                 engine="mma")
+        for got, w in zip(grads, want_grads):
+            np.testing.assert_array_equal(got.copy_to_host(), w)
+
+
+def test_cp_async_takes_views_whose_rows_are_16_byte_aligned():
+    from fa_numba.kernels.mma.engine import _aligned16
+
+    x = cuda.to_device(np.zeros((2, 8, 3, 16), np.float16))  # rows of 32 bytes, 96 apart: aligned
+    assert _aligned16(x.transpose((0, 2, 1, 3)))
+    y = cuda.to_device(np.zeros((2, 8, 3, 12), np.float16))  # rows 72 bytes apart: cp.async cannot copy them
+    assert not _aligned16(y.transpose((0, 2, 1, 3)))
+    z = cuda.to_device(np.zeros((1, 8, 1, 8), np.float16))  # the size-1 axes' strides do not matter
+    assert _aligned16(z.transpose((0, 2, 1, 3)))
+
+
+def test_autograd_keeps_a_view_for_every_engine():
     torch = pytest.importorskip("torch", reason="the PyTorch integration needs torch (the torch extra)")
     from fa_numba import autograd
 
     x = torch.randn(B, N, H, D).transpose(1, 2)  # the model's q: a view
-    view = autograd._flatten("q", x, "auto")
+    view = autograd._flatten("q", x)  # every engine reads it through its strides (api.reads_strided)
     assert view.data_ptr() == x.data_ptr() and not view.is_contiguous()
-    assert autograd._flatten("q", x, "mma").is_contiguous()
-    assert autograd._flatten("q", x.transpose(-1, -2), "auto").stride(-1) == 1  # a strided last axis is copied
+    assert autograd._flatten("q", x.transpose(-1, -2)).stride(-1) == 1  # a strided last axis is copied
 
 
 @pytest.mark.slow  # about 10 s of compilation per kernel
 @pytest.mark.skipif(profile.nvdisasm_path() is None, reason="SASS needs nvdisasm (the profile extra)")
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("variant", ["v1", "v2", "v1-rowwise", "v2-rowwise", "bwd-kv", "bwd-q-dq", "bwd-q"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "v1-rowwise", "v2-rowwise", "bwd-kv", "bwd-q-dq", "bwd-q",
+                                     "v1-mma", "v2-mma", "bwd-kv-mma"])
 def test_a_kernel_reads_strided_inputs_exactly_when_its_strided_build_does_not_spill(variant, head_dim):
     """api.reads_strided against the sm_90a build: a kernel that takes strided views compiles for them
-    without spilling; the one that takes copies (v1 above d = 64) spills when compiled for them."""
+    without spilling; the one that takes copies (v1 above d = 64) spills when compiled for them. The
+    tensor-core kernels (float16) too, at the occupancy of their C-contiguous build or better."""
     import os
     import subprocess
     import sys
 
+    mma = variant.endswith("-mma")
+    dtype = "float16" if mma else "float32"
     code = ("from fa_numba import profile\n"
-            f"cfg = [c for c in profile.configurations(['{variant}'], ({head_dim},), ('float32',), (False,))][0]\n"
+            f"cfg = [c for c in profile.configurations(['{variant}'], ({head_dim},), ('{dtype}',), (False,))][0]\n"
             "p = profile.profile_configuration(dict(cfg, strided=True))\n"
-            "print(p.spill_stores, p.spill_loads, p.registers)\n")
+            "print(p.spill_stores, p.spill_loads, p.registers)\n"
+            + ("print(p.occupancy[\"warps_per_sm\"], profile.profile_configuration(cfg).occupancy[\"warps_per_sm\"])\n"
+               if mma else ""))
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}  # SASS needs the real numba.cuda
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    spill_stores, spill_loads, registers = map(int, run.stdout.split())
+    lines = run.stdout.split("\n")
+    spill_stores, spill_loads, registers = map(int, lines[0].split())
+    if mma:
+        strided_warps, contiguous_warps = map(int, lines[1].split())
+        assert strided_warps >= contiguous_warps, (strided_warps, contiguous_warps)
     copies = variant == "v1" and head_dim > 64  # api.reads_strided's exception
     assert (spill_stores + spill_loads > 0) == copies, (spill_stores, spill_loads, registers)

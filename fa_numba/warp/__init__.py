@@ -25,6 +25,7 @@ ldmatrix_x4_trans = implementation.ldmatrix_x4_trans
 ldmatrix_x2 = implementation.ldmatrix_x2
 ldmatrix_x2_trans = implementation.ldmatrix_x2_trans
 cp_async16 = implementation.cp_async16
+strided = implementation.strided
 cp_async_commit = implementation.cp_async_commit
 cp_async_wait_all = implementation.cp_async_wait_all
 cp_async_wait_1 = implementation.cp_async_wait_1

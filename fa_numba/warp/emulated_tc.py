@@ -188,10 +188,30 @@ def _queue():
     return _pending
 
 
+def _memory(a) -> np.ndarray:
+    """A global array as an address reaches it: its elements in memory order from its first one (what
+    &gmem[gidx] is in PTX, the data pointer plus gidx elements). For a strided view (positive strides, as a
+    (B, N, H, d) tensor's transpose, or 0 for a broadcast axis) that is the span of its buffer from its first
+    element to its last."""
+    ary = _ndarray(a)
+    if ary.flags.c_contiguous or ary.size == 0:
+        return ary.reshape(-1)
+    if any(stride < 0 for stride in ary.strides):
+        raise ValueError(f"cp_async16: a global array with strides {ary.strides} (negative strides are not read)")
+    span = sum((n - 1) * stride for n, stride in zip(ary.shape, ary.strides)) // ary.itemsize + 1
+    return np.lib.stride_tricks.as_strided(ary, shape=(span,), strides=(ary.itemsize,), writeable=False)
+
+
+def strided(ary) -> bool:
+    """Whether the array is not C-contiguous: what the compiled kernel's type says (`ptx.strided`)."""
+    return not _ndarray(ary).flags.c_contiguous
+
+
 def cp_async16(smem, sidx, gmem, gidx, nbytes):
     """cp.async.cg.shared.global [smem + sidx], [gmem + gidx], 16, nbytes: 16 bytes, of which the first
-    `nbytes` come from global memory and the rest are zeros (nbytes = 0 reads nothing)."""
-    s, g = _ndarray(smem).reshape(-1), _ndarray(gmem).reshape(-1)
+    `nbytes` come from global memory and the rest are zeros (nbytes = 0 reads nothing). gidx counts elements
+    from gmem's first one in memory, whatever its strides (`_memory`)."""
+    s, g = _ndarray(smem).reshape(-1), _memory(gmem)
     so = _byte_offset("cp_async16 (shared)", s, sidx, 16)
     nbytes = int(nbytes)
     if not 0 <= nbytes <= 16:

@@ -181,6 +181,21 @@ def tf32_value(typingctx, bits):
 
 
 @intrinsic
+def strided(typingctx, ary):
+    """Whether `ary` is typed as anything but C-contiguous (a strided view: layout "A" or "F"), as a constant
+    i1: a kernel's `if warp.strided(src):` keeps one branch per compilation, the other folded away (no
+    instruction; cp.async's row addresses by shape for C-contiguous arrays, by strides for views)."""
+    if not isinstance(ary, types.Array):
+        return None
+    flag = ary.layout != "C"
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(ir.IntType(1), int(flag))
+
+    return types.boolean(ary), codegen
+
+
+@intrinsic
 def ex2(typingctx, x):
     """ex2.approx.ftz.f32: 2^x in one MUFU.EX2 (math.exp2 adds a range test and two FMULs)."""
     def codegen(context, builder, sig, args):

@@ -179,6 +179,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     ZERO_ELEM = X.zero
     ASYNC, CH = config.async_copy, X.chunk  # cp.async staging, in chunks of CH elements (16 bytes) per row
     CHUNKS = DP // CH
+    ITEM_SHIFT = (16 // CH).bit_length() - 1  # log2 of the element's bytes: a view's strides to elements
     sizes.Q_SIZE = BR * SQ if X.q_in_shared else 1  # the float32 engine keeps no Q tile
     sizes.ELEMENT, sizes.FRAGMENT, sizes.QF = X.element, X.fragment, X.fragment_width  # shared tiles' and Q's
     MOD = has_scores(config.mod)
@@ -207,8 +208,17 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         (d % CH == 0 here, so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes
         through a register. The caller commits and waits (one round trip for all the copies it issued) and its
         barrier makes them visible to the block. `rows` is a constant at every call, so the trip count is one
-        too and the loop unrolls: no remainder loop, and a guard only where the copies do not divide evenly."""
-        base = (b * src.shape[1] + h) * src.shape[2]
+        too and the loop unrolls: no remainder loop, and a guard only where the copies do not divide evenly.
+        Rows are found by src's strides, so a strided view with a unit-stride last axis (a (B, N, H, d) tensor's
+        transpose) is read where it is; each stride a multiple of 16 bytes (MmaKernel checks it)."""
+        if warp.strided(src):  # a compile-time constant: one of the two forms is compiled
+            # strides in bytes, multiples of the element's: a shift by a constant (src.itemsize would be read
+            # at run time, and `//` by it is a 64-bit division routine)
+            base = b * (src.strides[0] >> ITEM_SHIFT) + h * (src.strides[1] >> ITEM_SHIFT)
+            s_row = src.strides[2] >> ITEM_SHIFT
+        else:  # C-contiguous: rows D apart, by the shape (no strides held in registers)
+            base = (b * src.shape[1] + h) * src.shape[2] * D
+            s_row = D
         total = rows * CHUNKS
         for step in range((total + THREADS - 1) // THREADS):
             idx = cuda.threadIdx.x + step * THREADS
@@ -217,7 +227,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 x = CH * (idx - r * CHUNKS)
                 row = min(r0 + r, n - 1)  # a valid address even where nothing is read
                 nbytes = 16 if (r0 + r < n and x < D) else 0
-                warp.cp_async16(tile, r * SQ + x, src, (base + row) * D + min(x, D - CH), nbytes)
+                warp.cp_async16(tile, r * SQ + x, src, base + row * s_row + min(x, D - CH), nbytes)
 
     @cuda.jit(device=True, inline=True)
     def stage_two(x, y, b, h, r0, n, tile_x, tile_y, rows):
@@ -364,11 +374,13 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
 
 def _aligned16(x) -> bool:
-    """A device array whose data starts on a 16-byte boundary (its rows then do too when d % 8 == 0)."""
+    """A device array whose rows all start on a 16-byte boundary: its data pointer and its strides but the
+    last (which is one element) multiples of 16 bytes, as cp.async's 16-byte copies need (an axis of size 1
+    is only ever indexed at 0: its stride does not matter)."""
     face = getattr(x, "__cuda_array_interface__", None)
-    if face is not None:
-        return face["data"][0] % 16 == 0
-    return np.asarray(getattr(x, "_ary", x)).ctypes.data % 16 == 0
+    start = face["data"][0] if face is not None else np.asarray(getattr(x, "_ary", x)).ctypes.data
+    return start % 16 == 0 and all(stride % 16 == 0 for n, stride in zip(tuple(x.shape)[:-1], tuple(x.strides)[:-1])
+                                   if n > 1)
 
 
 class MmaKernel:
