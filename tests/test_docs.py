@@ -99,7 +99,7 @@ def test_readme_test_command_installs_what_ci_installs():
         installs = [c for c in commands if "install" in c]
         assert any(w.startswith("torch==") for w in installs[-2]) and _extras(installs[-1]) is not None
     assert readme[-1] == ["python", "-m", "pytest"]
-    assert ["python", "-m", "pytest"] in ci and ["python", "-m", "pytest", "-m", "slow"] in ci
+    assert ["python", "-m", "pytest"] in ci and ["python", "-m", "pytest", "-m", "slow", "-n", "2"] in ci
     assert "set -euo pipefail" in (ROOT / ".ci" / "run").read_text()  # exit 5 (no tests) stops CI too
 
 
