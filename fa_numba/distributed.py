@@ -121,8 +121,9 @@ def _tiles(x: torch.Tensor, block):
     return dict(block_q=16, block_k=16) if x.device.type == "cpu" else {}
 
 
-def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, block=None):
-    """(O, LSE) of this rank's query shard against the whole sequence: O float32 (B, H, N/W, d), LSE float32."""
+def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, block=None, engine="auto"):
+    """(O, LSE) of this rank's query shard against the whole sequence: O float32 (B, H, N/W, d), LSE float32;
+    each block call on `engine` (fa_numba.attention's)."""
     import fa_numba
 
     group = _group(group)
@@ -141,7 +142,7 @@ def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=No
                 kind = pair_kind(qi, kj, causal)
                 if kind != SKIP:
                     o, m = fa_numba.attention(q_c, k_c, v_c, causal=kind == PARTIAL, scale=scale, return_lse=True,
-                                              **tiles)
+                                              engine=engine, **tiles)
                     state.add(o, m)
         if pending is not None:
             buffers, requests = pending
@@ -152,8 +153,10 @@ def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=No
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="zigzag", scale=None, block=None):
-    """(dQ, dK, dV) of this rank's shards (float32), K/V travelling with their dK/dV accumulators (L7, L12)."""
+def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="zigzag", scale=None, block=None,
+                  engine="auto"):
+    """(dQ, dK, dV) of this rank's shards (float32), K/V travelling with their dK/dV accumulators (L7, L12);
+    each block call on `engine` (fa_numba.attention_backward's)."""
     import fa_numba
 
     group = _group(group)
@@ -164,8 +167,8 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
     lse_chunks = [c.contiguous() for c in lse.chunk(per, dim=-1)]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_chunks = dq.chunk(per, dim=-2)
-    zeros = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    held = (k.contiguous(), v.contiguous(), zeros, zeros.clone())
+    zeros = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (k, v)]  # dK, dV (d_v may differ)
+    held = (k.contiguous(), v.contiguous(), *zeros)
     block = block if block is not None else (16 if q.device.type == "cpu" else None)
     for step in range(world):
         source = (rank - step) % world
@@ -177,7 +180,8 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
                 kind = pair_kind(qi, kj, causal)
                 if kind != SKIP:
                     g_q, g_k, g_v = fa_numba.attention_backward(q_c, k_c.contiguous(), v_c.contiguous(), o_c, m_c, do_c,
-                                                                causal=kind == PARTIAL, scale=scale, block_q=block)
+                                                                causal=kind == PARTIAL, scale=scale, block_q=block,
+                                                                block_k=block, engine=engine)
                     dq_c += g_q
                     dk_c += g_k
                     dv_c += g_v
@@ -194,11 +198,11 @@ class RingAttention(torch.autograd.Function):
     """ring_forward / ring_backward as one differentiable function of this rank's q, k, v shards."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, block):
+    def forward(ctx, q, k, v, group, causal, layout, scale, block, engine):
         out, lse = ring_forward(q.detach(), k.detach(), v.detach(), group=group, causal=causal, layout=layout,
-                                scale=scale, block=block)
+                                scale=scale, block=block, engine=engine)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = dict(group=group, causal=causal, layout=layout, scale=scale, block=block)
+        ctx.options = dict(group=group, causal=causal, layout=layout, scale=scale, block=block, engine=engine)
         ctx.mark_non_differentiable(lse)  # the kernels take no dLSE (as fa_numba.autograd)
         return out.to(q.dtype), lse
 
@@ -206,45 +210,49 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(q, k, v, out, lse, dout.contiguous(), **ctx.options)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
                    engine: str = "auto", block: int | None = None, return_lse: bool = False):
     """Attention of this rank's shard of the sequence against the whole sequence, differentiable (see the module
-    docstring). q (B, H, N / W, d), k, v (B, H_kv, N / W, d): the shards `shard(x, group, layout)` cuts, the
-    same layout on every rank. causal is over the global sequence (N_q = N_k). Returns O (B, H, N / W, d) in
+    docstring). q (B, H, N / W, d), k (B, H_kv, N / W, d), v (B, H_kv, N / W, d_v) (d_v may differ from d, as in
+    fa_numba.attention): the shards `shard(x, group, layout)` cuts, the same layout on every rank. causal is
+    over the global sequence (N_q = N_k). Returns O (B, H, N / W, d_v) in
     q's dtype, the same shard of the single-device result, and with return_lse=True also its float32 LSE
-    (B, H, N / W), not differentiable. engine: "auto" or "simt" (the CUDA-core kernels); block: the kernels'
+    (B, H, N / W), not differentiable. engine: each block's, as fa_numba.attention and attention_backward take
+    it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
+    "simt" or "mma" (float32 by 3xTF32 without gradients only: its backward is not built); block: the kernels'
     square tile (default 16 for CPU tensors, else the kernels' defaults)."""
     from fa_numba import engines
 
-    if engines.backward(engine) == "mma":  # a name check first, then what ring attention runs on
-        raise NotImplementedError("engine='mma': ring attention runs on the CUDA-core kernels; the tensor-core "
-                                  "forward and backward are not wired into it yet (use 'auto' or 'simt')")
+    engines.backward(engine)  # the engine's name, before anything is read
+    if (engine in ("mma", "mma-tf32") and q.dtype == torch.float32 and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))):
+        raise ValueError(f"engine={engine!r} runs float32 inputs' forward only (the 3xTF32 backward is not built "
+                         "yet): use engine='simt' or 'auto' for gradients, or call it under torch.no_grad()")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D torch tensor (B, H, N / W, d), got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
-    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
-        raise ValueError(f"v must have k's head dim {k.shape[-1]}: ring attention takes no value head dim of its "
-                         f"own (d_v != d; fa_numba.attention does), got {v.shape[-1]}")
-    if q.shape[-2] != k.shape[-2] or k.shape != v.shape:
+    if q.shape[-2] != k.shape[-2] or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"q, k, v must be shards of one sequence: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     if q.shape[-2] % len(chunk_ids(0, 1, layout)):
         raise ValueError(f"q's shard length must divide into {len(chunk_ids(0, 1, layout))} chunks for layout "
                          f"{layout!r}, got {q.shape[-2]}")
-    out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block)
+    out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block, engine)
     return (out, lse) if return_lse else out
 
 
-def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, scale=None) -> tuple[float, float]:
+def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, scale=None,
+                    p_dtype: str | None = None) -> tuple[float, float]:
     """(atol_out, atol_lse) of the ring's result on full host arrays q (B, H, N, d), k, v (B, H_kv, N, d): for each
     query chunk, `split_kv.combined_tolerances` over the key chunks it visits, each a v2 call with tiles
-    `block` judged by the v2 rule, the merge's rounding over their number the derived term (proofs/L12)."""
+    `block` judged by the v2 rule (with p_dtype, "float16" or "bfloat16", that of a tensor-core call, which
+    rounds P to it: tolerance.baseline), the merge's rounding over their number the derived term (proofs/L12)."""
     import numpy as np
 
     from fa_numba import masks, split_kv, tolerance
@@ -258,9 +266,9 @@ def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, 
         rows = slice(i * c, (i + 1) * c)
         q_i = q[..., rows, :]
         whole = tolerance.baseline(q_i, k, v, scale=scale, contractions=("matmul",),
-                                   mask=masks.from_dense(visible[rows]) if causal else None)
+                                   mask=masks.from_dense(visible[rows]) if causal else None, p_dtype=p_dtype)
         parts = [tolerance.baseline(q_i, k[..., j * c:(j + 1) * c, :], v[..., j * c:(j + 1) * c, :], scale=scale,
-                                    causal=causal and i == j, block_q=block, block_k=block)
+                                    causal=causal and i == j, block_q=block, block_k=block, p_dtype=p_dtype)
                  for j in range(count) if pair_kind(i, j, causal) != SKIP]
         atol = np.maximum(atol, split_kv.combined_tolerances(whole.out, whole.lse, parts))
     return float(atol[0]), float(atol[1])

@@ -19,29 +19,38 @@ def run(rank: int, world: int, port: int, case: dict, path: str) -> None:
             raise RuntimeError(f"rank {rank} fails on purpose before the ring")
         rng = np.random.default_rng(case["seed"])
         b, h, h_kv, n, d = case["shape"]
-        q, dout = (torch.from_numpy(rng.standard_normal((b, h, n, d)).astype(np.float32)) for _ in range(2))
-        k, v = (torch.from_numpy(rng.standard_normal((b, h_kv, n, d)).astype(np.float32)) for _ in range(2))
+        dtype = getattr(torch, case.get("dtype", "float32"))
+        d_v = case.get("d_v") or d  # V's (and O's, dO's) head dim
+        draw = lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype)  # noqa: E731
+        q, dout, k, v = draw(b, h, n, d), draw(b, h, n, d_v), draw(b, h_kv, n, d), draw(b, h_kv, n, d_v)
         layout, causal = case["layout"], case["causal"]
         import fa_numba
 
-        calls = {"full": 0, "partial": 0}
-        forward = fa_numba.attention
+        calls = {"full": 0, "partial": 0, "engines": set()}
+        forward, backward = fa_numba.attention, fa_numba.attention_backward
 
         def counted(*args, **kwargs):  # the forward's block calls, by kind, as the ring makes them
             calls["partial" if kwargs.get("causal") else "full"] += 1
+            calls["engines"].add(kwargs.get("engine", "auto"))
             return forward(*args, **kwargs)
 
-        fa_numba.attention = counted
+        def seen(*args, **kwargs):  # the backward's block calls: the engine they were given
+            calls["engines"].add(kwargs.get("engine", "auto"))
+            return backward(*args, **kwargs)
+
+        fa_numba.attention, fa_numba.attention_backward = counted, seen
         shards = [fd.shard(x, layout=layout).requires_grad_() for x in (q, k, v)]
-        out, lse = fd.ring_attention(*shards, causal=causal, layout=layout, block=case["block"], return_lse=True)
+        out, lse = fd.ring_attention(*shards, causal=causal, layout=layout, block=case["block"], return_lse=True,
+                                     engine=case.get("engine", "auto"))
         out.backward(fd.shard(dout, layout=layout))
-        full = [fd.unshard(x, layout=layout) for x in (out.detach(), *(s.grad for s in shards))]
+        full = [fd.unshard(x.float(), layout=layout) for x in (out.detach(), *(s.grad for s in shards))]
         full.append(fd.unshard(lse[..., None], layout=layout)[..., 0])
         work = [None] * world
         dist.all_gather_object(work, calls)
         if rank == 0:
-            np.savez(path, q=q.numpy(), k=k.numpy(), v=v.numpy(), dout=dout.numpy(),
+            np.savez(path, q=q.float().numpy(), k=k.float().numpy(), v=v.float().numpy(), dout=dout.float().numpy(),
                      work=np.array([[w["full"], w["partial"]] for w in work]),
+                     engines=np.array(sorted(set().union(*(w["engines"] for w in work)))),
                      **{name: x.numpy() for name, x in zip(("out", "dq", "dk", "dv", "lse"), full)})
     finally:
         dist.destroy_process_group()

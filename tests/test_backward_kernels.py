@@ -158,7 +158,7 @@ def test_bad_arguments_are_named(kwargs, error, message):
 
 def test_bad_shapes_and_dtypes_are_named():
     q, k, v, out, lse, dout = _qkvo()
-    with pytest.raises(ValueError, match=r"dout must have shape \(1, 1, 5, 4\) \(from q\), got \(1, 1, 5, 3\)"):
+    with pytest.raises(ValueError, match=r"dout must have shape \(1, 1, 5, 4\) \(from q and v\), got \(1, 1, 5, 3\)"):
         fa_numba.attention_backward(q, k, v, out, lse, dout[..., :3])
     with pytest.raises(ValueError, match=r"lse must have shape \(1, 1, 5\)"):
         fa_numba.attention_backward(q, k, v, out, lse[..., :4], dout)

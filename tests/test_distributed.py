@@ -47,7 +47,7 @@ def test_ring_attention_forward_and_backward_match_single_device(world, layout, 
     """Forward (O, LSE) within the ring's rule, gradients within L7's, and the work each rank did counted."""
     count = world * (1 if layout == "contiguous" else 2)
     case = dict(seed=world * 10 + heads_kv, shape=(1, 2, heads_kv, 8 * count, 8), layout=layout, causal=causal,
-                block=BLOCK)
+                block=BLOCK, d_v=12 if world == 3 else None)  # V's head dim its own in the rings of 3
     spawn(world, case, tmp_path / "ring.npz")
     got = np.load(tmp_path / "ring.npz")
     q, k, v, dout = (got[name].astype(np.float64) for name in ("q", "k", "v", "dout"))
@@ -58,12 +58,41 @@ def test_ring_attention_forward_and_backward_match_single_device(world, layout, 
     grads = tolerance.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"], got["v"],
                                                got["dout"], causal=causal)
     assert grads.err_dq <= grads.atol_dq and grads.err_dk <= grads.atol_dk and grads.err_dv <= grads.atol_dv
-    assert q.shape == dout.shape and k.shape == v.shape
+    assert q.shape[:-1] == dout.shape[:-1] and k.shape[:-1] == v.shape[:-1] and v.shape[-1] == dout.shape[-1]
     # the block calls each rank made, counted in the ring itself: the schedule's pairs, and equal under zigzag
     want = [[c[fd.FULL], c[fd.PARTIAL]] for c in fd.pair_counts(world, layout, causal)]
     assert got["work"].tolist() == want
     if layout == "zigzag" and causal:
         assert all(row == [2 * world - 1, 2] for row in got["work"].tolist())
+
+
+@pytest.mark.slow  # two processes, the tensor-core kernels in the simulator: about 40 s each
+@pytest.mark.parametrize("engine", ["mma", "simt"])
+def test_ring_attention_on_float16_runs_the_engine_asked_for(engine, tmp_path):
+    """float16 shards with each block call on `engine` (every call, forward and backward, on every rank, was
+    given it): on the tensor cores the forward within the ring's rule with their P-rounding term and the
+    gradients within L7's with the P and dS rounding terms, on the CUDA cores within the float32 rules; the
+    results come back in float16, whose rounding (half an ulp of the largest entry) joins each rule."""
+    world, layout, causal, block = 2, "zigzag", True, 16
+    case = dict(seed=5, shape=(1, 2, 1, 16 * 2 * world, 8), layout=layout, causal=causal, block=block,
+                dtype="float16", engine=engine)
+    spawn(world, case, tmp_path / "ring.npz")
+    got = np.load(tmp_path / "ring.npz")
+    p_dtype = "float16" if engine == "mma" else None
+    atol_out, atol_lse = fd.ring_tolerances(got["q"], got["k"], got["v"], causal, world, layout, block,
+                                            p_dtype=p_dtype)
+    ref = tolerance.baseline(got["q"], got["k"], got["v"], causal=causal, contractions=("matmul",))
+    assert got["engines"].tolist() == [engine]
+    half_ulp = lambda x: float(np.abs(x).max()) * 2.0 ** -11  # noqa: E731  (float16's unit roundoff times |x|)
+    atol = atol_out + half_ulp(ref.out)
+    assert tolerance.assert_close(got["out"], ref.out, atol, name="ring out") <= atol
+    assert tolerance.assert_close(got["lse"], ref.lse, atol_lse, name="ring lse") <= atol_lse
+    base = tolerance.baseline_backward(got["q"], got["k"], got["v"], got["dout"], causal=causal, p_dtype=p_dtype,
+                                       contractions=("matmul",))
+    for name in ("dq", "dk", "dv"):
+        want = getattr(base, name)
+        atol = getattr(base, "atol_" + name) + half_ulp(want)
+        assert tolerance.assert_close(got[name], want, atol, name=f"ring {name}") <= atol
 
 
 @pytest.mark.slow
@@ -138,10 +167,13 @@ def test_bad_layouts_and_shapes_are_refused_by_name():
         fd.ring_attention(x, x, x, layout="ring")
     with pytest.raises(ValueError, match="q must be a 4-D torch tensor"):
         fd.ring_attention(x[0], x, x)
-    with pytest.raises(NotImplementedError, match="ring attention runs on the CUDA-core kernels"):
-        fd.ring_attention(x, x, x, engine="mma")
-    with pytest.raises(ValueError, match=r"v must have k's head dim 2: ring attention takes no value head dim"):
-        fd.ring_attention(x, x, torch.zeros(1, 1, 4, 3))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        fd.ring_attention(x, x, x, engine="tensor")
+    with pytest.raises(ValueError, match=r"engine='mma' runs float32 inputs' forward only"):
+        fd.ring_attention(x.requires_grad_(), x, x, engine="mma")
+    x = x.detach()
+    with pytest.raises(ValueError, match=r"q, k, v must be shards of one sequence"):
+        fd.ring_attention(x, x, torch.zeros(1, 1, 6, 2))
     with pytest.raises(RuntimeError, match="not initialised"):
         fd.ring_attention(x, x, x)
 
