@@ -173,7 +173,8 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
     if prob.d_v != prob.d:  # the kernels take one head dim: the narrower operands padded with zeros (value_dims)
         width = max(prob.d, prob.d_v)
-        q, k, v = (value_dims.widened(call, name, x, width) for name, x in (("q", q), ("k", k), ("v", v)))
+        with call.context():  # on the inputs' GPU
+            q, k, v = (value_dims.widened(call, name, x, width) for name, x in (("q", q), ("k", k), ("v", v)))
         prob = dataclasses.replace(prob, d=width, d_v=width)
     if engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
                        block_k=block_k) == "mma":
@@ -370,8 +371,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     score_mod, kmod = _check_mod(score_mod, prob, backward=True, mask=mask)
     if prob.d_v != prob.d:  # the kernels take one head dim: the narrower operands padded with zeros (value_dims)
         width = max(prob.d, prob.d_v)
-        q, k, v, out, dout = (value_dims.widened(call, name, x, width)
-                              for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
+        with call.context():  # on the inputs' GPU
+            q, k, v, out, dout = tuple(value_dims.widened(call, name, x, width)
+                                       for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
         prob = dataclasses.replace(prob, d=width, d_v=width)
     dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
     if captured_grads:
