@@ -113,8 +113,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     device array for a Numba device array or another `__cuda_array_interface__` object. A CUDA tensor or
     CuPy call is launched on that library's current stream, so work queued before and after it on that
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
-    bfloat16 inputs, order "v1" or "v2", any mask, d <= 128, block_q in {16, 32, 64, 128}, block_k a multiple
-    of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7; float32 inputs by 3xTF32, within the
+    bfloat16 inputs, order "v1" or "v2", any mask, d <= 192 (float32 d <= 128), block_q in {16, 32, 64, 128},
+    block_k a multiple of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7; float32 inputs by 3xTF32, within the
     float32 rule plus proofs/L6 part 9's term), "mma-tf32" (float32 inputs by one TF32 product: about 2^-10
     relative per product, not float32-exact) or "auto" (the default: "mma" for float16 and bfloat16 inputs where
     it takes the call as it is, else "simt"; `fa_numba.engines` lists when).

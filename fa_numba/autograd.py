@@ -61,7 +61,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     backward_block the backward's square tile (None: the defaults for the head dim; small tiles are what
     keep the simulator fast). Returns O in q's dtype, or in out_dtype
     (torch.float32 keeps the kernels' float32 result). engine: "simt" (CUDA cores), "mma" (tensor cores,
-    forward and backward: float16 or bfloat16, any mask, d <= 128, backward_order "kv"; float32 by 3xTF32 and
+    forward and backward: float16 or bfloat16, any mask, d <= 128 (the forward alone to 192), backward_order
+    "kv"; float32 by 3xTF32 and
     "mma-tf32" by plain TF32 have a forward only: refused where a gradient is wanted) or "auto" (the
     default: each pass takes the tensor cores for float16 and bfloat16 tensors where they take it as it is,
     `fa_numba.engines`, and the CUDA cores otherwise, float32 always: a float32 dO, with out_dtype=torch.float32,

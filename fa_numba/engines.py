@@ -4,7 +4,7 @@ by one TF32 product: an opt-in, not float32-exact) or `engine="auto"`.
 
 `auto` takes the tensor cores for float16 and bfloat16 inputs wherever the tensor-core kernels take the call as
 it is, and the CUDA cores otherwise:
-- forward: order "v1" or "v2", d <= 128, the tiles asked for (if any) valid for mma.sync (block_q 16, 32, 64 or
+- forward: order "v1" or "v2", d <= 192 (float16 / bfloat16; float32 d <= 128), the tiles asked for (if any) valid for mma.sync (block_q 16, 32, 64 or
   128; block_k a multiple of 16) and within 48 KB of shared memory; any mask, any score mod;
 - backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
   tensor-core backward takes (`kernels.mma.backward.plan`).
@@ -23,7 +23,8 @@ ENGINES = ("auto", "simt", "mma", "mma-tf32")
 MMA_KINDS = ("float16", "bfloat16")  # the 16-bit inputs: forward and backward, and auto's choice
 FLOAT32_KINDS = ("float32",)  # float32 inputs: the forward on tensor cores (3xTF32, or TF32 by "mma-tf32")
 MMA_ORDERS = ("v1", "v2")
-MMA_MAX_HEAD_DIM = 128
+MMA_MAX_HEAD_DIM = 128  # the backward's and the float32 forward's (kernels.mma.engine.MAX_HEAD_DIM)
+MMA_MAX_FORWARD_HEAD_DIM = 192  # the 16-bit forward's (kernels.mma.engine.MAX_FORWARD_HEAD_DIM)
 
 
 def resolve(engine: str, *, kind: str, order: str, head_dim: int, block_q: int | None = None,
@@ -78,24 +79,27 @@ def _forward_fits(kind, order, head_dim, block_q, block_k) -> None:
 
 def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
     """What every tensor-core kernel needs of a call: a kind it multiplies (the kernel's: 16-bit, or forward
-    "float32" / "tf32"), d <= 128 (every mask form is taken)."""
+    "float32" / "tf32"), d <= 192 (the 16-bit forward) or 128 (the backward, the float32 forward); every mask
+    form is taken."""
     if backward and kind not in MMA_KINDS:
         raise ValueError(f"engine='mma' runs the backward for float16 or bfloat16 inputs (the 3xTF32 backward for "
                          f"float32 is not built yet), got {kind}; use engine='simt' for its backward")
     if kind not in MMA_KINDS + FLOAT32_KINDS + ("tf32",):
         raise ValueError(f"engine='mma' takes float16, bfloat16 or float32 inputs, got {kind}; use engine='simt' "
                          f"for {kind}")
-    if head_dim > MMA_MAX_HEAD_DIM:
-        raise ValueError(f"engine='mma' needs head dim d <= {MMA_MAX_HEAD_DIM}, got {head_dim}")
+    limit = MMA_MAX_FORWARD_HEAD_DIM if kind in MMA_KINDS and not backward else MMA_MAX_HEAD_DIM
+    if head_dim > limit:
+        what = "the backward" if backward else f"{kind} inputs"
+        raise ValueError(f"engine='mma' needs head dim d <= {limit} for {what}, got {head_dim}")
 
 
 def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str = "float16") -> tuple[int, int]:
     """(warps, block_k) of the tensor-core kernel: block_q = 16 warps (default 64), block_k a multiple of 16
-    (default 64 for d <= 64, else 32: under 48 KB of shared memory; half that for the float32 kinds, whose tiles
-    hold two tf32 parts of each element)."""
+    (default 64 for d <= 64, 32 for d <= 128, 16 above: under 48 KB of shared memory; half that for the float32
+    kinds, whose tiles hold two tf32 parts of each element)."""
     block_q = 64 if block_q is None else block_q
     if block_k is None:
-        block_k = 64 if head_dim <= 64 else 32
+        block_k = 64 if head_dim <= 64 else 32 if head_dim <= 128 else 16
         if kind not in MMA_KINDS:
             block_k //= 2
     if block_q not in (16, 32, 64, 128):

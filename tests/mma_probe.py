@@ -14,7 +14,8 @@ from fa_numba.kernels.mma import engine_v1, engine_v2  # noqa: E402
 from fa_numba.kernels.mma.engine import MmaConfig  # noqa: E402
 
 CONFIGS = [("v2", "float16", 4, 64, 64), ("v2", "float16", 4, 32, 128), ("v2", "bfloat16", 4, 64, 64),
-           ("v1", "float16", 4, 64, 64)]  # order, kind, warps, B_c, d
+           ("v1", "float16", 4, 64, 64),
+           ("v2", "float16", 4, 16, 192), ("v1", "float16", 4, 16, 192)]  # order, kind, warps, B_c, d (192: MLA's d_qk)
 ORDERS = {"v1": (engine_v1.kernel_source, engine_v1.MmaV1Kernel),
           "v2": (engine_v2.kernel_source, engine_v2.MmaV2Kernel)}
 
@@ -37,6 +38,7 @@ def main() -> int:
             found.append({"order": order, "kind": kind, "warps": warps, "block_k": block_k, "d": d, "causal": causal,
                           "registers": p.registers, "spill_stores": p.spill_stores, "spill_loads": p.spill_loads,
                           "smem": p.smem, "local": _count(instructions, "LDL") + _count(instructions, "STL"),
+                          "tile_local": _count(tile.instructions, "LDL") + _count(tile.instructions, "STL"),
                           "tile_issued": tile.issued, "tile_hmma": _count(tile.instructions, "HMMA"),
                           "tile_ldsm": _count(tile.instructions, "LDSM"),
                           "tile_ldgsts": _count(tile.instructions, "LDGSTS"),

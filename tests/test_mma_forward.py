@@ -18,6 +18,7 @@ import pytest
 from numba import cuda
 
 import fragments as fr
+import fa_numba
 from fa_numba import profile, reference, tolerance
 from fa_numba.kernels.mma.engine import MmaConfig
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
@@ -166,8 +167,10 @@ def test_mma_non_finite_inputs_follow_the_dense_rule(where, expect, order):
 def test_v2_mma_config_errors_name_the_argument():
     with pytest.raises(ValueError, match="block_k must be a positive multiple of 16"):
         MmaConfig("float16", 1, 24, 64, False).check()
-    with pytest.raises(ValueError, match="head dim d must be in 1..128"):
+    with pytest.raises(ValueError, match="head dim d must be in 1..192 for the float16 tensor-core forward"):
         MmaConfig("float16", 1, 16, 256, False).check()
+    with pytest.raises(ValueError, match="head dim d must be in 1..128 for the float32 tensor-core forward"):
+        MmaConfig("float32", 1, 16, 192, False).check()
     with pytest.raises(ValueError, match="kind must be one of"):
         MmaConfig("float64", 1, 16, 64, False).check()  # float32 is 3xTF32 (test_mma_tf32.py)
     with pytest.raises(ValueError, match="async_copy needs the head dim d to be a multiple of 8"):
@@ -176,16 +179,53 @@ def test_v2_mma_config_errors_name_the_argument():
         MmaConfig("float16", 8, 128, 128, False).check()
 
 
+def test_head_dims_up_to_192_take_the_tensor_core_forward_and_the_backward_says_128():
+    """MLA's d_qk = 192 on tensor cores: the 16-bit forward takes d <= 192 (64 x 16 tiles: under 48 KB), auto
+    picks it; the backward and float32 stop at 128, each refusal naming the limit."""
+    from fa_numba import engines
+
+    assert engines.mma_tiles(192, None, None) == (4, 16) and engines.mma_tiles(128, None, None) == (4, 32)
+    assert MmaConfig("float16", 4, 16, 192, True).check().shared_bytes <= 48 * 1024
+    assert engines.resolve("auto", kind="bfloat16", order="v1", head_dim=192) == "mma"
+    assert engines.resolve("auto", kind="float16", order="v2", head_dim=200) == "simt"
+    assert engines.backward("auto", kind="float16", head_dim=192) == "simt"
+    for call, message in ((lambda: engines.resolve("mma", kind="float16", order="v2", head_dim=200),
+                           r"d <= 192 for float16 inputs, got 200"),
+                          (lambda: engines.resolve("mma", kind="float32", order="v2", head_dim=192),
+                           r"d <= 128 for float32 inputs, got 192"),
+                          (lambda: engines.backward("mma", kind="float16", head_dim=192),
+                           r"d <= 128 for the backward, got 192")):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("order, d, d_v, causal", [("v2", 192, 128, True), ("v1", 176, 176, False)])
+def test_the_widest_head_dims_on_tensor_cores_pass_the_rule(order, d, d_v, causal):
+    """MLA's shape (d = 192, d_v = 128: V padded to 192, fa_numba.value_dims) and a d past 128 with a tail in
+    its last k-step's O blocks (176 = 11 x 16), through engine="mma" at its default 16-key tiles."""
+    rng = np.random.default_rng(d)
+    q = rng.standard_normal((1, 1, 16, d)).astype(np.float16)
+    k = rng.standard_normal((1, 1, 21, d)).astype(np.float16)
+    v = rng.standard_normal((1, 1, 21, d_v)).astype(np.float16)
+    out, lse = fa_numba.attention(q, k, v, causal=causal, order=order, engine="mma", block_q=16, return_lse=True)
+    assert out.shape == (1, 1, 16, d_v)
+    tolerance.check_attention(out, lse, q, k, v, causal=causal, p_dtype="float16", contractions=("matmul",),
+                              order=order, block_q=16, block_k=16)
+
+
 HERE = Path(__file__).parent
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(profile.nvdisasm_path() is None, reason="nvdisasm is missing: install the profile extra")
 def test_mma_compiles_to_tensor_core_products_without_local_memory():
-    """sm_90a SASS of the shipped-size configurations: per key tile and warp exactly the products the layout
-    calls for (B_c/8 d/16 for S, B_c/16 d/8 for P V, so 64 at B_c = 64, d = 64 and at 32, 128) and as many
+    """sm_90a SASS of the shipped-size configurations and of the widest head dim, 192 at B_c = 16: per key tile
+    and warp exactly the products the layout calls for (B_c/8 d/16 for S, B_c/16 d/8 for P V, so 64 at B_c = 64,
+    d = 64 and at 32, 128, 48 at 16, 192) and as many
     ldmatrix (v1's visit also reads Q's d/16 A fragments), tiles staged by cp.async (v2: no LDG in the tile
-    loop; v1 reads back its O, l and m: 2 rows x (d/4 + 2) per lane), no local memory, no spills, <= 48 KB."""
+    loop; v1 reads back its O, l and m: 2 rows x (d/4 + 2) per lane), no local memory, no spills, <= 48 KB.
+    At d = 192 the unmasked v2's epilogue (48 IEEE divisions of O by l, a loop the compiler keeps rolled) puts
+    the accumulator in 384 bytes of local memory after the tile loop; the tile loop itself has none."""
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": str(HERE.parent)}
     done = subprocess.run([sys.executable, str(HERE / "mma_probe.py")], env=env, capture_output=True, text=True,
                           timeout=900)
@@ -196,5 +236,6 @@ def test_mma_compiles_to_tensor_core_products_without_local_memory():
         assert row["tile_hmma"] == products, row
         assert row["tile_ldsm"] == products + (row["d"] // 16 if v1 else 0), row
         assert row["tile_ldgsts"] > 0 and row["tile_ldg"] == (2 * (row["d"] // 4 + 2) if v1 else 0), row
-        assert row["local"] == 0 and row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        assert row["tile_local"] == 0 and row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        assert row["local"] == 0 or (row["d"] > 128 and row["order"] == "v2" and not row["causal"]), row
         assert row["smem"] <= 48 * 1024, row

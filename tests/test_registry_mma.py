@@ -40,7 +40,8 @@ REFUSED = [  # (arguments past the default 16, 16, d=16, causal=False; the argum
     (dict(block_q=8), r"block_q must be 16, 32, 64 or 128 for v2-mma.*got 8"),
     (dict(block_q=48), r"block_q must be 16, 32, 64 or 128 for v2-mma.*got 48"),
     (dict(block_k=24), r"block_k must be a positive multiple of 16.*got 24"),
-    (dict(head_dim=160), r"head dim d must be in 1\.\.128.*got 160"),
+    (dict(head_dim=200), r"head dim d must be in 1\.\.192 for the float16 tensor-core forward, got 200"),
+    (dict(head_dim=160, dtype="float32"), r"head dim d must be in 1\.\.128 for the float32 tensor-core forward.*160"),
     (dict(mask_form="function"), r"mask_form 'function' \(a mask_mod\) needs its fn compiled into v2-mma"),
     (dict(block_q=128, block_k=128, head_dim=128), r"block_q 128, block_k 128, d 128: \d+ bytes of shared memory"),
 ]
@@ -142,7 +143,7 @@ def test_compare_runs_the_3xtf32_variants_on_float32_with_their_products_term():
 
 
 def test_compare_leaves_out_what_the_tensor_cores_do_not_take_with_a_note():
-    why = r"head dim d must be in 1\.\.128 for the tensor-core kernel, got 160"
+    why = r"head dim d must be in 1\.\.128 for the float32 tensor-core forward, got 160"
     result = cmp.run(_shape("float32", n_q=16, head_dim=160), ("v2", "v1-mma", "v2-mma"), count=False)
     assert [r["variant"] for r in result["rows"]] == ["v2"] and result["rows"][0]["passed"]
     for name in MMA:

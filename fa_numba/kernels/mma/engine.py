@@ -35,8 +35,9 @@ float32 inputs (kind "float32": 3xTF32, kind "tf32": one TF32 product) share all
 (`make_ops` takes `kernels.mma.tf32.make_products` in place of `kernels.mma.products16`'s): Q's fragments come from HBM, not
 from a staged Q tile, P stays float32 (split, not rounded), and shared rows are DP + 4 floats apart.
 
-Limits of this engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet), d <= 128;
-the backward (kernels.mma.backward) takes 16-bit inputs only.
+Limits of this engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet); d <= 192
+for 16-bit inputs (block_k 16 above 128: MAX_FORWARD_HEAD_DIM), 128 for float32 ones; the backward
+(kernels.mma.backward) takes 16-bit inputs only, d <= 128.
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, has_sco
 
 KINDS = ("float16", "bfloat16")  # 16-bit inputs (the backward takes these only)
 FORWARD_KINDS = KINDS + FLOAT32_KINDS  # and float32 inputs by 3xTF32 ("float32") or plain TF32 ("tf32")
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 128  # the backward's, and the float32 (3xTF32) forward's: their tiles above it exceed 48 KB
+# The 16-bit forward's: d = 192 (MLA's d_qk) at 64 x 16 tiles compiles to 224 registers (255 causal) without
+# spills in both orders (sm_90a, 2026-12-03); d = 256 spills 136 bytes even at 32 x 16 tiles.
+MAX_FORWARD_HEAD_DIM = 192
 SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
 
 
@@ -128,8 +132,9 @@ class MmaConfig(PaddedRows):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
         if self.block_k <= 0 or self.block_k % 16:
             raise ValueError(f"block_k must be a positive multiple of 16 (the k of m16n8k16), got {self.block_k}")
-        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim d must be in 1..{MAX_HEAD_DIM} for the tensor-core kernel, got "
+        limit = MAX_HEAD_DIM if self.float32 else MAX_FORWARD_HEAD_DIM
+        if not 1 <= self.head_dim <= limit:
+            raise ValueError(f"head dim d must be in 1..{limit} for the {self.kind} tensor-core forward, got "
                              f"{self.head_dim}")
         if self.async_copy and self.head_dim % async_multiple(self.kind):
             raise ValueError(f"async_copy needs the head dim d to be a multiple of {async_multiple(self.kind)} "
