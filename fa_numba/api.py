@@ -171,13 +171,16 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         return call, _without_launch(call, out_shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
     causal, mask, form = _resolve_mask(causal, mask, prob)
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
-    if prob.d_v != prob.d:  # the kernels take one head dim: the narrower operands padded with zeros (value_dims)
+    unit = engines.resolve(engine, kind=kind, order=order, head_dim=max(prob.d, prob.d_v), block_q=block_q,
+                           block_k=block_k)
+    # d_v != d: the 16-bit tensor-core kernels stage V and accumulate O at d_v; the others take one head dim,
+    # so the narrower operands are padded with zeros (value_dims: exact) and O cut back
+    if prob.d_v != prob.d and not (unit == "mma" and kind in engines.MMA_KINDS):
         width = max(prob.d, prob.d_v)
         with call.context():  # on the inputs' GPU
             q, k, v = (value_dims.widened(call, name, x, width) for name, x in (("q", q), ("k", k), ("v", v)))
         prob = dataclasses.replace(prob, d=width, d_v=width)
-    if engines.resolve(engine, kind=kind, order=order, head_dim=prob.d, block_q=block_q,
-                       block_k=block_k) == "mma":
+    if unit == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
                                         engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape)
     if prob.d > MAX_HEAD_DIM:
@@ -220,14 +223,16 @@ def _without_launch(call, shape, value: float):
 def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None,
                    mask=None, form="none", out_shape=None):
     """attention(..., engine="mma" or "mma-tf32"): the tensor-core kernel of `order` and `kind` (the kernel's:
-    float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs). out_shape:
-    O's (None: q's), its last axis d_v <= the kernel's head dim (value_dims.result)."""
+    float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs; d_v =
+    prob.d_v, the 16-bit kernels' own, or d). out_shape: O's (None: q's), its last axis d_v <= the kernel's
+    (value_dims.result)."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
-    warps, block_k = engines.mma_tiles(prob.d, block_q, block_k, kind)
+    warps, block_k = engines.mma_tiles(max(prob.d, prob.d_v), block_q, block_k, kind)
     kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod,
-                                                              mask_form=form if mask is not None else "none")
+                                                              mask_form=form if mask is not None else "none",
+                                                              value_dim=prob.d_v)
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     sixteen = kind in engines.MMA_KINDS
@@ -239,13 +244,13 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
         bits = [_prepare(name, x, call.on_device, strided, call.stream) for name, x in (("q", q), ("k", k), ("v", v))]
         if sixteen:  # float16: the same 16 bits
             bits = [b.view(np.uint16) if b.dtype != np.uint16 else b for b in bits]
-        out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
+        out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d_v))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, kernel.config.block_q, block_k, prob.batch, prob.heads)
                   if mask is not None else None)
         kernel(*bits, out, lse, scale, stream=call.stream, mask=blocks,
                captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask))
-        return value_dims.result(call, out, out_shape or layout + (prob.d,)), call.output(lse, layout)
+        return value_dims.result(call, out, out_shape or layout + (prob.d_v,)), call.output(lse, layout)
 
 
 BACKWARD_ORDERS = ("kv", "q")

@@ -117,13 +117,59 @@ def test_attention_simt_within_the_rule(d, d_v, order):
     tolerance.check_attention(out, lse, q, k, v, causal=True, order=order, block_q=8, block_k=8)
 
 
-@pytest.mark.parametrize("d, d_v", SHAPES)
-def test_attention_mma_within_the_rule(d, d_v):
-    q, k, v = (x.astype(np.float16) for x in _inputs(d, d_v))
-    out, lse = fa_numba.attention(q, k, v, causal=True, engine="mma", return_lse=True, block_q=16, block_k=16)
-    assert out.shape == (2, 2, 11, d_v)
-    tolerance.check_attention(out, lse, q, k, v, causal=True, p_dtype="float16",
-                              contractions=("matmul",))
+def _padded(x, width):
+    return np.concatenate([x, np.zeros(x.shape[:-1] + (width - x.shape[-1],), x.dtype)], axis=-1)
+
+
+NATIVE = [(order, d, d_v) for order in ("v2", "v1") for d, d_v in SHAPES + [(40, 16)]]
+
+
+@pytest.mark.parametrize("order, d, d_v", [case if case in (("v2", 8, 5), ("v1", 5, 12))
+                                           else pytest.param(*case, marks=pytest.mark.slow)  # 9 s each
+                                           for case in NATIVE])
+def test_the_tensor_cores_take_d_v_natively_and_match_the_padded_call_bitwise(order, d, d_v):
+    """The 16-bit tensor-core kernels stage V_j and accumulate O at d_v: the bits of the same kernel on inputs the
+    test pads itself (each O column is its own sum over the same P), within the rule; causal, GQA, and an inf in
+    a value row a PARTIAL tile holds (the exact CUDA-core P V path, at d_v too)."""
+    q, k, v = (x.astype(np.float16) for x in _inputs(d, d_v, n_q=19, n_k=21))
+    v[0, 0, 20, 1] = np.inf  # the last key: only the last query row sees it (causal, N_q < N_k by 2)
+    width = max(d, d_v)
+    out, lse = fa_numba.attention(q, k, v, causal=True, order=order, engine="mma", return_lse=True, block_q=16,
+                                  block_k=16)
+    want, want_lse = fa_numba.attention(_padded(q, width), _padded(k, width), _padded(v, width), causal=True,
+                                        order=order, engine="mma", return_lse=True, block_q=16, block_k=16,
+                                        scale=1 / np.sqrt(d))
+    assert out.shape == (2, 2, 19, d_v)
+    np.testing.assert_array_equal(out, want[..., :d_v])
+    np.testing.assert_array_equal(lse, want_lse)
+    assert out[0, 0, 18, 1] == np.inf and np.isfinite(np.delete(out[0, 0, 18], 1)).all()  # p inf / l
+    assert np.isfinite(out[0, 0, :18]).all()
+    tolerance.check_attention(out, lse, q, k, v, causal=True, p_dtype="float16", contractions=("matmul",))
+
+
+def test_the_tensor_core_v2_moves_v_and_o_at_d_v():
+    """Counted in the simulator: V read and O written with d_v columns, Q and K with d (iomodel's d_v)."""
+    from fa_numba.kernels.counting import run_counted
+    from fa_numba.kernels.mma.engine_v2 import make_v2_mma
+
+    q, k, v = (x.astype(np.float16).view(np.uint16) for x in _inputs(24, 8, batch=1, heads=1, n_q=20, n_k=37))
+    kernel = make_v2_mma("float16", 1, 16, 24, False, value_dim=8)
+    out, lse, ledger = run_counted(lambda *args, workspace=None, mask=None: kernel(*args, mask=mask), q, k, v, 0.2)
+    assert ledger == iomodel.traffic("v2", 20, 37, 24, 16, 16, d_v=8)
+    assert out.shape == (1, 1, 20, 8) and np.isfinite(out).all()
+
+
+def test_a_value_head_dim_the_tensor_cores_cannot_take_is_named():
+    from fa_numba.kernels.mma.engine import MmaConfig
+
+    assert MmaConfig("float16", 4, 16, 192, False, value_dim=128).check().shared_bytes < \
+        MmaConfig("float16", 4, 16, 192, False).shared_bytes  # V_j staged at 128 columns, not 192
+    with pytest.raises(ValueError, match=r"d_v = 128 != d = 64\) is taken by the 16-bit tensor-core kernels"):
+        MmaConfig("float32", 4, 16, 64, False, value_dim=128).check()
+    with pytest.raises(ValueError, match=r"value head dim d_v must be in 1..192 .* got 200"):
+        MmaConfig("float16", 4, 16, 64, False, value_dim=200).check()
+    with pytest.raises(ValueError, match=r"async_copy needs the value head dim d_v to be a multiple of 8"):
+        MmaConfig("float16", 4, 16, 64, False, async_copy=True, value_dim=20).check()
 
 
 @pytest.mark.parametrize("d, d_v", SHAPES)
@@ -224,3 +270,39 @@ def test_torch_sdpa_drop_in_autograd_and_compile():
     assert fa.shape == (2, 10, 3, 4)
     compiled = torch.compile(lambda a, b, c: fa_numba.autograd.attention(a, b, c, causal=True), fullgraph=True)
     assert torch.equal(compiled(q, k, v), fa_numba.autograd.attention(q, k, v, causal=True))
+
+
+@pytest.mark.slow  # two sm_90a compilations, about 30 s each
+def test_mla_on_tensor_cores_compiles_narrower_than_its_padded_build():
+    """MLA's forward (d = 192, d_v = 128) on the tensor-core v2 at 64 x 16 tiles, sm_90a: no spills, no local
+    memory in the tile loop, fewer registers and less shared memory than the same kernel with V padded to 192
+    (its O accumulator holds 128 columns, not 192). Run with the real numba.cuda, in a process of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fa_numba import profile
+
+    if profile.nvdisasm_path() is None:
+        pytest.skip("SASS needs nvdisasm (the profile extra)")
+    code = (
+        "import json\n"
+        "from fa_numba import profile, sass\n"
+        "from fa_numba.kernels.mma.engine import MmaConfig\n"
+        "from fa_numba.kernels.mma.engine_v2 import MmaV2Kernel, kernel_source\n"
+        "rows = []\n"
+        "for value_dim in (128, 0):\n"
+        "    built = MmaV2Kernel(MmaConfig('float16', 4, 16, 192, False, True, None, 'none', value_dim), kernel_source)\n"
+        "    p = profile.profile_kernel(built.source, built.argtypes(), 128, name='v2-mma')\n"
+        "    tile = min((n for n in sass.loop_tree(p.sass) if any(i.opcode.startswith('HMMA') for i in n.instructions)),\n"
+        "               key=lambda n: len(n.instructions))\n"
+        "    local = sum(1 for i in tile.instructions if i.opcode.startswith(('LDL', 'STL')))\n"
+        "    rows.append([p.registers, p.spill_stores + p.spill_loads, local, p.smem])\n"
+        "print(json.dumps(rows))\n")
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (regs, spills, local, smem), (padded_regs, _, _, padded_smem) = json.loads(run.stdout.strip().splitlines()[-1])
+    assert spills == 0 and local == 0, (regs, spills, local)
+    assert regs <= padded_regs and smem < padded_smem, (regs, padded_regs, smem, padded_smem)

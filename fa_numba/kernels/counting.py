@@ -102,10 +102,10 @@ def run_counted(kernel, q, k, v, scale, mask=None):
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
     ledger = Ledger()
-    batch, heads, n_q, d = q.shape
+    batch, heads, n_q, _ = q.shape
     arrays = {
         "Q": q, "K": k, "V": v,
-        "O": np.full((batch, heads, n_q, d), np.nan, np.float32),
+        "O": np.full((batch, heads, n_q, v.shape[-1]), np.nan, np.float32),  # V's head dim d_v
         "LSE": np.full((batch, heads, n_q), np.nan, np.float32),
         "l": np.full((batch, heads, n_q), np.nan, np.float32),
         "m": np.full((batch, heads, n_q), np.nan, np.float32),

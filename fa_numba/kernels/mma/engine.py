@@ -92,6 +92,11 @@ class MmaConfig(PaddedRows):
     async_copy: bool = False  # stage tiles by cp.async (16-byte rows: d % 8 == 0, float32 d % 4 == 0)
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod), applied to S on the fragments
     mask_form: str = "none"  # "none" / "causal" (closed forms, by `causal`) or a block mask's list form
+    value_dim: int = 0  # d_v, V's and O's head dim (16-bit kinds); 0: head_dim
+
+    @property
+    def d_v(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def float32(self) -> bool:
@@ -109,6 +114,16 @@ class MmaConfig(PaddedRows):
         return self.padded_dim + (4 if self.float32 else 8)
 
     @property
+    def padded_value_dim(self) -> int:
+        """d_v padded as d is: V_j's staged columns and O's accumulator columns."""
+        return tf32.padded_dim(self.d_v) if self.float32 else -(-self.d_v // 16) * 16
+
+    @property
+    def value_row_stride(self) -> int:
+        """Elements between V_j's staged rows (row_stride's rule on d_v)."""
+        return self.padded_value_dim + (4 if self.float32 else 8)
+
+    @property
     def lists(self) -> bool:
         """Whether the kernel walks a block mask's lists (kernels.mma.masking)."""
         return self.mask_form in LIST_FORMS
@@ -123,7 +138,7 @@ class MmaConfig(PaddedRows):
         tf32 high parts and residuals (kernels.mma.tf32)."""
         if self.float32:
             return 4 * self.row_stride * 2 * self.block_k * 2
-        return 2 * self.row_stride * (self.block_q + 2 * self.block_k)
+        return 2 * (self.row_stride * (self.block_q + self.block_k) + self.value_row_stride * self.block_k)
 
     def check(self) -> "MmaConfig":
         if self.kind not in FORWARD_KINDS:
@@ -136,6 +151,17 @@ class MmaConfig(PaddedRows):
         if not 1 <= self.head_dim <= limit:
             raise ValueError(f"head dim d must be in 1..{limit} for the {self.kind} tensor-core forward, got "
                              f"{self.head_dim}")
+        if self.value_dim and self.value_dim != self.head_dim:
+            if self.float32:
+                raise ValueError(f"a value head dim of its own (d_v = {self.value_dim} != d = {self.head_dim}) is "
+                                 f"taken by the 16-bit tensor-core kernels; the {self.kind} ones pad V to d "
+                                 "(fa_numba.value_dims)")
+            if not 1 <= self.value_dim <= limit:
+                raise ValueError(f"value head dim d_v must be in 1..{limit} for the {self.kind} tensor-core forward, "
+                                 f"got {self.value_dim}")
+            if self.async_copy and self.value_dim % async_multiple(self.kind):
+                raise ValueError(f"async_copy needs the value head dim d_v to be a multiple of "
+                                 f"{async_multiple(self.kind)} (16-byte rows), got {self.value_dim}")
         if self.async_copy and self.head_dim % async_multiple(self.kind):
             raise ValueError(f"async_copy needs the head dim d to be a multiple of {async_multiple(self.kind)} "
                              f"(16-byte rows), got {self.head_dim}")
@@ -151,46 +177,10 @@ def async_multiple(kind: str) -> int:
     return 4 if kind in FLOAT32_KINDS else 8
 
 
-def make_ops(config: MmaConfig) -> SimpleNamespace:
-    """The device functions both orders are built from, bound to the configuration's compile-time sizes (a
-    kernel can call only globals and closures: each order's kernel_source takes them from here). The products
-    (Q's fragments, S = Q K^T, acc += P V, the exact path's dot products) are the 16-bit ones
-    (`kernels.mma.products16`) or the float32 inputs' tf32 ones (`kernels.mma.tf32`); the rest is shared."""
-    W, BR, BC, D = config.warps, config.block_q, config.block_k, config.head_dim
-    DP, SQ, CAUSAL = config.padded_dim, config.row_stride, config.causal
-    # k-steps of Q K^T (16-bit: 16 wide, tf32: 8), key blocks, O blocks
-    KS, NT, DN = DP // (8 if config.float32 else 16), BC // 8, DP // 8
-    THREADS = 32 * W
-    HALF = BC * SQ  # one staged K or V tile; the float32 engine keeps two (its tf32 high parts, then residuals)
-    KV_SIZE = HALF * (2 if config.float32 else 1)  # shared array sizes: Python ints, so Numba sees constants
-    sizes = SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN, KV_SIZE=KV_SIZE, HALF=HALF)
-
-    @cuda.jit(device=True, inline=True)
-    def quad_max(x):
-        for mask in (1, 2):
-            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, mask))
-        return x
-
-    @cuda.jit(device=True, inline=True)
-    def quad_sum(x):
-        for mask in (1, 2):
-            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
-        return x
-
-    X = tf32.make_products(config.kind, sizes, quad_sum) if config.float32 else products16.make_products(config, sizes)
-    q_fragments, raw_scores, pv, key_dots = X.q_fragments, X.scores, X.pv, X.key_dots
-    nonfinite, nonfinite_staged, to_f32, Q_SHARED = X.nonfinite, X.nonfinite_staged, X.to_f32, X.q_in_shared
-    store, settle, value, SETTLE = X.store, X.settle, X.value, X.settles
-    ZERO_ELEM = X.zero
-    ASYNC, CH = config.async_copy, X.chunk  # cp.async staging, in chunks of CH elements (16 bytes) per row
+def _stagers(D, DP, SQ, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite, nonfinite_staged):
+    """(stage, stage_async, any_bad) of tiles whose rows hold D values, padded to DP and SQ apart in shared
+    memory: make_ops takes one set for Q_i and K_j (d) and, where it differs, one for V_j (d_v)."""
     CHUNKS = DP // CH
-    ITEM_SHIFT = (16 // CH).bit_length() - 1  # log2 of the element's bytes: a view's strides to elements
-    sizes.Q_SIZE = BR * SQ if X.q_in_shared else 1  # the float32 engine keeps no Q tile
-    sizes.ELEMENT, sizes.FRAGMENT, sizes.QF = X.element, X.fragment, X.fragment_width  # shared tiles' and Q's
-    MOD = has_scores(config.mod)
-    modded = apply_fn(config.mod)  # the score mod as a device function (the identity without one)
-    M = masking.make(CAUSAL, config.mask_form, config.mod, rows=False)
-    GUARDED, pair_visible = M.GUARDED, M.visible  # some tile hides a pair of data rows: the exact path compiled in
 
     @cuda.jit(device=True, inline=True)
     def stage(src, b, h, r0, n, tile, rows):
@@ -235,6 +225,68 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 warp.cp_async16(tile, r * SQ + x, src, base + row * s_row + min(x, D - CH), nbytes)
 
     @cuda.jit(device=True, inline=True)
+    def any_bad(tile, rows):
+        """Whether a staged element (this thread's share of them) is inf or NaN."""
+        bad = False
+        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
+            r = idx // DP
+            bad = bad or nonfinite_staged(tile[r * SQ + idx - r * DP])
+        return bad
+
+    return stage, stage_async, any_bad
+
+
+def make_ops(config: MmaConfig) -> SimpleNamespace:
+    """The device functions both orders are built from, bound to the configuration's compile-time sizes (a
+    kernel can call only globals and closures: each order's kernel_source takes them from here). The products
+    (Q's fragments, S = Q K^T, acc += P V, the exact path's dot products) are the 16-bit ones
+    (`kernels.mma.products16`) or the float32 inputs' tf32 ones (`kernels.mma.tf32`); the rest is shared."""
+    W, BR, BC, D = config.warps, config.block_q, config.block_k, config.head_dim
+    DP, SQ, CAUSAL = config.padded_dim, config.row_stride, config.causal
+    # k-steps of Q K^T (16-bit: 16 wide, tf32: 8), key blocks, O blocks
+    KS, NT, DN = DP // (8 if config.float32 else 16), BC // 8, DP // 8
+    THREADS = 32 * W
+    HALF = BC * SQ  # one staged K or V tile; the float32 engine keeps two (its tf32 high parts, then residuals)
+    KV_SIZE = HALF * (2 if config.float32 else 1)  # shared array sizes: Python ints, so Numba sees constants
+    # V_j and O: their own head dim d_v (16-bit kinds; the float32 ones have d_v = d), padded and strided alike
+    DV, DPV, SV = config.d_v, config.padded_value_dim, config.value_row_stride
+    DNV = DPV // 8  # O's accumulator blocks of 8 columns
+    V_SIZE = KV_SIZE if (DPV, SV) == (DP, SQ) else BC * SV
+    sizes = SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN, KV_SIZE=KV_SIZE, HALF=HALF,
+                            DV=DV, DPV=DPV, SV=SV, DNV=DNV, V_SIZE=V_SIZE)
+
+    @cuda.jit(device=True, inline=True)
+    def quad_max(x):
+        for mask in (1, 2):
+            x = max(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, mask))
+        return x
+
+    @cuda.jit(device=True, inline=True)
+    def quad_sum(x):
+        for mask in (1, 2):
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, mask)
+        return x
+
+    X = tf32.make_products(config.kind, sizes, quad_sum) if config.float32 else products16.make_products(config, sizes)
+    q_fragments, raw_scores, pv, key_dots = X.q_fragments, X.scores, X.pv, X.key_dots
+    nonfinite, nonfinite_staged, to_f32, Q_SHARED = X.nonfinite, X.nonfinite_staged, X.to_f32, X.q_in_shared
+    store, settle, value, SETTLE = X.store, X.settle, X.value, X.settles
+    ZERO_ELEM = X.zero
+    ASYNC, CH = config.async_copy, X.chunk  # cp.async staging, in chunks of CH elements (16 bytes) per row
+    ITEM_SHIFT = (16 // CH).bit_length() - 1  # log2 of the element's bytes: a view's strides to elements
+    sizes.Q_SIZE = BR * SQ if X.q_in_shared else 1  # the float32 engine keeps no Q tile
+    sizes.ELEMENT, sizes.FRAGMENT, sizes.QF = X.element, X.fragment, X.fragment_width  # shared tiles' and Q's
+    MOD = has_scores(config.mod)
+    modded = apply_fn(config.mod)  # the score mod as a device function (the identity without one)
+    M = masking.make(CAUSAL, config.mask_form, config.mod, rows=False)
+    GUARDED, pair_visible = M.GUARDED, M.visible  # some tile hides a pair of data rows: the exact path compiled in
+
+    stage, stage_async, any_bad = _stagers(D, DP, SQ, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite,
+                                           nonfinite_staged)
+    stage_v, stage_v_async, any_bad_v = (stage, stage_async, any_bad) if (DV, DPV, SV) == (D, DP, SQ) else _stagers(
+        DV, DPV, SV, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite, nonfinite_staged)
+
+    @cuda.jit(device=True, inline=True)
     def stage_two(x, y, b, h, r0, n, tile_x, tile_y, rows):
         """Stage two tiles of the same rows (K_j and V_j, or Q_i and dO_i) and wait for this thread's part:
         on the cp.async path one commit and one wait for both. The caller's barrier makes them visible."""
@@ -246,15 +298,6 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         else:
             stage(x, b, h, r0, n, tile_x, rows)
             stage(y, b, h, r0, n, tile_y, rows)
-
-    @cuda.jit(device=True, inline=True)
-    def any_bad(tile, rows):
-        """Whether a staged element (this thread's share of them) is inf or NaN."""
-        bad = False
-        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
-            r = idx // DP
-            bad = bad or nonfinite_staged(tile[r * SQ + idx - r * DP])
-        return bad
 
     @cuda.jit(device=True, inline=True)
     def score(x, b, h, row, key, n_q, captured):
@@ -278,9 +321,9 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             if see0 or see1:
                 p0 = math.exp(score(scale * dot0, b, h, row0, c0 + c, n_q, captured) - shift0) if see0 else ZERO
                 p1 = math.exp(score(scale * dot1, b, h, row0 + 8, c0 + c, n_q, captured) - shift1) if see1 else ZERO
-                for dn in range(DN):
+                for dn in range(DNV):
                     for e in range(2):
-                        vx = value(sv, c * SQ + 8 * dn + 2 * t + e)
+                        vx = value(sv, c * SV + 8 * dn + 2 * t + e)
                         if see0:
                             acc[dn, e] += p0 * vx
                         if see1:
@@ -307,7 +350,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         commit, one wait. Without a mask no tile is PARTIAL, so the kernel has no exact path at all."""
         if ASYNC:
             stage_async(k, b, h_kv, c0, n_k, sk, BC)
-            stage_async(v, b, h_kv, c0, n_k, sv, BC)
+            stage_v_async(v, b, h_kv, c0, n_k, sv, BC)
             warp.cp_async_commit()
             warp.cp_async_wait_all()  # this thread's copies of K_j and V_j have landed
             cuda.syncthreads()  # every thread's copies have landed: all threads reach this barrier
@@ -320,10 +363,10 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads
             if not GUARDED:
                 return False
-            bad_v = partial and any_bad(sv, BC)
+            bad_v = partial and any_bad_v(sv, BC)
         else:
             stage(k, b, h_kv, c0, n_k, sk, BC)
-            bad_v = stage(v, b, h_kv, c0, n_k, sv, BC)
+            bad_v = stage_v(v, b, h_kv, c0, n_k, sv, BC)
             if not GUARDED:
                 cuda.syncthreads()  # K_j, V_j staged: all threads reach this barrier
                 return False
@@ -363,7 +406,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 s[nt, 2 + e] = math.exp(s[nt, 2 + e] - shift1)
                 p0 += s[nt, e]
                 p1 += s[nt, 2 + e]
-        for dn in range(DN):
+        for dn in range(DNV):
             acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
             acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
         if guard:
@@ -407,7 +450,8 @@ class MmaKernel:
         raise NotImplementedError
 
     @staticmethod
-    def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None, mask_form="none") -> "MmaKernel":
+    def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None, mask_form="none",
+             value_dim=None) -> "MmaKernel":
         """The order's cached factory (make_v1_mma / make_v2_mma)."""
         raise NotImplementedError
 
@@ -415,7 +459,7 @@ class MmaKernel:
         """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
         c = self.config
         return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False, mod=c.mod,
-                         mask_form=c.mask_form)
+                         mask_form=c.mask_form, value_dim=c.value_dim or None)
 
     def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple:
         """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
@@ -443,6 +487,9 @@ class MmaKernel:
                              if self.config.lists else "mask must be None for a kernel without a block mask")
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        if v.shape[3] != self.config.d_v or o.shape[3] != self.config.d_v:
+            raise ValueError(f"v and o must have head dim d_v = {self.config.d_v} for this kernel, got "
+                             f"{v.shape[3]} and {o.shape[3]}")
         check_sequence(q.shape[2], k.shape[2])
         self.check_grid(q.shape[0], q.shape[1], q.shape[2])
         grid = self.grid(q.shape[0], q.shape[1], q.shape[2])

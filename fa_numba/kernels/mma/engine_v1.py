@@ -35,7 +35,8 @@ def kernel_source(config: MmaConfig):
     E = make_ops(config)
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
     Z = E.sizes
-    BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
+    BR, BC, KS, NT, Q_SIZE, KV_SIZE, V_SIZE = Z.BR, Z.BC, Z.KS, Z.NT, Z.Q_SIZE, Z.KV_SIZE, Z.V_SIZE
+    D, DN = Z.DV, Z.DNV  # O's head dim (V's, d_v) and its accumulator blocks: every column this file names
     ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF  # shared tiles' type; Q's fragments: type, per k-step
     CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
     slot = masking.slot
@@ -82,7 +83,7 @@ def kernel_source(config: MmaConfig):
                      row_kinds, lohis, denses, captured):
         sq = cuda.shared.array(Q_SIZE, ELEMENT)  # 16-bit bits, or float32 (whose engine stages no Q)
         sk = cuda.shared.array(KV_SIZE, ELEMENT)
-        sv = cuda.shared.array(KV_SIZE, ELEMENT)
+        sv = cuda.shared.array(V_SIZE, ELEMENT)
         qf = cuda.local.array((KS, QF), FRAGMENT)
         s = cuda.local.array((NT, 4), float32)
         acc = cuda.local.array((DN, 4), float32)
@@ -180,12 +181,13 @@ class MmaV1Kernel(MmaKernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v1_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
-                async_copy: bool | None = None, mod=None, mask_form: str = "none") -> MmaV1Kernel:
+                async_copy: bool | None = None, mod=None, mask_form: str = "none",
+                value_dim: int | None = None) -> MmaV1Kernel:
     """The tensor-core v1 kernel (arguments as make_v2_mma); cached."""
     if async_copy is None:
-        async_copy = head_dim % async_multiple(kind) == 0
-    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form),
-                       kernel_source)
+        async_copy = all(x % async_multiple(kind) == 0 for x in (head_dim, value_dim or head_dim))
+    return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form,
+                                 value_dim or 0), kernel_source)
 
 
 MmaV1Kernel.make = staticmethod(make_v1_mma)  # without_async goes back through the cache

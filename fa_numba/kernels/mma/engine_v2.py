@@ -26,7 +26,8 @@ def kernel_source(config: MmaConfig):
     E = make_ops(config)
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
     Z = E.sizes
-    BR, BC, D, KS, NT, DN, Q_SIZE, KV_SIZE = Z.BR, Z.BC, Z.D, Z.KS, Z.NT, Z.DN, Z.Q_SIZE, Z.KV_SIZE
+    BR, BC, KS, NT, Q_SIZE, KV_SIZE, V_SIZE = Z.BR, Z.BC, Z.KS, Z.NT, Z.Q_SIZE, Z.KV_SIZE, Z.V_SIZE
+    DV, DNV = Z.DV, Z.DNV  # O's head dim (V's, d_v) and its accumulator blocks
     ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF  # shared tiles' type; Q's fragments: type, per k-step
     CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
     slot = masking.slot
@@ -35,10 +36,10 @@ def kernel_source(config: MmaConfig):
                      denses, captured):
         sq = cuda.shared.array(Q_SIZE, ELEMENT)  # 16-bit bits, or float32 (whose engine stages no Q)
         sk = cuda.shared.array(KV_SIZE, ELEMENT)
-        sv = cuda.shared.array(KV_SIZE, ELEMENT)
+        sv = cuda.shared.array(V_SIZE, ELEMENT)
         qf = cuda.local.array((KS, QF), FRAGMENT)  # this lane's A fragments of Q (constant indices once unrolled)
         s = cuda.local.array((NT, 4), float32)  # S, then P, of the warp's 16 rows x B_c keys
-        acc = cuda.local.array((DN, 4), float32)  # O's accumulator, 16 rows x DP columns
+        acc = cuda.local.array((DNV, 4), float32)  # O's accumulator, 16 rows x d_v padded columns
         i, bh = cuda.blockIdx.x, cuda.blockIdx.y
         lane = cuda.threadIdx.x & 31
         wid = cuda.threadIdx.x >> 5
@@ -62,7 +63,7 @@ def kernel_source(config: MmaConfig):
             start, stop = row_ptrs[sb, sh, i], row_ptrs[sb, sh, i + 1]
 
         stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
-        for dn in range(DN):
+        for dn in range(DNV):
             for e in range(4):
                 acc[dn, e] = ZERO
         m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO
@@ -84,10 +85,10 @@ def kernel_source(config: MmaConfig):
                 if LISTS:  # the row sees a key iff its interval is not empty (L8)
                     alive = lohis[sb, sh, row, 0] < lohis[sb, sh, row, 1]
                 l_row = l0 if half == 0 else l1
-                for dn in range(DN):
+                for dn in range(DNV):
                     for e in range(2):
                         x = 8 * dn + 2 * t + e
-                        if x < D:
+                        if x < DV:
                             o[b, h, row, x] = output(acc[dn, 2 * half + e], l_row, alive)
                 if t == 0:
                     lse[b, h, row] = log_sum_exp(m0 if half == 0 else m1, l_row, alive)
@@ -113,17 +114,19 @@ class MmaV2Kernel(MmaKernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
-                async_copy: bool | None = None, mod=None, mask_form: str = "none") -> MmaV2Kernel:
+                async_copy: bool | None = None, mod=None, mask_form: str = "none",
+                value_dim: int | None = None) -> MmaV2Kernel:
     """The tensor-core v2 kernel for 16-bit inputs `kind` ("float16" or "bfloat16"), blocks of `warps` warps
     (block_q = 16 warps query rows), block_k keys per tile, head dim d, causal or not; cached. async_copy
     (default: where d % 8 == 0) stages the tiles by cp.async; a launch on inputs not 16-byte aligned then
     takes the plain-load kernel. mod: a score_mod.KernelMod compiled in (with a mask_mod's fn for the
     "function" form), or None; mask_form: a block mask's list form (kernels.block_lists.LIST_FORMS), whose
-    KernelMask each launch takes, or "none" / "causal"."""
+    KernelMask each launch takes, or "none" / "causal"; value_dim: V's and O's head dim d_v (16-bit kinds; None:
+    d), staged and accumulated at its own width."""
     if async_copy is None:
-        async_copy = head_dim % async_multiple(kind) == 0
-    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form),
-                       kernel_source)
+        async_copy = all(x % async_multiple(kind) == 0 for x in (head_dim, value_dim or head_dim))
+    return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form,
+                                 value_dim or 0), kernel_source)
 
 
 MmaV2Kernel.make = staticmethod(make_v2_mma)  # without_async goes back through the cache

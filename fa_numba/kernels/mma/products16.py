@@ -21,7 +21,8 @@ def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
     """The 16-bit engine's products (mma.sync m16n8k16): Q_i staged in shared memory and its A fragments read
     by ldmatrix x4, K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans, P packed to the input type in
     the lane that holds it (L10, claim 5)."""
-    DP, SQ, KS, NT, DN = sizes.DP, sizes.SQ, sizes.KS, sizes.NT, sizes.DN
+    DP, SQ, KS, NT = sizes.DP, sizes.SQ, sizes.KS, sizes.NT
+    DNV, SV = sizes.DNV, sizes.SV  # O's blocks and V_j's row stride: V's head dim d_v
     PK = sizes.BC // 16  # k-steps of P V
     EXP_MASK = _EXP_MASK[config.kind]
     mma = warp.mma_f16 if config.kind == "float16" else warp.mma_bf16
@@ -70,8 +71,8 @@ def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
         for kk in range(PK):
             pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
                   pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
-            for dn in range(DN):
-                bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
+            for dn in range(DNV):
+                bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SV + 8 * dn)
                 d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, bv)
                 for e in range(4):
                     acc[dn, e] = d4[e]
