@@ -43,9 +43,13 @@ def test_defaults_scale_and_tiles():
     assert default_tiles(32) == (64, 64) and default_tiles(64) == (64, 32) and default_tiles(128) == (64, 16)
     assert default_tiles(256) == (16, 16)
     for d in range(1, 257):  # every registered kernel takes the default tiles of every head dim it takes: every d
-        for variant in VARIANTS.values():  # for the CUDA-core ones, d <= 128 for the tensor-core ones
-            if variant.unit == "mma" and d > 128:
-                assert "head dim d must be in 1..128" in variant.refusal(*default_tiles(d), d, True, dtype="float16")
+        for variant in VARIANTS.values():  # for the CUDA-core ones; the tensor-core ones d <= 192 (16-bit), 128
+            tiles = default_tiles(d)
+            if variant.unit == "mma" and d > 192:
+                assert "head dim d must be in 1..192" in variant.refusal(*tiles, d, True, dtype="float16")
+            elif variant.unit == "mma" and d > 128:
+                assert variant.refusal(*tiles, d, True, dtype="float16") is None
+                assert "head dim d must be in 1..128" in variant.refusal(*tiles, d, True, dtype="float32")
             else:
                 assert variant.config(*default_tiles(d), d, True).shared_bytes <= 48 * 1024
 
