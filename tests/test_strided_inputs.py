@@ -98,14 +98,14 @@ def test_the_tensor_cores_read_a_transposed_view_where_it_is(order, dtype):
 
 
 def test_cp_async_takes_views_whose_rows_are_16_byte_aligned():
-    from fa_numba.kernels.mma.engine import _aligned16
+    from fa_numba.kernels.mma.staging import aligned16
 
     x = cuda.to_device(np.zeros((2, 8, 3, 16), np.float16))  # rows of 32 bytes, 96 apart: aligned
-    assert _aligned16(x.transpose((0, 2, 1, 3)))
+    assert aligned16(x.transpose((0, 2, 1, 3)))
     y = cuda.to_device(np.zeros((2, 8, 3, 12), np.float16))  # rows 72 bytes apart: cp.async cannot copy them
-    assert not _aligned16(y.transpose((0, 2, 1, 3)))
+    assert not aligned16(y.transpose((0, 2, 1, 3)))
     z = cuda.to_device(np.zeros((1, 8, 1, 8), np.float16))  # the size-1 axes' strides do not matter
-    assert _aligned16(z.transpose((0, 2, 1, 3)))
+    assert aligned16(z.transpose((0, 2, 1, 3)))
 
 
 def test_autograd_keeps_a_view_for_every_engine():

@@ -29,7 +29,8 @@ from numba import float32
 from fa_numba import backend
 from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays
 from fa_numba.kernels.common import check_grid, check_mask_form, check_sequence
-from fa_numba.kernels.mma.engine import MmaConfig, _aligned16, async_multiple
+from fa_numba.kernels.mma.engine import MmaConfig, async_multiple
+from fa_numba.kernels.mma.staging import aligned16
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
@@ -114,7 +115,7 @@ class MmaVariantKernel:
         check_sequence(q.shape[2], k.shape[2])
         self.check_grid(q.shape[0], q.shape[1], q.shape[2])
         inner = self.inner
-        if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
+        if self.config.async_copy and not all(aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
             inner = inner.without_async()
         grid, block = self.launch_shape(q.shape[0], q.shape[1], q.shape[2])
         l_hbm, m_hbm = workspace

@@ -661,9 +661,9 @@ def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=No
 
 
 def _aligned(*arrays) -> bool:
-    from fa_numba.kernels.mma.engine import _aligned16
+    from fa_numba.kernels.mma.staging import aligned16
 
-    return all(_aligned16(x) for x in arrays)
+    return all(aligned16(x) for x in arrays)
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deterministic=False, block_q=None,

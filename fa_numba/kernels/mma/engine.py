@@ -46,15 +46,15 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import numpy as np
-from numba import cuda, float32
+from numba import cuda
 
-from fa_numba import backend, warp
-from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays, mask_types
+from fa_numba import warp
+from fa_numba.kernels.block_lists import LIST_FORMS
 from fa_numba.kernels.common import NEG_INF, ZERO
 from fa_numba.kernels.mma import masking, products16, tf32
+from fa_numba.kernels.mma.staging import stagers
 from fa_numba.kernels.mma.tf32 import FLOAT32_KINDS
-from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, has_scores, tuple_type
+from fa_numba.kernels.score_mod import KernelMod, apply_fn, has_scores
 
 KINDS = ("float16", "bfloat16")  # 16-bit inputs (the backward takes these only)
 FORWARD_KINDS = KINDS + FLOAT32_KINDS  # and float32 inputs by 3xTF32 ("float32") or plain TF32 ("tf32")
@@ -177,65 +177,6 @@ def async_multiple(kind: str) -> int:
     return 4 if kind in FLOAT32_KINDS else 8
 
 
-def _stagers(D, DP, SQ, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite, nonfinite_staged):
-    """(stage, stage_async, any_bad) of tiles whose rows hold D values, padded to DP and SQ apart in shared
-    memory: make_ops takes one set for Q_i and K_j (d) and, where it differs, one for V_j (d_v)."""
-    CHUNKS = DP // CH
-
-    @cuda.jit(device=True, inline=True)
-    def stage(src, b, h, r0, n, tile, rows):
-        """tile[r SQ + x] = src[b, h, r0 + r, x] for r < rows, x < DP; zeros past N and past d. Returns whether
-        a staged element is inf or NaN."""
-        bad = False
-        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
-            r = idx // DP
-            x = idx - r * DP
-            val = ZERO_ELEM
-            if r0 + r < n and x < D:
-                val = src[b, h, r0 + r, x]
-            store(tile, r * SQ + x, val)
-            bad = bad or nonfinite(val)
-        return bad
-
-    @cuda.jit(device=True, inline=True)
-    def stage_async(src, b, h, r0, n, tile, rows):
-        """Issue the copies of the same tile by cp.async, 16 bytes (CH elements) a copy, rows past N zero-filled
-        (d % CH == 0 here, so a row is whole chunks, and d < x < DP is a whole zero chunk): no element passes
-        through a register. The caller commits and waits (one round trip for all the copies it issued) and its
-        barrier makes them visible to the block. `rows` is a constant at every call, so the trip count is one
-        too and the loop unrolls: no remainder loop, and a guard only where the copies do not divide evenly.
-        Rows are found by src's strides, so a strided view with a unit-stride last axis (a (B, N, H, d) tensor's
-        transpose) is read where it is; each stride a multiple of 16 bytes (MmaKernel checks it)."""
-        if warp.strided(src):  # a compile-time constant: one of the two forms is compiled
-            # strides in bytes, multiples of the element's: a shift by a constant (src.itemsize would be read
-            # at run time, and `//` by it is a 64-bit division routine)
-            base = b * (src.strides[0] >> ITEM_SHIFT) + h * (src.strides[1] >> ITEM_SHIFT)
-            s_row = src.strides[2] >> ITEM_SHIFT
-        else:  # C-contiguous: rows D apart, by the shape (no strides held in registers)
-            base = (b * src.shape[1] + h) * src.shape[2] * D
-            s_row = D
-        total = rows * CHUNKS
-        for step in range((total + THREADS - 1) // THREADS):
-            idx = cuda.threadIdx.x + step * THREADS
-            if total % THREADS == 0 or idx < total:
-                r = idx // CHUNKS
-                x = CH * (idx - r * CHUNKS)
-                row = min(r0 + r, n - 1)  # a valid address even where nothing is read
-                nbytes = 16 if (r0 + r < n and x < D) else 0
-                warp.cp_async16(tile, r * SQ + x, src, base + row * s_row + min(x, D - CH), nbytes)
-
-    @cuda.jit(device=True, inline=True)
-    def any_bad(tile, rows):
-        """Whether a staged element (this thread's share of them) is inf or NaN."""
-        bad = False
-        for idx in range(cuda.threadIdx.x, rows * DP, THREADS):
-            r = idx // DP
-            bad = bad or nonfinite_staged(tile[r * SQ + idx - r * DP])
-        return bad
-
-    return stage, stage_async, any_bad
-
-
 def make_ops(config: MmaConfig) -> SimpleNamespace:
     """The device functions both orders are built from, bound to the configuration's compile-time sizes (a
     kernel can call only globals and closures: each order's kernel_source takes them from here). The products
@@ -281,9 +222,9 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     M = masking.make(CAUSAL, config.mask_form, config.mod, rows=False)
     GUARDED, pair_visible = M.GUARDED, M.visible  # some tile hides a pair of data rows: the exact path compiled in
 
-    stage, stage_async, any_bad = _stagers(D, DP, SQ, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite,
+    stage, stage_async, any_bad = stagers(D, DP, SQ, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite,
                                            nonfinite_staged)
-    stage_v, stage_v_async, any_bad_v = (stage, stage_async, any_bad) if (DV, DPV, SV) == (D, DP, SQ) else _stagers(
+    stage_v, stage_v_async, any_bad_v = (stage, stage_async, any_bad) if (DV, DPV, SV) == (D, DP, SQ) else stagers(
         DV, DPV, SV, THREADS, CH, ITEM_SHIFT, ZERO_ELEM, store, nonfinite, nonfinite_staged)
 
     @cuda.jit(device=True, inline=True)
@@ -421,96 +362,3 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                            mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 
 
-def _aligned16(x) -> bool:
-    """A device array whose rows all start on a 16-byte boundary: its data pointer and its strides but the
-    last (which is one element) multiples of 16 bytes, as cp.async's 16-byte copies need (an axis of size 1
-    is only ever indexed at 0: its stride does not matter)."""
-    face = getattr(x, "__cuda_array_interface__", None)
-    start = face["data"][0] if face is not None else np.asarray(getattr(x, "_ary", x)).ctypes.data
-    return start % 16 == 0 and all(stride % 16 == 0 for n, stride in zip(tuple(x.shape)[:-1], tuple(x.strides)[:-1])
-                                   if n > 1)
-
-
-class MmaKernel:
-    """A compiled tensor-core forward kernel: kernel(q, k, v, o, lse, scale, mask=, captured=) on device arrays,
-    q, k, v (B, H, N, d) uint16 bits of float16 or bfloat16 values, or float32 (config.kind), o float32 (B, H, N_q, d), lse
-    float32 (B, H, N_q); mask: the block mask's kernels.block_lists.KernelMask on this kernel's tiles for a
-    kernel compiled with a list form (config.mask_form), None otherwise. Subclasses give the order's grid and
-    arguments."""
-
-    GRID_AXES: tuple = ()
-    ORDER = ""
-
-    def __init__(self, config: MmaConfig, kernel_source):
-        self.config = config.check()
-        self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
-        self.kernel = cuda.jit(self.source)
-
-    def grid(self, batch: int, heads: int, n_q: int) -> tuple:
-        raise NotImplementedError
-
-    @staticmethod
-    def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None, mask_form="none",
-             value_dim=None) -> "MmaKernel":
-        """The order's cached factory (make_v1_mma / make_v2_mma)."""
-        raise NotImplementedError
-
-    def without_async(self) -> "MmaKernel":
-        """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
-        c = self.config
-        return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False, mod=c.mod,
-                         mask_form=c.mask_form, value_dim=c.value_dim or None)
-
-    def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple:
-        """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
-        return self.grid(batch, heads, n_q), (32 * self.config.warps,)
-
-    def check_grid(self, batch: int, heads: int, n_q: int) -> None:
-        """A ValueError naming the axis where the launch's grid is past CUDA's limits (common.check_grid)."""
-        from fa_numba.kernels.common import check_grid
-
-        check_grid(self.grid(batch, heads, n_q), self.GRID_AXES, f"{self.ORDER}-mma")
-
-    def arguments(self, q, k, v, o, lse, scale) -> tuple:
-        return (q, k, v, o, lse, scale)
-
-    def __call__(self, q, k, v, o, lse, scale, stream=0, captured=NO_CAPTURED, mask=None):
-        """Launch; captured: the score mod's and the mask_mod's device arrays (`score_mod.device_arrays`) for a
-        kernel compiled with them (config.mod), () otherwise; mask: the KernelMask (class docstring)."""
-        from fa_numba.kernels.common import check_sequence
-
-        mod = self.config.mod
-        if len(captured) != (0 if mod is None else len(mod.captured) + len(mod.mask_captured)):
-            raise ValueError(f"captured must hold the score mod's device arrays for this kernel, got {len(captured)}")
-        if (mask is not None) != self.config.lists or (mask is not None and mask.form != self.config.mask_form):
-            raise ValueError(f"mask must be a KernelMask of form {self.config.mask_form!r} for this kernel"
-                             if self.config.lists else "mask must be None for a kernel without a block mask")
-        if q.shape[3] != self.config.head_dim:
-            raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
-        if v.shape[3] != self.config.d_v or o.shape[3] != self.config.d_v:
-            raise ValueError(f"v and o must have head dim d_v = {self.config.d_v} for this kernel, got "
-                             f"{v.shape[3]} and {o.shape[3]}")
-        check_sequence(q.shape[2], k.shape[2])
-        self.check_grid(q.shape[0], q.shape[1], q.shape[2])
-        grid = self.grid(q.shape[0], q.shape[1], q.shape[2])
-        if self.config.async_copy and not all(_aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
-            return self.without_async()(q, k, v, o, lse, scale, stream, captured, mask)
-        threads = 32 * self.config.warps
-        with backend.serialised(threads):
-            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)), *mask_arrays(mask),
-                                               tuple(captured))
-
-    def argtypes(self, dtype=None) -> tuple:
-        """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
-        every 16-bit dtype (the inputs are their bits), float32 arrays for the float32 kinds; the order's
-        `base_types`, the mask arrays, then the captured arrays'."""
-        return self.base_types(self.config.kind) + mask_types() + (tuple_type(self.config.mod),)
-
-    @staticmethod
-    def array_types(kind: str = "float16"):
-        """The Numba types of the inputs (uint16 bits, or float32 for the float32 kinds), the float32 output and
-        the float32 statistics."""
-        from numba import types
-
-        inputs = types.float32 if kind in FLOAT32_KINDS else types.uint16
-        return (types.Array(inputs, 4, "C"), types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"))

@@ -17,7 +17,8 @@ from numba import cuda, float32
 
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
 from fa_numba.kernels.mma import masking
-from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, MmaKernel, async_multiple, make_ops
+from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, async_multiple, make_ops
+from fa_numba.kernels.mma.launch import MmaKernel
 from fa_numba.tiling import PARTIAL
 
 
