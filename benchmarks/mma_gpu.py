@@ -10,7 +10,10 @@
    beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal;
 4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16) checked with the
    gradients' rule and its P and dS terms at B=1, H=2, N=1024, then timed at B=4, H=16, N=4096 beside SDPA's
-   backward (flash-attn's count: 2.5 x the forward's FLOPs).
+   backward (flash-attn's count: 2.5 x the forward's FLOPs);
+5. v2-mma float16 at the widest head dims (d = 192 with d_v = 128, MLA's, native, and d_v = 192) and on a
+   (B, N, H, d) tensor's strided (B, H, N, d) view at d = 128 (cp.async rows by the strides; checked bitwise
+   against the contiguous call), each checked, then timed (TFLOP/s = 2 B H N^2 (d + d_v), halved for causal).
 
 Writes mma_gpu.json and prints one line per configuration. --smoke: tiny shapes, no tests, no timing (runs
 in the simulator, so the script itself is tested).
@@ -188,6 +191,51 @@ def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") ->
     return row
 
 
+def wide_row(d, d_v, causal, n, shape, heads=2, strided=False) -> dict:
+    """v2-mma float16 at (d, d_v) (64 x 16 tiles above d = 128, else the shipped ones), or (strided) on views:
+    checked against the reference with the rule, then timed at `shape` (None: not timed)."""
+    from numba import cuda
+
+    block_k = engines.mma_tiles(max(d, d_v), None, None)[1]
+    kernel = make_v2_mma("float16", 4, block_k, d, causal, value_dim=d_v)
+
+    def operands(b, h, size):
+        rng = np.random.default_rng(2)
+        bits = [bits_of(rng.standard_normal((b, h, size, width)), "float16") for width in (d, d, d_v)]
+        if not strided:
+            return bits, [cuda.to_device(x) for x in bits]
+        views = [cuda.to_device(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose((0, 2, 1, 3)) for x in bits]
+        return bits, views
+
+    def run_on(arrays, b, h, size):
+        o = cuda.device_array((b, h, size, d_v), np.float32)
+        lse = cuda.device_array((b, h, size), np.float32)
+        return (lambda: kernel(*arrays, o, lse, 1 / np.sqrt(d))), o, lse
+
+    row = {"order": "v2-wide" if not strided else "v2-strided", "kind": "float16", "d": d, "d_v": d_v,
+           "block_k": block_k, "causal": causal}
+    bits, arrays = operands(1, heads, n)
+    run, o, lse = run_on(arrays, 1, heads, n)
+    run()
+    q, k, v = (values_of(b, "float16") for b in bits)
+    try:
+        c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, block_q=64,
+                                      block_k=block_k, contractions=("matmul",), p_dtype="float16")
+        row.update(passed=True, err_out=c.err_out, atol_out=c.atol_out)
+        if strided:  # the same bits as the kernel on contiguous copies
+            contiguous, o2, lse2 = run_on([cuda.to_device(b) for b in bits], 1, heads, n)
+            contiguous()
+            row["passed"] = bool(np.array_equal(o.copy_to_host(), o2.copy_to_host()))
+    except AssertionError as err:
+        row.update(passed=False, error=str(err)[:400])
+    if row["passed"] and shape is not None:
+        b, h, size = shape
+        run, _, _ = run_on(operands(b, h, size)[1], b, h, size)
+        ms = time_it(run)
+        row.update(ms=ms, tflops=2 * b * h * size * size * (d + d_v) / (2 if causal else 1) / ms / 1e9)
+    return row
+
+
 def model_estimates() -> dict:
     """{(order, kind, d, causal): (TFLOP/s, limiter)} of the newest committed whole-kernel estimate of the
     tensor-core kernels (benchmarks/results/estimate_mma_sm90_*.json, B=4 H=16 N=4096; a model, not a timing),
@@ -249,6 +297,13 @@ def main(argv=None) -> int:
                                    heads=1 if args.smoke else 2)
                 log(json.dumps(row))
                 results["rows"].append(row)
+    for d, d_v, strided in (((16, 8, False), (16, 16, True)) if args.smoke else
+                            ((192, 128, False), (192, 192, False), (128, 128, True))):
+        for causal in (False, True):
+            row = wide_row(d, d_v, causal, n_check, None if args.smoke else shape, heads=1 if args.smoke else 2,
+                           strided=strided)
+            log(json.dumps(row))
+            results["rows"].append(row)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "mma_gpu.json"), "w") as fh:
         json.dump(results, fh, indent=1)

@@ -44,7 +44,12 @@ def test_mma_gpu_script_runs_in_smoke_mode(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "mma_gpu.json").read_text())["rows"]
-    forward = [r for r in rows if r["order"] != "bwd-kv-mma"]
+    forward = [r for r in rows if r["order"] in ("v1", "v2")]
+    wide = [r for r in rows if r["order"] in ("v2-wide", "v2-strided")]
+    assert {(r["order"], r["d"], r["d_v"], r["causal"]) for r in wide} == {
+        ("v2-wide", 16, 8, False), ("v2-wide", 16, 8, True), ("v2-strided", 16, 16, False),
+        ("v2-strided", 16, 16, True)}
+    assert all(r["passed"] for r in wide)
     assert {(r["order"], r["kind"], r["causal"]) for r in forward} == {
         (o, k, c) for o, k in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32"),
                                ("v1", "float32"), ("v2", "tf32"))
