@@ -29,12 +29,10 @@ def _prepare(name: str, x, on_device: bool, strided: bool = True, stream=0):
     time for strided arrays). Any other 4-D device view is copied to a C-contiguous array on the device
     (kernels.cast.contiguous_copy); a host array is copied to the device."""
     if on_device:
-        if x.is_c_contiguous():
-            return x.reshape(shapes.batch_shape(x.shape))
-        if len(x.shape) == 4:
-            return x if strided and x.strides[-1] == x.dtype.itemsize else contiguous_copy(x, stream=stream)
-        raise ValueError(f"{name} must be C-contiguous or a 4-D view on the device, got shape {tuple(x.shape)} with "
-                         f"strides {tuple(x.strides)} bytes (make it .contiguous() first)")
+        view = arrays.device_view_4d(name, x)
+        if x.is_c_contiguous() or (strided and x.strides[-1] == x.dtype.itemsize):
+            return view
+        return contiguous_copy(view, stream=stream)
     return cuda.to_device(np.ascontiguousarray(shapes.as_4d(x)))
 
 
@@ -42,7 +40,7 @@ def reads_strided(kernel) -> bool:
     """Whether a compiled kernel takes strided inputs as they are (`_prepare`): every CUDA-core kernel but the
     tile engine's v1 above d = 64, whose strided compilation spills to local memory (255 registers at d = 128;
     `python -m fa_numba profile --strided`, 2026-12-02). The tensor-core kernels read views too: their cp.async
-    copies find rows by the strides (kernels/mma/engine.py, stage_async; a view whose rows are not 16-byte
+    copies find rows by the strides (kernels/mma/staging.py, stage_async; a view whose rows are not 16-byte
     aligned takes the kernel's synchronous loads instead), and none spills when compiled for them."""
     config = kernel.config
     return not (getattr(config, "order", None) == "v1" and getattr(config, "engine", False) and config.head_dim > 64)
@@ -92,9 +90,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
 
     q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
-    and H_kv heads dividing H (GQA/MQA), v's last axis d_v may differ from d (O then has d_v; the kernels run
-    at max(d, d_v) on zero-padded operands, exact: fa_numba.value_dims). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy
-    arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
+    and H_kv heads dividing H (GQA/MQA), v's last axis d_v may differ from d (O then has d_v: the 16-bit
+    tensor-core forwards take it natively, the other kernels at max(d, d_v) on zero-padded operands, exact:
+    fa_numba.value_dims). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
     bfloat16, or float32: None) asks for O in another (NumPy, torch, CuPy and Numba device results, a Numba
     one cast by a kernel, its bfloat16 as uint16 bits; fa_numba.autograd and the drop-ins return the input
     dtype, as SDPA does). N_q = 0 or B = 0 gives empty results and N_k = 0
@@ -114,8 +112,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     CuPy call is launched on that library's current stream, so work queued before and after it on that
     stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
     bfloat16 inputs, order "v1" or "v2", any mask, d <= 192 (float32 d <= 128), block_q in {16, 32, 64, 128},
-    block_k a multiple of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7; float32 inputs by 3xTF32, within the
-    float32 rule plus proofs/L6 part 9's term), "mma-tf32" (float32 inputs by one TF32 product: about 2^-10
+    block_k a multiple of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7; float32 inputs by
+    3xTF32, within the float32 rule plus proofs/L6 part 9's term), "mma-tf32" (float32 inputs by one TF32 product: about 2^-10
     relative per product, not float32-exact) or "auto" (the default: "mma" for float16 and bfloat16 inputs where
     it takes the call as it is, else "simt"; `fa_numba.engines` lists when).
     score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias, temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
@@ -220,12 +218,12 @@ def _without_launch(call, shape, value: float):
         return call.output(cuda.to_device(host, stream=call.stream), shape)
 
 
-def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod=None, kmod=None,
-                   mask=None, form="none", out_shape=None):
+def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod, kmod, mask, form,
+                   out_shape):
     """attention(..., engine="mma" or "mma-tf32"): the tensor-core kernel of `order` and `kind` (the kernel's:
     float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs; d_v =
-    prob.d_v, the 16-bit kernels' own, or d). out_shape: O's (None: q's), its last axis d_v <= the kernel's
-    (value_dims.result)."""
+    prob.d_v, the 16-bit kernels' own, or d). out_shape: O's in the caller's layout, its last axis d_v <= the
+    kernel's (value_dims.result)."""
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
@@ -250,7 +248,7 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
                   if mask is not None else None)
         kernel(*bits, out, lse, scale, stream=call.stream, mask=blocks,
                captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask))
-        return value_dims.result(call, out, out_shape or layout + (prob.d_v,)), call.output(lse, layout)
+        return value_dims.result(call, out, out_shape), call.output(lse, layout)
 
 
 BACKWARD_ORDERS = ("kv", "q")
@@ -290,8 +288,8 @@ def _saved_inputs(call, q, v, named: dict) -> tuple:
                             f"{'device' if one.on_device else 'host'}")
         (value,) = one.arrays
         if tuple(value.shape) != tuple(shapes_[name]):
-            raise ValueError(f"{name} must have shape {tuple(shapes_[name])} (from q{'' if name == 'lse' else ' and v'}), "
-                             f"got {tuple(value.shape)}")
+            source = "q" if name == "lse" else "q and v"
+            raise ValueError(f"{name} must have shape {tuple(shapes_[name])} (from {source}), got {tuple(value.shape)}")
         dtype = np.dtype(value.dtype)
         ok = one.bfloat16 or dtype == np.dtype(np.float32) or (name != "lse" and not call.bfloat16
                                                                 and dtype == np.dtype(q.dtype))
@@ -309,8 +307,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
 
     q, k, v as for `attention`; out and lse are that forward's outputs (out like q with v's head dim d_v,
     float32 or q's dtype; lse float32, q's layout without its last axis), dout like out (q's dtype or float32).
-    Returns (dq, dk, dv) in float32 in the inputs' layout and array library: dq like q, dk like k and dv like v (H_kv heads: the sums over each group's
-    query heads). order "kv" (K/V outer, FlashAttention-2's backward: dK, dV on chip, dQ added into HBM with
+    Returns (dq, dk, dv) in float32 in the inputs' layout and array library: dq like q, dk like k and dv like v
+    (H_kv heads: the sums over each group's query heads). order "kv" (K/V outer, FlashAttention-2's backward: dK, dV on chip, dQ added into HBM with
     atomic adds, or with deterministic=True computed by a second, Q-outer pass without atomics, bitwise
     repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
     default by head dim (kernels.backward.DEFAULTS). HBM traffic: iomodel.traffic_backward; the kernels:
@@ -446,10 +444,10 @@ def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mo
 
 
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
-                            kind, score_mod=None, kmod=None, mask=None, form="none", grad_shapes=None):
+                            kind, score_mod, kmod, mask, form, grad_shapes):
     """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
     16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are). grad_shapes: those of
-    (dq, dk, dv) (None: q's, k's, v's), their last axes at most the kernels' head dim (value_dims.result)."""
+    (dq, dk, dv) in the caller's layout, their last axes at most the kernels' head dim (value_dims.result)."""
     from fa_numba.kernels.mma import backward as mma_backward
 
     dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
@@ -476,5 +474,4 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
                          deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream, mod=kmod,
                          captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask), mask=mask,
                          mask_form=form)
-        grad_shapes = grad_shapes or (tuple(q.shape), tuple(k.shape), tuple(v.shape))
         return tuple(value_dims.result(call, g, shape) for g, shape in zip((grad_q, grad_k, grad_v), grad_shapes))

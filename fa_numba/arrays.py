@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
+from fa_numba import shapes
+
 LIBRARIES = ("torch", "cupy")  # inputs of these come back as the same library's arrays
 
 
@@ -249,6 +251,18 @@ def adopt(named: dict, allowed=None, bfloat16: bool = False) -> Call:
 
 
 OUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def device_view_4d(name: str, x):
+    """A (B, H, N, d) view of the device array x without a copy: its reshape when it is C-contiguous, x itself
+    when it is 4-D (any strides), else a ValueError naming it (a strided view of another rank cannot be
+    flattened in place)."""
+    if x.is_c_contiguous():
+        return x.reshape(shapes.batch_shape(x.shape))
+    if len(x.shape) == 4:
+        return x
+    raise ValueError(f"{name} must be C-contiguous or a 4-D view on the device, got shape {tuple(x.shape)} with "
+                     f"strides {tuple(x.strides)} bytes (make it .contiguous() first)")
 
 
 def dtype_name(name: str, dtype) -> str:

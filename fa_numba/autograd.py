@@ -38,6 +38,15 @@ from fa_numba import engines, mods, shapes, torch_ops
 BACKWARD_ORDERS = ("kv", "q")
 
 
+def check_gradients_engine(engine: str, q, k, v) -> None:
+    """A ValueError where `engine` cannot give the gradients a call will want: float32 inputs on tensor cores
+    (3xTF32 or TF32) have a forward only. Also what `distributed.ring_attention` asks before its forward."""
+    if (engine in ("mma", "mma-tf32") and q.dtype == torch.float32 and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))):
+        raise ValueError(f"engine={engine!r} runs float32 inputs' forward only (the 3xTF32 backward is not built "
+                         "yet): use engine='simt' or 'auto' for gradients, or call it under torch.no_grad()")
+
+
 def _flatten(name: str, x):
     """(..., H, N, d) as (B, H, N, d) (shapes.batch_shape: leading batch axes as one, none as B = H = 1): a
     view where torch can make one and its last axis has unit stride (the CUDA-core kernels read it through
@@ -102,10 +111,7 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     if q.dim() > 4 and not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
         raise ValueError(f"q, k, v must share their leading batch axes, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if (engine in ("mma", "mma-tf32") and q.dtype == torch.float32 and torch.is_grad_enabled()
-            and any(x.requires_grad for x in (q, k, v))):
-        raise ValueError(f"engine={engine!r} runs float32 inputs' forward only (the 3xTF32 backward is not built "
-                         "yet): use engine='simt' or 'auto' for gradients, or call it under torch.no_grad()")
+    check_gradients_engine(engine, q, k, v)
     shape = q.shape
     tiles = [0 if b is None else shapes.check_block(name, b)
              for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]
@@ -115,5 +121,4 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     key = torch_ops.mod_key(mods.check_score_mod(score_mod))
     out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
                                       tiles[1], backward_order, deterministic, tiles[2], key)
-    out_shape = tuple(shape[:-1]) + (v.shape[-1],)  # v's head dim d_v
-    return out.reshape(out_shape).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])
+    return out.reshape(shapes.out_shape(q, v)).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])

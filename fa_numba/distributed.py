@@ -224,13 +224,10 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
     "simt" or "mma" (float32 by 3xTF32 without gradients only: its backward is not built); block: the kernels'
     square tile (default 16 for CPU tensors, else the kernels' defaults)."""
-    from fa_numba import engines
+    from fa_numba import autograd, engines
 
     engines.backward(engine)  # the engine's name, before anything is read
-    if (engine in ("mma", "mma-tf32") and q.dtype == torch.float32 and torch.is_grad_enabled()
-            and any(x.requires_grad for x in (q, k, v))):
-        raise ValueError(f"engine={engine!r} runs float32 inputs' forward only (the 3xTF32 backward is not built "
-                         "yet): use engine='simt' or 'auto' for gradients, or call it under torch.no_grad()")
+    autograd.check_gradients_engine(engine, q, k, v)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -4,8 +4,9 @@ by one TF32 product: an opt-in, not float32-exact) or `engine="auto"`.
 
 `auto` takes the tensor cores for float16 and bfloat16 inputs wherever the tensor-core kernels take the call as
 it is, and the CUDA cores otherwise:
-- forward: order "v1" or "v2", d <= 192 (float16 / bfloat16; float32 d <= 128), the tiles asked for (if any) valid for mma.sync (block_q 16, 32, 64 or
-  128; block_k a multiple of 16) and within 48 KB of shared memory; any mask, any score mod;
+- forward: order "v1" or "v2", d <= 192 (float16 / bfloat16; float32 d <= 128), the tiles asked for (if any)
+  valid for mma.sync (block_q 16, 32, 64 or 128; block_k a multiple of 16) and within 48 KB of shared memory;
+  any mask, any score mod;
 - backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
   tensor-core backward takes (`kernels.mma.backward.plan`).
 float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
@@ -23,8 +24,6 @@ ENGINES = ("auto", "simt", "mma", "mma-tf32")
 MMA_KINDS = ("float16", "bfloat16")  # the 16-bit inputs: forward and backward, and auto's choice
 FLOAT32_KINDS = ("float32",)  # float32 inputs: the forward on tensor cores (3xTF32, or TF32 by "mma-tf32")
 MMA_ORDERS = ("v1", "v2")
-MMA_MAX_HEAD_DIM = 128  # the backward's and the float32 forward's (kernels.mma.engine.MAX_HEAD_DIM)
-MMA_MAX_FORWARD_HEAD_DIM = 192  # the 16-bit forward's (kernels.mma.engine.MAX_FORWARD_HEAD_DIM)
 
 
 def resolve(engine: str, *, kind: str, order: str, head_dim: int, block_q: int | None = None,
@@ -87,7 +86,9 @@ def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
     if kind not in MMA_KINDS + FLOAT32_KINDS + ("tf32",):
         raise ValueError(f"engine='mma' takes float16, bfloat16 or float32 inputs, got {kind}; use engine='simt' "
                          f"for {kind}")
-    limit = MMA_MAX_FORWARD_HEAD_DIM if kind in MMA_KINDS and not backward else MMA_MAX_HEAD_DIM
+    from fa_numba.kernels.mma.engine import MAX_FORWARD_HEAD_DIM, MAX_HEAD_DIM  # the kernels' own limits
+
+    limit = MAX_FORWARD_HEAD_DIM if kind in MMA_KINDS and not backward else MAX_HEAD_DIM
     if head_dim > limit:
         what = "the backward" if backward else f"{kind} inputs"
         raise ValueError(f"engine='mma' needs head dim d <= {limit} for {what}, got {head_dim}")

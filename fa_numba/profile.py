@@ -268,10 +268,13 @@ def kernel_names() -> list[str]:
 
 def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> tuple[int, int] | None:
     """(block_q, block_k) the tensor-core kernels launch with by default (engines.mma_tiles; the backward's
-    kernels.mma.backward.default_tiles), or None for a head dim they do not take."""
+    kernels.mma.backward.default_tiles), or None for a head dim they do not take (kernels.mma.engine's limits:
+    the 16-bit forwards to 192, the backward and float32 to 128)."""
     from fa_numba import engines
+    from fa_numba.kernels.mma.engine import MAX_FORWARD_HEAD_DIM, MAX_HEAD_DIM
 
-    if head_dim > engines.MMA_MAX_HEAD_DIM:
+    sixteen_forward = name not in whole_kernel.MMA_BACKWARD and dtype in engines.MMA_KINDS
+    if head_dim > (MAX_FORWARD_HEAD_DIM if sixteen_forward else MAX_HEAD_DIM):
         return None
     if name in whole_kernel.MMA_BACKWARD:
         from fa_numba.kernels.mma.backward import default_tiles
@@ -284,7 +287,8 @@ def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> t
 def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
     """The shipped configurations: every kernel at the default tiles of each head dim, each dtype (the
     backward kernels at float32 only: they read float16 through the same conversion; the tensor-core
-    kernels at d <= 128 only, at their own default tiles, the forwards' float32 by 3xTF32 non-causal only (the
+    kernels at the head dims they take (16-bit forwards to 192, the rest to 128: none of the shipped 256),
+    at their own default tiles, the forwards' float32 by 3xTF32 non-causal only (the
     causal ones spill a few bytes: docs/profile.md), the backward's at 16-bit dtypes only) and causal or not."""
     from fa_numba.kernels import backward, default_tiles
 
@@ -303,7 +307,10 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                 if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # no 3xTF32 backward yet
                     continue
                 if name in whole_kernel.MMA_VARIANTS:  # float32's tiles hold two tf32 parts: smaller defaults
-                    block_q, block_k = _mma_tiles(head_dim, name, dtype)
+                    tiles = _mma_tiles(head_dim, name, dtype)
+                    if tiles is None:  # float32 above d = 128
+                        continue
+                    block_q, block_k = tiles
                 for causal in causals:
                     if is_mma and dtype == "float32" and causal:  # not shipped in the table: the causal 3xTF32
                         continue  # kernels spill 4 to 12 bytes (docs/profile.md), which the table's checks refuse

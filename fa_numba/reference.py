@@ -357,8 +357,8 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
                        score_mod=None):
     """Float64 gradients (dq, dk, dv) of <dout, O(q, k, v)>, densely from its own float64 forward (O, LSE).
 
-    dout is like the forward's out (q's shape with v's head dim d_v); dq comes out like q, dk and dv like k and v (H_kv heads: with GQA each is the sum over
-    the query heads of its group). mask: a `fa_numba.masks` mask applied densely, as in `attention` (not with
+    dout is like the forward's out (q's shape with v's head dim d_v); dq comes out like q, dk and dv like k and
+    v (H_kv heads: with GQA each is the sum over the query heads of its group). mask: a `fa_numba.masks` mask applied densely, as in `attention` (not with
     causal=True): masked pairs have P = 0 and dS = 0 and their operands are never multiplied. A row with no
     visible key (causal with N_q > N_k, or any mask's empty row) gives a zero row of dq and nothing to dk,
     dv. The formulas and their proof: proofs/L7_backward.md. Materialises S, P, dP, dS:

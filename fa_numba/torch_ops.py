@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fa_numba import api, backend, masks, mods, slice_masks
+from fa_numba import api, backend, masks, mods, shapes, slice_masks
 
 SIMULATOR_TILE = 16  # the default tile in the simulator: 16 threads per block keep a launch to a second or so
 
@@ -93,8 +93,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, or
 @attention_op.register_fake
 def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order,
                     deterministic, backward_block, score_mod=""):
-    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)  # O has V's head dim d_v
-    return (q.new_empty(out_shape, dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
+    return (q.new_empty(shapes.out_shape(q, v), dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op("fa_numba::attention_backward", mutates_args=())

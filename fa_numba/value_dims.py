@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import shapes
+from fa_numba import arrays, shapes
 from fa_numba.kernels.cast import resized_copy
 
 
@@ -38,10 +38,7 @@ def widened(call, name: str, x, width: int):
         return x
     if not call.on_device:
         return np.pad(np.asarray(x), [(0, 0)] * (len(x.shape) - 1) + [(0, width - tuple(x.shape)[-1])])
-    if not x.is_c_contiguous() and len(x.shape) != 4:
-        raise ValueError(f"{name} must be C-contiguous or a 4-D view on the device, got shape {tuple(x.shape)} with "
-                         f"strides {tuple(x.strides)} bytes (make it .contiguous() first)")
-    src = x if len(x.shape) == 4 else x.reshape(shapes.batch_shape(x.shape))
+    src = arrays.device_view_4d(name, x)
     out = cuda.device_array(tuple(x.shape)[:-1] + (width,), dtype=x.dtype, stream=call.stream)
     resized_copy(src, out.reshape(shapes.batch_shape(out.shape)), stream=call.stream)
     return out

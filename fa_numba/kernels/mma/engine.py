@@ -18,10 +18,13 @@ Q_i, K_j and V_j are staged in shared memory as 16-bit bits, rows DP + 8 element
 to 16, zeros past d; the 16-byte pad puts the 8 rows of an ldmatrix on 8 distinct 4-bank groups); Q's A
 fragments are read once per staging (ldmatrix x4), K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans,
 and the S accumulator becomes P's A fragment in the lane that holds it (L10, claim 5): no data moves between
-lanes.
+lanes. V_j and O may have a head dim of their own (`MmaConfig.value_dim`, 16-bit kinds): V_j's rows are then
+DPV + 8 apart and O's accumulator holds DPV columns (DPV: d_v rounded up to 16).
 
-Staging: where d % 8 == 0 (and the inputs are 16-byte aligned) each tile is copied by cp.async, 16 bytes a
-copy with the rows past N zero-filled, so no element passes through a register; otherwise by plain loads.
+Staging (kernels.mma.staging): where d and d_v are multiples of 8 (and the inputs' rows 16-byte aligned) each
+tile is copied by cp.async, 16 bytes a copy with the rows past N zero-filled, so no element passes through a
+register, rows found by the shape or, for a strided view, by its strides; otherwise by plain loads. The launch
+both orders share is kernels.mma.launch.
 
 Masking (kernels.mma.masking): causal (bottom-right) by SKIP / FULL / PARTIAL tiles in closed form, or a block
 mask's lists (every form of kernels.block_lists, one mask or one per (batch, head)): the tiles a block visits and

@@ -17,8 +17,8 @@ from fa_numba.kernels.score_mod import NO_CAPTURED, tuple_type
 
 class MmaKernel:
     """A compiled tensor-core forward kernel: kernel(q, k, v, o, lse, scale, mask=, captured=) on device arrays,
-    q, k, v (B, H, N, d) uint16 bits of float16 or bfloat16 values, or float32 (config.kind), o float32 (B, H, N_q, d), lse
-    float32 (B, H, N_q); mask: the block mask's kernels.block_lists.KernelMask on this kernel's tiles for a
+    q, k, v (B, H, N, d; v d_v) uint16 bits of float16 or bfloat16 values, or float32 (config.kind), o float32
+    (B, H, N_q, d_v), lse float32 (B, H, N_q); mask: the block mask's kernels.block_lists.KernelMask on this kernel's tiles for a
     kernel compiled with a list form (config.mask_form), None otherwise. Subclasses give the order's grid and
     arguments."""
 
