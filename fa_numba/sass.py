@@ -55,6 +55,7 @@ class Instruction:
     opcode: str  # with its modifiers, e.g. "LDS.128"
     operands: str
     predicated: bool
+    never: bool = False  # guarded by @!PT (a scheduling placeholder ptxas puts before LDGSTS): it never executes
 
     @property
     def base(self) -> str:
@@ -117,7 +118,8 @@ def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int], list[tuple
         if not found:
             continue
         address = int(found.group(1), 16)
-        inst = Instruction(address, found.group(3), found.group(4).strip(), bool(found.group(2)))
+        guard = (found.group(2) or "").strip()
+        inst = Instruction(address, found.group(3), found.group(4).strip(), bool(guard), guard == "@!PT")
         instructions.append(inst)
         for label in pending:
             labels[label] = address
@@ -326,16 +328,35 @@ def global_load_waits(instructions) -> int:
     return waits
 
 
+def _groups_left(inst: Instruction) -> int:
+    """N of a DEPBAR that waits until at most N of this thread's copy groups are still in flight
+    (cp.async.wait_group N: "DEPBAR.LE SB0, 0x1"); 0 for any other form of DEPBAR."""
+    found = re.search(r"SB0\s*,\s*(0x[0-9a-fA-F]+|\d+)", inst.operands)
+    return int(found.group(1), 0) if found else 0
+
+
 def async_copy_waits(instructions) -> int:
     """How many times a thread waits for its own asynchronous copies (cp.async: LDGSTS into shared memory)
-    while issuing `instructions` in address order: a DEPBAR (cp.async.wait_group) after at least one LDGSTS
-    since the last such wait counts one round trip (the copies issued together travel together, as in
-    `global_load_waits`); a DEPBAR with no copy in flight costs nothing here. Straight-line code, one pass."""
+    while issuing `instructions` in address order: a DEPBAR that waits for every group (cp.async.wait_group 0)
+    after at least one LDGSTS since the last such wait counts one round trip (the copies issued together travel
+    together, as in `global_load_waits`); a DEPBAR with no copy in flight costs nothing here, and one that
+    leaves groups in flight is `pipelined_copy_waits`'. Straight-line code, one pass."""
     waits, in_flight = 0, False
     for inst in instructions:
         if inst.base == "LDGSTS":
             in_flight = True
-        elif inst.base == "DEPBAR" and in_flight:
+        elif inst.base == "DEPBAR" and in_flight and not _groups_left(inst):
             waits += 1
             in_flight = False
     return waits
+
+
+def pipelined_copy_waits(instructions) -> float:
+    """The waits of a software pipeline in a loop body that issues copies (LDGSTS): each DEPBAR that leaves N >=
+    1 groups in flight (cp.async.wait_group N) waits for copies committed N groups earlier, which with one
+    group per iteration (the pipelines of this project) were issued N iterations before. Returns the sum of
+    1/N: the round trips the iteration must cover by itself (`cycle_model`: such a wait costs at least L / N
+    per iteration, not L plus the iteration's work). 0 for a body without copies."""
+    if not any(inst.base == "LDGSTS" for inst in instructions):
+        return 0.0
+    return sum(1.0 / n for n in (_groups_left(inst) for inst in instructions if inst.base == "DEPBAR") if n)

@@ -104,7 +104,7 @@ def iteration_counts(text: str, cfg: dict, threads: int, d_pad: int | None = Non
         for inst in node.own:
             counts["instructions"] += runs
             counts["by_category"][inst.category] += runs
-            if inst.base in ("LDS", "STS"):
+            if inst.base in ("LDS", "STS") and not inst.never:
                 key = f"{inst.base}.{_access_bytes(inst.opcode)}"
                 shared[key] = shared.get(key, 0) + runs
         counts["load_round_trips"] += runs * sass.global_load_waits(node.own)
@@ -123,13 +123,17 @@ def iteration_counts(text: str, cfg: dict, threads: int, d_pad: int | None = Non
     return counts
 
 
-def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | None = None) -> dict:
+def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | None = None,
+                         copies: int | None = None) -> dict:
     """Per thread, what one tile-loop iteration of a tensor-core kernel issues (the keys of `iteration_counts`,
     and "hmma"). The tile loop is the smallest SASS loop holding every HMMA; its body is counted once, every
     path (the engine unrolls its fragment loops, so a FULL tile has no inner loop). An inner loop runs
     `inner_trips` times if it holds HMMA and the kernel says how often its layout runs it (the kv backward's
-    dQ column blocks, `MmaBackwardKernel.inner_trips`), else once, listed in `unattributed`. Round trips:
-    dependent global loads and cp.async waits (`sass.async_copy_waits`). "products": the HMMAs as products of
+    dQ column blocks, `MmaBackwardKernel.inner_trips`), else once, listed in `unattributed`; an inner loop of
+    cp.async copies without HMMA (a tile's staging loop, where ptxas does not unroll it) runs `copies` / (its
+    LDGSTS) times if the kernel says how many copies one thread issues per staged tile (`copies`), else once,
+    listed in `unattributed`. Round trips: dependent global loads and cp.async waits (`sass.async_copy_waits`),
+    and the pipelined waits (`sass.pipelined_copy_waits`, a key of their own). "products": the HMMAs as products of
     B_r B_c D, each warp owning 16 rows of its tile and one HMMA covering `USEFUL_MACS[dtype]` of the products'
     multiply-adds (m16n8k16: 16 x 8 x 16; 3xTF32's m16n8k8: 16 x 8 x 8 over its three products), so exactly 2
     for a forward that does S and P V once."""
@@ -140,24 +144,34 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
         raise ValueError(f"{cfg['variant']}: no SASS loop holds all its HMMA instructions")
     tile = min(holding, key=lambda node: len(node.instructions))
     counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
-              "unattributed": [], "hmma": 0.0, "shared_accesses": {}}
+              "unattributed": [], "hmma": 0.0, "shared_accesses": {}, "pipelined_waits": 0.0}
 
     def add(node, runs: int) -> None:
         for inst in node.own:
             counts["instructions"] += runs
             counts["by_category"][inst.category] += runs
             counts["hmma"] += runs * (inst.base == "HMMA")
-            if inst.base in ("LDS", "STS", "LDSM", "LDGSTS"):
+            if inst.base in ("LDS", "STS", "LDSM", "LDGSTS") and not inst.never:  # not ptxas's @!PT placeholders
                 counts["shared_accesses"][inst.base] = counts["shared_accesses"].get(inst.base, 0) + runs
-        counts["load_round_trips"] += runs * (sass.global_load_waits(node.own) + sass.async_copy_waits(node.own))
+        counts["load_round_trips"] += runs * sass.global_load_waits(node.own)
         for child in node.children:
             inner = tree[child]
-            known = inner_trips is not None and any(i.base == "HMMA" for i in inner.instructions)
-            if not known:
+            trips = None
+            if inner_trips is not None and any(i.base == "HMMA" for i in inner.instructions):
+                trips = inner_trips
+            copying = sum(i.base == "LDGSTS" for i in inner.instructions)
+            if copies is not None and copying and not any(i.base == "HMMA" for i in inner.instructions):
+                if copies % copying:
+                    raise ValueError(f"a staging loop of {copying} copies a trip cannot issue {copies} copies")
+                trips = copies // copying
+            if trips is None:
                 counts["unattributed"].append(f"0x{inner.start:04x}-0x{inner.end:04x}")
-            add(inner, runs * (inner_trips if known else 1))
+            add(inner, runs * (trips or 1))
 
     add(tile, 1)
+    # cp.async waits over the whole body, the copies of its inner loops (a tile's staging loop) included
+    counts["load_round_trips"] += sass.async_copy_waits(tile.instructions)
+    counts["pipelined_waits"] = sass.pipelined_copy_waits(tile.instructions)
     counts["ffma"] = counts["by_category"]["FFMA"]
     counts["mufu"] = counts["by_category"]["MUFU"]
     rows = cfg["block_q"] if cfg["variant"] in _WARP_OWNS_KEYS else cfg["block_k"]
@@ -241,7 +255,8 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     tensor = counts.get("hmma", 0) * warps * (device.mma_cycles(MMA_SHAPE[cfg["dtype"]]) if mma else 0.0)
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],
-                         flops=useful / (iterations * blocks), tensor_cycles=tensor)
+                         flops=useful / (iterations * blocks), tensor_cycles=tensor,
+                         pipelined_waits=counts.get("pipelined_waits", 0.0))
     resident = min(occupancy["blocks_per_sm"], math.ceil(blocks / device.sms))
     traffic = hbm_bytes(cfg, launch, resident * device.sms, blocks_per_head, device)
     run = Launch(blocks=blocks, warps_per_block=warps, blocks_per_sm=occupancy["blocks_per_sm"],

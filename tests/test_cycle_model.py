@@ -95,3 +95,14 @@ def test_a_one_warp_block_alone_on_an_sm_uses_one_tensor_core():
     cost = IterationCost(warp_instructions=100, mufu=0, wavefronts=0, load_round_trips=0, flops=1e6,
                          tensor_cycles=64 * 4)
     assert iteration_cycles(cost, alone)["tensor"] == 256  # not 256 / 4: three tensor cores idle
+
+
+def test_a_pipelined_wait_costs_its_latency_over_the_iterations_ahead_not_latency_plus_work():
+    # 200 cycles of one block's own issue (800 / 4), a 300-cycle L2 latency: a copy waited for in the iteration
+    # that issued it costs 300 + 200; one issued an iteration ahead max(300, 200); two ahead max(150, 200)
+    dependent = iteration_cycles(dataclasses.replace(BASE, load_round_trips=1), FULL)["latency"]
+    one_ahead = iteration_cycles(dataclasses.replace(BASE, pipelined_waits=1.0), FULL)["latency"]
+    two_ahead = iteration_cycles(dataclasses.replace(BASE, pipelined_waits=0.5), FULL)["latency"]
+    assert (dependent, one_ahead, two_ahead) == (500, 300, 200)
+    slow = iteration_cycles(dataclasses.replace(BASE, pipelined_waits=4.0), FULL)["latency"]
+    assert slow == 1200  # four pipelined waits an iteration: 4 x 300 whatever the work

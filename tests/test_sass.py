@@ -333,3 +333,19 @@ def test_copies_committed_together_cost_one_wait_and_a_wait_with_none_in_flight_
     assert sass.async_copy_waits(together) == 1 and sass.async_copy_waits(apart) == 2
     assert sass.async_copy_waits(_body("DEPBAR.LE SB0, 0x0", "HMMA.16816.F32 R4, R8, R12, R4")) == 0
     assert sass.global_load_waits(together) == 0  # a cp.async writes no register: not a global-load wait
+
+
+def test_a_wait_that_leaves_groups_in_flight_is_pipelined_not_a_round_trip():
+    copy = "LDGSTS.E.BYPASS.128 [R17], desc[UR28][R14.64], P2"
+    one_ahead = _body(copy, copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x1", "BAR.SYNC.DEFER_BLOCKING 0x0")
+    two_ahead = _body(copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x2")
+    assert sass.async_copy_waits(one_ahead) == 0 and sass.pipelined_copy_waits(one_ahead) == 1.0
+    assert sass.async_copy_waits(two_ahead) == 0 and sass.pipelined_copy_waits(two_ahead) == 0.5
+    waits_all = _body(copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0")
+    assert sass.async_copy_waits(waits_all) == 1 and sass.pipelined_copy_waits(waits_all) == 0.0
+    assert sass.pipelined_copy_waits(_body("DEPBAR.LE SB0, 0x1", "HMMA.16816.F32 R4, R8, R12, R4")) == 0.0  # no copy
+
+
+def test_an_at_not_pt_placeholder_never_executes():
+    placeholder, real = _body("@!PT LDS RZ, [RZ]", "@P0 LDS R4, [R2]")
+    assert placeholder.never and placeholder.predicated and not real.never and real.predicated
