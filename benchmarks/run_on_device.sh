@@ -7,8 +7,9 @@
 #      then v2 and v2-mma timed with and without them beside torch SDPA, within 90 s;
 #   0c. masks_gpu: a document mask_mod and strided (B, N, H, d) inputs on every CUDA-core kernel, checked, then
 #      v2 timed with causal=True, a mask_mod, a 4-D dense mask and strided inputs, within 60 s;
-#   1. decode_gpu: split-KV decoding (B=1, 8; H=32, H_kv=8; N_k=32k, 128k; d=128; float16) checked, then
-#      timed beside the unsplit call, the v2 kernel and torch SDPA, within 100 s;
+#   1. decode_gpu: split-KV decoding (B=1, 8; H=32, H_kv=8; N_k=32k, 128k; d=128; float16) on both engines
+#      (the CUDA-core and the tensor-core split kernels) checked, then timed beside the unsplit calls, the v2
+#      kernel and torch SDPA, within 100 s;
 #   2. compare_gpu: the fast-kernel issue's targets first (B=4, H=16, N=4096, d=64, float32: every variant
 #      checked, then timed, beside torch SDPA), then the other sizes, within 150 s;
 #   3. gpu_check: the GPU test tier (kernels, engine, backward, API, array libraries), the checks and

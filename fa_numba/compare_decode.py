@@ -1,9 +1,10 @@
 """`python -m fa_numba compare --decode`: split-KV decoding beside the same call unsplit and the v2 kernel on
 the same cache, each checked against the float64 reference, with its HBM traffic and the HBM bound.
 
-Variants: "split" (attention_with_kvcache, the heuristic's splits or --split-size), "unsplit" (num_splits=1), "v2"
-(fa_numba.attention, order v2 on the CUDA cores, the decode kernels' engine, causal, on the cache as (B, H_kv, N_k,
-d): the same problem for the prefill kernel). Bytes are iomodel's (traffic_decode, traffic); the HBM bound is bytes
+Variants: "split" (attention_with_kvcache on the CUDA cores, engine="simt", the heuristic's splits or --split-size),
+"unsplit" (num_splits=1), "split-mma" and "unsplit-mma" (the same on the tensor cores, engine="mma": float16 and
+bfloat16 only, the rows of a float32 shape say so), "v2" (fa_numba.attention, order v2 on the CUDA cores, causal,
+on the cache as (B, H_kv, N_k, d): the same problem for the prefill kernel). Bytes are iomodel's (traffic_decode, traffic); the HBM bound is bytes
 / 4.8 TB/s (the H200's HBM3e): the least time the call can take, the physical limit of decoding, **a bound, not a
 speed**. On a GPU each variant is timed (CUDA events, median after warm-up) and its bytes / time given as a share
 of that bandwidth; in the simulator the decode kernels' HBM accesses are counted and compared with the model.
@@ -17,9 +18,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from fa_numba import backend, iomodel, split_kv, timing, tolerance
+from fa_numba.kernels.layout import Layout
 from fa_numba.machine import H200
 
-VARIANTS = ("split", "unsplit", "v2")
+VARIANTS = ("split", "unsplit", "split-mma", "unsplit-mma", "v2")
 SIMULATOR_TILE = 16
 
 
@@ -51,21 +53,27 @@ def _itemsize(s: Shape) -> int:
     return 4 if s.dtype == "float32" else 2
 
 
-def _decode_call(s: Shape, q, k, v, unsplit: bool):
+def _engine(variant: str) -> str:
+    return "mma" if variant.endswith("-mma") else "simt"
+
+
+def _decode_call(s: Shape, q, k, v, unsplit: bool, engine: str):
     import fa_numba
 
     options = dict(num_splits=1) if unsplit else dict(split_size=s.split_size)
     return lambda: fa_numba.attention_with_kvcache(q, k, v, [s.n_k] * s.batch, block_k=s.block_k, return_lse=True,
-                                                   **options)
+                                                   engine=engine, **options)
 
 
-def _splits(s: Shape, unsplit: bool) -> tuple[split_kv.Splits, object]:
-    """The split and layout attention_with_kvcache picks for this shape (decode's own rule)."""
+def _splits(s: Shape, unsplit: bool, engine: str = "simt") -> tuple[split_kv.Splits, object]:
+    """The split and layout attention_with_kvcache picks for this shape on `engine` (decode's own rule)."""
     from fa_numba import decode
     from fa_numba.kernels import decode as kernels
+    from fa_numba.kernels.mma import decode as mma_decode
 
     rows = s.n_q * s.heads // s.heads_kv
-    layout = kernels.decode_layout(rows, s.head_dim, s.block_k)
+    layout = (mma_decode.decode_split(s.dtype, rows, s.head_dim, s.block_k) if engine == "mma" else
+              kernels.decode_layout(rows, s.head_dim, s.block_k))
     key_tiles = -(-s.n_k // layout.block_k)
     blocks = s.batch * s.heads_kv * -(-rows // layout.block_q)
     return decode._resolve_splits(1 if unsplit else None, None if unsplit else s.split_size, blocks, key_tiles,
@@ -103,12 +111,18 @@ def run(s: Shape, variants=VARIANTS, *, repeats: int = 20, count: bool | None = 
                                      s.heads_kv)
             row.update(splits=None, **_judged(judged))
         else:
-            splits, layout = _splits(s, name == "unsplit")
-            call = _decode_call(s, q, k, v, name == "unsplit")
+            engine = _engine(name)
+            if engine == "mma" and s.dtype not in ("float16", "bfloat16"):
+                rows.append({**row, "skipped": f"engine='mma' decodes float16 and bfloat16, not {s.dtype}"})
+                continue
+            splits, layout = _splits(s, name.startswith("unsplit"), engine)
+            call = _decode_call(s, q, k, v, name.startswith("unsplit"), engine)
             out, lse = call()
+            p_dtype = s.dtype if engine == "mma" else None  # P rounded to the input type before P V
             judged = lambda: [split_kv.check(  # noqa: E731
                 out[b], lse[b], ref_q[b], ref_k[b], ref_v[b], causal=True, scale=scale, block_k=layout.block_k,
-                splits=splits if splits.count > 1 else None, contractions=contractions) for b in range(s.batch)]
+                splits=splits if splits.count > 1 else None, contractions=contractions, p_dtype=p_dtype)
+                for b in range(s.batch)]
             ledger = iomodel.traffic_decode([s.n_k] * s.batch, s.n_q, s.head_dim, layout.block_q, layout.block_k,
                                             splits.tiles, splits.count, True, s.heads, s.heads_kv)
             row.update(splits=splits.count, **_judged(judged))
@@ -137,30 +151,37 @@ def _counted(s: Shape, q, k, v, layout, splits, scale):
 
     group = s.heads // s.heads_kv
     packed = np.ascontiguousarray(q).reshape(s.batch, s.heads_kv, group * s.n_q, s.head_dim)
+    k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    if not isinstance(layout, Layout) and packed.dtype == np.float16:  # the tensor-core kernel reads 16-bit bits
+        packed, k, v = (x.view(np.uint16) for x in (packed, k, v))
     lohi = split_kv.row_intervals(np.full(s.batch, s.n_k), s.n_q, group, True)
-    _, _, ledger = run_counted_decode(packed, np.ascontiguousarray(k), np.ascontiguousarray(v), [s.n_k] * s.batch,
+    _, _, ledger = run_counted_decode(packed, k, v, [s.n_k] * s.batch,
                                       np.arange(s.batch)[:, None], lohi, scale, layout=layout,
                                       tiles_per_split=splits.tiles, splits=splits.count)
     return ledger
 
 
 def all_passed(result: dict) -> bool:
-    return all(r["passed"] and r.get("counted_equals_model", True) for r in result["rows"])
+    return all(r["passed"] and r.get("counted_equals_model", True) for r in result["rows"] if "skipped" not in r)
 
 
 def render(result: dict) -> str:
     s = result["shape"]
     lines = [f"decode: B={s['batch']} H={s['heads']} H_kv={s['heads_kv']} N_q={s['n_q']} N_k={s['n_k']} "
              f"d={s['head_dim']} {s['dtype']}, causal ({result['device']})",
-             f"{'variant':<8} {'splits':>6} {'err O':>9} {'atol O':>9} {'HBM KiB':>9} {'HBM bound us':>12} "
+             f"{'variant':<11} {'splits':>6} {'err O':>9} {'atol O':>9} {'HBM KiB':>9} {'HBM bound us':>12} "
              f"{'median us':>9} {'HBM share':>9} {'counted=model':>13}"]
     for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"{r['variant']:<11} not run: {r['skipped']}")
+            continue
         t = r.get("timing")
         median, share = (f"{t['median_ms'] * 1e3:.1f}", f"{r['hbm_share']:.0%}") if t else ("-", "-")
-        lines.append(f"{r['variant']:<8} {r['splits'] or '-':>6} {r['err_out']:>9.2e} {r['atol_out']:>9.2e} "
+        lines.append(f"{r['variant']:<11} {r['splits'] or '-':>6} {r['err_out']:>9.2e} {r['atol_out']:>9.2e} "
                      f"{r['bytes'] / 1024:>9.1f} {r['hbm_bound_us']:>12.3f} {median:>9} {share:>9} "
                      f"{str(r.get('counted_equals_model', '-')):>13}")
-    lines += [f"{r['variant']} FAILED its check: {r['failure']}" for r in result["rows"] if not r["passed"]]
+    lines += [f"{r['variant']} FAILED its check: {r['failure']}" for r in result["rows"]
+              if "skipped" not in r and not r["passed"]]
     lines.append("HBM bound: bytes / 4.8 TB/s (H200 HBM3e), the least time the call can take; not a speed."
                  + ("" if result["device"] == "gpu" else " No GPU: no timings (simulator)."))
     return "\n".join(lines)

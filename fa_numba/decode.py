@@ -16,6 +16,8 @@ from numba import cuda
 
 from fa_numba import arrays, backend, engines, machine, shapes, split_kv
 from fa_numba.kernels import decode as kernels
+from fa_numba.kernels.mma import decode as mma_decode
+from fa_numba.kernels.mma.staging import aligned16
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, MAX_SEQUENCE
 
 
@@ -98,7 +100,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     longest request (the split size then depends on the batch); neither: the wave-efficiency rule
     (`split_kv.heuristic_splits`: splits until the grid fills the GPU's SMs), which also depends on the batch.
     Results are float32: O (B, H, N_q, d), and LSE (B, H, N_q) with return_lse=True, in q's array library.
-    engine "auto" or "simt" (the CUDA-core kernels); "mma" is a NotImplementedError for now.
+    engine: "simt" (the CUDA-core split kernel), "mma" (the tensor-core one, kernels/mma/decode.py: float16 and
+    bfloat16, d a multiple of 8 up to 192, K and V streamed by a two-stage cp.async pipeline; P rounded to the
+    input type before P V, as every 16-bit tensor-core kernel), or "auto" (mma wherever it takes the call, else
+    simt; `engines.decode`). block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
 
     Checked before anything is written or launched, each error naming the argument: shapes and dtypes, the
     lengths (0 <= cache_seqlens[b], cache_seqlens[b] + N_new <= the request's capacity), and every page-table
@@ -112,7 +117,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     >>> out.shape
     (1, 2, 1, 8)
     """
-    engines.decode(engine)
+    engines.decode(engine)  # the name, before anything else is looked at
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError("give both k and v (the new keys and values), or neither")
@@ -179,7 +184,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
         raise ValueError(f"a request's length must be at most {MAX_SEQUENCE} keys")
     group = heads // heads_kv
     rows = n_q * group  # packed rows per (request, K/V head): r = t N_q + i
-    layout = kernels.decode_layout(rows, d, None if block_k is None else shapes.check_block("block_k", block_k))
+    block_k = None if block_k is None else shapes.check_block("block_k", block_k)
+    kind = "bfloat16" if call.bfloat16 else np.dtype(q_.dtype).name
+    aligned = not call.on_device or all(aligned16(x) for x in (q_, kc, vc))  # host inputs: fresh device copies
+    if engines.decode(engine, kind=kind, head_dim=d, block_k=block_k, aligned=aligned) == "mma":
+        layout = mma_decode.decode_split(kind, rows, d, block_k)  # a DecodeSplit: q and the caches go as bits
+    else:
+        layout = kernels.decode_layout(rows, d, block_k)
     block_q, block_k = layout.block_q, layout.block_k
     if paged:
         if page % block_k:
@@ -215,6 +226,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
         else:
             q_dev = cuda.to_device(np.ascontiguousarray(q_).reshape(batch, heads_kv, rows, d), stream=call.stream)
             k_dev, v_dev = (cuda.to_device(np.ascontiguousarray(x), stream=call.stream) for x in (kc, vc))
+        if isinstance(layout, mma_decode.DecodeSplit) and not call.bfloat16:  # float16: the same 16 bits
+            q_dev, k_dev, v_dev = (x.view(np.uint16) for x in (q_dev, k_dev, v_dev))
         o_split = cuda.device_array((batch, heads_kv * splits.count, rows, d), np.float32, stream=call.stream)
         lse_split = cuda.device_array((batch, heads_kv * splits.count, rows), np.float32, stream=call.stream)
         out = call.empty((batch, heads_kv, rows, d))

@@ -1,26 +1,32 @@
-"""The whole-kernel estimate of split-KV decoding (kernels/decode.py) on an H200, read from the SASS, never a
-measurement:
+"""The whole-kernel estimate of split-KV decoding on an H200, read from the SASS, never a measurement:
 
-    python -m fa_numba.decode_estimate [--batch 1,8] [--n-k 32768,131072] [--heads 32] [--heads-kv 8] [--d 128]
+    python -m fa_numba.decode_estimate [--engine simt,mma] [--batch 1,8] [--n-k 32768,131072] [--heads 32]
+                                       [--heads-kv 8] [--d 128]
 
-For each shape, split by the heuristic and unsplit (one split), this module
+For each engine's split kernel (simt: kernels/decode.py, the CUDA-core one; mma: kernels/mma/decode.py, the
+tensor-core one with its two-stage cp.async pipeline) and each shape, split by the heuristic and unsplit (one
+split), this module
 
 1. compiles the split kernel's FULL-tile code (`split_source(partial_tiles=False)`: a request's PARTIAL tiles
    are at most its first and last) for sm_90a as `fa_numba.profile` compiles the registry's kernels, and counts
-   what one iteration of its loop over key tiles issues (`whole_kernel.iteration_counts`: the same rules, the
-   products anchored on B_r B_c D multiply-adds each, here 2 per iteration);
-2. takes the shared-memory wavefronts of one iteration from the v2 engine kernel of the same layout, traced
-   in the simulator (`profile_estimate`): the split kernel's tile loop is that kernel's device functions on
-   that layout, so their accesses are the same, which the SASS's LDS/STS count checks (`agree`);
+   what one iteration of its loop over key tiles issues (`whole_kernel.iteration_counts`, or for the tensor-core
+   kernel `mma_iteration_counts` with its staging loops' trips: the same rules, the products anchored at 2 per
+   iteration), its dependent round trips and its pipelined waits;
+2. takes the shared-memory wavefronts of one iteration from the registry kernel of the same tiles, traced in
+   the simulator (`profile_estimate`): v2 on the CUDA cores, v2-mma on the tensor cores, whose tile loop is
+   the split kernel's (the same device functions; the tensor-core one stages by the same cp.async copies), which
+   the SASS's shared-memory instruction count checks (`agree`);
 3. prices it with `cycle_model.estimate`: blocks (query tiles x splits x requests x K/V heads), the mean
-   tile-loop iterations per block, and the split kernel's HBM bytes from `iomodel.traffic_decode`;
+   tile-loop iterations per block (one more for the tensor-core kernel: its pipeline's fill, the first tile and
+   Q waited for before the loop, which the loop's cycles leave out), and the split kernel's HBM bytes from
+   `iomodel.traffic_decode`;
 4. adds the combine kernel at the HBM bound only (its bytes / 4.8 TB/s: it reads the partials once and does
    a few flops per byte; its launch and latency are not modelled, so the total is optimistic there).
 
 The figure of merit is the share of HBM bandwidth: all bytes both kernels move / estimated time / 4.8 TB/s.
-Assumption to calibrate first on a GPU: the latency term charges every dependent load an L2 round trip
-(`Device.l2_latency_cycles`); decoding streams K and V from HBM, whose loads wait longer, so the `latency` row
-is printed again with twice that latency (`--latency-factor`).
+Assumption to calibrate first on a GPU: the latency term charges every wait an L2 round trip
+(`Device.l2_latency_cycles`); decoding streams K and V from HBM, whose loads wait longer, so every row is
+printed again with twice that latency (`--latency-factor`).
 """
 
 from __future__ import annotations
@@ -36,8 +42,11 @@ from fa_numba.machine import H200, SM90
 ISSUE_SHAPES = dict(batch=(1, 8), n_k=(32768, 131072), heads=32, heads_kv=8, d=128, n_q=1, dtype="float16")
 
 
+ENGINES = ("simt", "mma")
+
+
 def argtypes(dtype: str):
-    """Numba types of the split kernel's arguments (kernels.decode.split_source)."""
+    """Numba types of the CUDA-core split kernel's arguments (kernels.decode.split_source)."""
     from numba import types
 
     inp = types.Array(getattr(types, "uint16" if dtype == "bfloat16" else dtype), 4, "C")
@@ -46,27 +55,42 @@ def argtypes(dtype: str):
             types.int64)
 
 
-def compiled_counts(rows: int, d: int, dtype: str) -> dict:
-    """Compile the split kernel at the decode layout of R rows and d; its profile, iteration counts and the
-    wavefronts of one iteration."""
+def compiled_counts(rows: int, d: int, dtype: str, engine: str = "simt") -> dict:
+    """Compile `engine`'s split kernel at the decode tiles of R rows and d; its profile, iteration counts and
+    the wavefronts of one iteration."""
     from fa_numba import profile, profile_estimate
-    from fa_numba.kernels import decode
 
-    layout = decode.decode_layout(rows, d)
-    cfg = dict(variant="decode", block_q=layout.block_q, block_k=layout.block_k, head_dim=d, dtype=dtype,
-               causal=False)
-    traced_cfg = dict(cfg, variant="v2", micro=[layout.tm, layout.tn])
+    if engine == "mma":
+        from fa_numba.kernels.mma import decode as mma_decode
+
+        layout = mma_decode.decode_split(dtype, rows, d)
+        cfg = dict(variant="decode-mma", block_q=layout.block_q, block_k=layout.block_k, head_dim=d, dtype=dtype,
+                   causal=False)
+        traced_cfg = dict(cfg, variant="v2-mma")
+        source, types = mma_decode.split_source(layout, partial_tiles=False), mma_decode.argtypes()
+    else:
+        from fa_numba.kernels import decode
+
+        layout = decode.decode_layout(rows, d)
+        cfg = dict(variant="decode", block_q=layout.block_q, block_k=layout.block_k, head_dim=d, dtype=dtype,
+                   causal=False)
+        traced_cfg = dict(cfg, variant="v2", micro=[layout.tm, layout.tn])
+        source, types = decode.split_source(layout, partial_tiles=False), argtypes(dtype)
     started = profile_estimate.start_wavefronts([traced_cfg])
-    prof = profile.profile_kernel(decode.split_source(layout, partial_tiles=False), argtypes(dtype), layout.threads,
-                                  name="decode")
-    counts = whole_kernel.iteration_counts(prof.sass, cfg, layout.threads, layout.d_pad)
+    prof = profile.profile_kernel(source, types, layout.threads, name=cfg["variant"])
+    if engine == "mma":
+        dp = layout.engine.padded_dim
+        copies = -(-layout.block_k * dp // 8 // layout.threads)  # 16-byte copies per thread per staged tile
+        counts = whole_kernel.mma_iteration_counts(prof.sass, dict(cfg, variant="v2-mma"), dp, copies=copies)
+    else:
+        counts = whole_kernel.iteration_counts(prof.sass, cfg, layout.threads, layout.d_pad)
     traced = profile_estimate.finish_wavefronts(started)[json.dumps(
         profile_estimate._traced_config(traced_cfg), sort_keys=True)]
     warps = -(-layout.threads // SM90.warp_size)
     in_sass = sum(counts["shared_accesses"].values()) * warps
     agree = abs(in_sass - traced["total"]["accesses"]) <= profile_estimate.WIDTH_AGREEMENT * in_sass
-    return dict(cfg=cfg, layout=layout, occupancy=prof.occupancy, registers=prof.registers, counts=counts,
-                wavefronts=traced["total"]["wavefronts"], agree=agree, spill=prof.spills)
+    return dict(cfg=cfg, engine=engine, layout=layout, occupancy=prof.occupancy, registers=prof.registers,
+                counts=counts, wavefronts=traced["total"]["wavefronts"], agree=agree, spill=prof.spills)
 
 
 def estimate_shape(compiled: dict, batch: int, n_k: int, heads: int, heads_kv: int, n_q: int, splits: int | None,
@@ -91,11 +115,17 @@ def estimate_shape(compiled: dict, batch: int, n_k: int, heads: int, heads_kv: i
     combine_bytes = sizes["read"]["O_split"] + sizes["read"]["LSE_split"] + sizes["write"]["O"] + sizes["write"]["LSE"]
     warps = -(-layout.threads // SM90.warp_size)
     iterations = key_tiles * query_tiles * batch * heads_kv / blocks
+    pipelined = compiled.get("engine") == "mma"
+    if pipelined:
+        iterations += 1  # the pipeline's fill: tile `start` and Q, waited for before the loop (module docstring)
     flops = 4 * batch * heads * n_q * n_k * d
+    tensor = counts.get("hmma", 0.0) * warps * H200.mma_cycles(whole_kernel.MMA_SHAPE[cfg["dtype"]]) \
+        if pipelined else 0.0
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=compiled["wavefronts"],
                          load_round_trips=counts["load_round_trips"] * latency_factor,
-                         flops=flops / (iterations * blocks))
+                         flops=flops / (iterations * blocks), tensor_cycles=tensor,
+                         pipelined_waits=counts.get("pipelined_waits", 0.0) * latency_factor)
     run = Launch(blocks=blocks, warps_per_block=warps, blocks_per_sm=compiled["occupancy"]["blocks_per_sm"],
                  iterations_per_block=iterations, hbm_bytes=split_bytes)
     found = estimate(cost, run, H200)
@@ -108,11 +138,14 @@ def estimate_shape(compiled: dict, batch: int, n_k: int, heads: int, heads_kv: i
 
 def render(compiled: dict, rows: list[dict]) -> str:
     c = compiled["counts"]
-    lines = [f"split kernel: B_r x B_c = {compiled['cfg']['block_q']} x {compiled['cfg']['block_k']}, d = "
+    lines = [f"{compiled['engine']} split kernel: B_r x B_c = {compiled['cfg']['block_q']} x "
+             f"{compiled['cfg']['block_k']}, d = "
              f"{compiled['cfg']['head_dim']}, {compiled['cfg']['dtype']}, {compiled['layout'].threads} threads, "
              f"{compiled['registers']} registers, {compiled['occupancy']['blocks_per_sm']} blocks/SM "
              f"({compiled['occupancy']['limiter']}); per iteration per thread: {c['instructions']:.0f} instructions, "
-             f"{c['ffma']:.0f} FFMA ({c['products']:.2f} products), {c['load_round_trips']:.0f} load round trips; "
+             + (f"{c['hmma']:.0f} HMMA" if compiled["engine"] == "mma" else f"{c['ffma']:.0f} FFMA")
+             + f" ({c['products']:.2f} products), {c['load_round_trips']:.0f} load round trips, "
+             f"{c.get('pipelined_waits', 0):.0f} pipelined waits; "
              f"{compiled['wavefronts']:.0f} wavefronts per block (SASS and trace agree: {compiled['agree']})"
              + (f"; unattributed loops {c['unattributed']}" if c["unattributed"] else ""),
              "", "cycles: per tile-loop iteration of the resident blocks of one SM, each limiter's (the largest sets "
@@ -129,6 +162,7 @@ def render(compiled: dict, rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fa_numba.decode_estimate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", default="simt,mma", help="the split kernels to estimate (simt, mma)")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--n-k", default="32768,131072")
     p.add_argument("--heads", type=int, default=32)
@@ -143,15 +177,24 @@ def main(argv=None) -> int:
         print("the estimate compiles for sm_90a and needs the real numba.cuda: run with NUMBA_ENABLE_CUDASIM=0 "
               "(no GPU needed)", file=sys.stderr)
         return 2
-    compiled = compiled_counts(args.heads // args.heads_kv, args.d, args.dtype)
-    rows = []
-    for batch in (int(x) for x in args.batch.split(",")):
-        for n_k in (int(x) for x in args.n_k.split(",")):
-            for splits in (None, 1):
-                for factor in (1.0, args.latency_factor):
-                    row = estimate_shape(compiled, batch, n_k, args.heads, args.heads_kv, 1, splits, factor)
-                    rows.append({**row, "latency_factor": factor})
-    print(render(compiled, rows))
+    engines = args.engine.split(",")
+    if not engines or any(e not in ENGINES for e in engines):
+        print(f"--engine must be a comma-separated list of {ENGINES}, got {args.engine!r}", file=sys.stderr)
+        return 2
+    for n, engine in enumerate(engines):
+        try:
+            compiled = compiled_counts(args.heads // args.heads_kv, args.d, args.dtype, engine)
+        except ValueError as error:  # a dtype or head dim the engine's kernel does not take
+            print(f"{engine}: {error}", file=sys.stderr)
+            return 2
+        rows = []
+        for batch in (int(x) for x in args.batch.split(",")):
+            for n_k in (int(x) for x in args.n_k.split(",")):
+                for splits in (None, 1):
+                    for factor in (1.0, args.latency_factor):
+                        row = estimate_shape(compiled, batch, n_k, args.heads, args.heads_kv, 1, splits, factor)
+                        rows.append({**row, "latency_factor": factor})
+        print(("\n" if n else "") + render(compiled, rows), flush=True)
     return 0
 
 

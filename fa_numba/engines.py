@@ -9,7 +9,8 @@ it is, and the CUDA cores otherwise:
   any mask, any score mod;
 - backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
   tensor-core backward takes (`kernels.mma.backward.plan`).
-float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
+Decoding (`decode`): auto takes the tensor-core split kernel for float16 and bfloat16 inputs with d a multiple of
+8. float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
 3xTF32 (kernels.mma.tf32: three TF32 products per product, within the float32 rule with the term of proofs/L6
 part 9), `engine="mma-tf32"` by one (about 2^-10 relative per product: for speed where that is acceptable, as
 torch's allow_tf32); neither has a backward yet (a ValueError says so). The 16-bit tensor-core results carry the
@@ -142,11 +143,33 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_di
     return "mma"
 
 
-def decode(engine: str) -> None:
-    """The decode kernels' engine: the CUDA-core split and combine kernels; engine='mma' is refused until a
-    tensor-core split kernel exists (the split kernel is built on the CUDA-core tile engine)."""
+def decode(engine: str, *, kind: str | None = None, head_dim: int = 0, block_k: int | None = None,
+           aligned: bool = True) -> str:
+    """"simt" or "mma" for a decoding call (`attention_with_kvcache`): the tensor-core split kernel
+    (kernels.mma.decode) takes float16 and bfloat16 inputs with d a multiple of 8 up to 192, rows 16-byte aligned
+    (`aligned`) and block_k (if given) a multiple of 16 whose two pipeline stages fit 48 KB; `auto` takes it
+    wherever it takes the call, the CUDA-core split kernel otherwise; `mma` asks for it outright (a ValueError
+    says why it does not take the call). kind None checks the engine's name only."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if engine in ("mma", "mma-tf32"):
-        raise NotImplementedError(f"engine={engine!r}: the tensor-core decode kernel is not built yet; use "
-                                  "engine='simt' or 'auto' (both run the CUDA-core split-KV kernels)")
+    if kind is None or engine == "simt":
+        return engine
+    if engine == "mma-tf32":
+        raise ValueError("engine='mma-tf32' has no decode kernel (the tensor-core decode kernel takes float16 and "
+                         "bfloat16); use engine='simt' for float32 decoding")
+
+    def check():
+        from fa_numba.kernels.mma.decode import decode_split
+
+        if kind not in MMA_KINDS:
+            raise ValueError(f"engine='mma' decodes float16 or bfloat16 inputs (no float32 decode kernel on tensor "
+                             f"cores), got {kind}; use engine='simt'")
+        if not aligned:
+            raise ValueError("engine='mma' decodes from caches and q whose rows start on 16-byte boundaries (its "
+                             "cp.async copies); these are not: use engine='simt'")
+        decode_split(kind, 1, head_dim, block_k)  # d and the tiles
+
+    if engine == "auto":
+        return "mma" if _takes(check) else "simt"
+    check()
+    return "mma"

@@ -120,7 +120,7 @@ def combine_terms(lse_s: np.ndarray, share: np.ndarray, o_abs: np.ndarray, out_a
 
 
 def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits: Splits | None,
-          name: str = "decode", contractions=None) -> DecodeCheck:
+          name: str = "decode", contractions=None, p_dtype: str | None = None) -> DecodeCheck:
     """Judge one request's decode result against the float64 reference with the derived rule: q (H, N_q, d),
     k, v (H_kv, n, d) its keys (the cache up to its length), out (H, N_q, d), lse (H, N_q).
 
@@ -129,8 +129,11 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
     that rule; its errors reach the combined row through the combine's derivatives (dO/dO_s = pi_s, dO/dLSE_s =
     pi_s (O_s - O), dLSE/dLSE_s = pi_s, pi_s = exp(LSE_s - LSE)), and the combine adds its own rounding
     (`combine_terms`). A request with no key gets exactly O = 0 and LSE = -inf. contractions: the naive float32
-    evaluations' orders (tolerance.baseline's; ("matmul",) on large problems)."""
+    evaluations' orders (tolerance.baseline's; ("matmul",) on large problems). p_dtype: the kernel rounds P to
+    this 16-bit type before P V (the tensor-core split kernel), which each split's rule and the whole's then
+    carry (`tolerance.p_rounding_term`, proofs/L6 part 7)."""
     more = {} if contractions is None else {"contractions": contractions}
+    more["p_dtype"] = p_dtype
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if n_k == 0:

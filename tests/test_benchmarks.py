@@ -68,8 +68,8 @@ def test_decode_gpu_script_runs_in_smoke_mode(tmp_path):
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "decode_gpu.json").read_text())["rows"]
-    assert {r["variant"] for r in rows} == {"split", "unsplit", "v2"}
-    assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)
+    assert {r["variant"] for r in rows} == {"split", "unsplit", "split-mma", "unsplit-mma", "v2"}
+    assert all(r["passed"] and r["err_out"] <= r["atol_out"] for r in rows)  # float16: the tensor cores' rows too
     assert "HBM bound" in (tmp_path / "decode_gpu.md").read_text()
 
 

@@ -463,7 +463,9 @@ def test_compare_decode_checks_counts_and_bounds_each_variant(tmp_path, capsys):
                      "--split-size", "16", "--json", str(path)])
     assert code == 0
     rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
-    assert set(rows) == {"split", "unsplit", "v2"} and rows["split"]["splits"] == 3 and rows["unsplit"]["splits"] == 1
+    assert set(rows) == {"split", "unsplit", "split-mma", "unsplit-mma", "v2"}
+    assert rows["split"]["splits"] == 3 and rows["unsplit"]["splits"] == 1
+    assert "float16 and bfloat16" in rows["split-mma"]["skipped"]  # float32: no tensor-core decode kernel
     assert rows["split"]["counted_equals_model"] and rows["unsplit"]["counted_equals_model"]
     model = iomodel.traffic_decode([40], 1, 8, 4, 16, 1, 3, True, 2, 1)
     assert rows["split"]["bytes"] == iomodel.total_bytes(model, 4)

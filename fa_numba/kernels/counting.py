@@ -159,7 +159,8 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
 def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, layout, tiles_per_split, splits):
     """Run the decode kernels (kernels.decode.run) on host arrays in the simulator, counting the HBM traffic
     of every tensor of iomodel.DECODE_TENSORS: q (B, H_kv, R, d) packed rows, k, v (num_pages, H_kv, page, d);
-    lengths, table and lohi (metadata) pass uncounted; layout: kernels.decode.decode_layout's. Outputs and
+    lengths, table and lohi (metadata) pass uncounted; layout: kernels.decode.decode_layout's, or a
+    kernels.mma.decode.DecodeSplit (q, k, v then uint16 bits; its cp.async copies counted too). Outputs and
     partials start as NaN, so an element no kernel writes is caught. Returns (out, lse, ledger): out (B, H_kv,
     R, d) and lse (B, H_kv, R) float32."""
     if backend.name() != "simulator":
@@ -181,7 +182,8 @@ def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, layout, tiles_pe
     }
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
     meta = [cuda.to_device(np.ascontiguousarray(x, dtype=np.int32)) for x in (lengths, table, lohi)]
-    decode.run(dev["Q"], dev["K"], dev["V"], dev["O_split"], dev["LSE_split"], dev["O"], dev["LSE"], scale, *meta,
-               layout=layout, tiles_per_split=tiles_per_split)
+    with counting_async_copies():  # the tensor-core split kernel's cp.async copies
+        decode.run(dev["Q"], dev["K"], dev["V"], dev["O_split"], dev["LSE_split"], dev["O"], dev["LSE"], scale,
+                   *meta, layout=layout, tiles_per_split=tiles_per_split)
     plain = lambda name: np.asarray(dev[name]._ary.view(np.ndarray)).copy()  # noqa: E731
     return plain("O"), plain("LSE"), ledger

@@ -273,11 +273,13 @@ def combine_threads(head_dim: int) -> int:
     return -(-head_dim // unit) * unit
 
 
-def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, lohi, *, layout: Layout,
-        tiles_per_split: int, stream=0) -> None:
+def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, lohi, *, layout, tiles_per_split: int,
+        stream=0) -> None:
     """Both launches on device arrays: q (B, H_kv, R, d) packed rows; k, v (num_pages, H_kv, page, d); o_split
     (B, H_kv S, R, d) and lse_split (B, H_kv S, R) float32 partials; out (B, H_kv, R, d) and lse (B, H_kv, R)
-    float32; seqlens (B,) and table (B, pages) int32; lohi (B, R, 2) int32."""
+    float32; seqlens (B,) and table (B, pages) int32; lohi (B, R, 2) int32. layout: the split kernel's, a
+    `decode_layout` (this module's CUDA-core kernel, any input dtype) or a `kernels.mma.decode.DecodeSplit` (the
+    tensor-core kernel, q and the caches as 16-bit bits); the combine is the same for both."""
     batch, heads_kv, n_rows, d = q.shape
     splits = o_split.shape[1] // heads_kv
     if not 1 <= splits <= MAX_SPLITS:
@@ -288,9 +290,15 @@ def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, loh
     check_grid(grid, ("ceil(R / block_q) * num_splits", "batch * heads_kv"), "decode split")
     threads = combine_threads(d)
     check_grid((batch * heads_kv * n_rows,), ("batch * heads_kv * rows",), "decode combine")
-    with backend.serialised(layout.threads):
-        make_split(layout)[grid, (layout.cx, layout.ry), stream](
-            q, k, v, o_split, lse_split, float32(scale), seqlens, table, lohi, np.int64(tiles_per_split))
+    if isinstance(layout, Layout):
+        with backend.serialised(layout.threads):
+            make_split(layout)[grid, (layout.cx, layout.ry), stream](
+                q, k, v, o_split, lse_split, float32(scale), seqlens, table, lohi, np.int64(tiles_per_split))
+    else:
+        from fa_numba.kernels.mma import decode as mma_decode
+
+        mma_decode.launch(layout, grid, stream, q, k, v, o_split, lse_split, scale, seqlens, table, lohi,
+                          np.int64(tiles_per_split))
     with backend.serialised(threads):
         make_combine(threads)[(batch * heads_kv * n_rows,), (threads,), stream](o_split, lse_split, out, lse, lohi)
 
