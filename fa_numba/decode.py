@@ -101,7 +101,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     (`split_kv.heuristic_splits`: splits until the grid fills the GPU's SMs), which also depends on the batch.
     Results are float32: O (B, H, N_q, d), and LSE (B, H, N_q) with return_lse=True, in q's array library.
     engine: "simt" (the CUDA-core split kernel), "mma" (the tensor-core one, kernels/mma/decode.py: float16 and
-    bfloat16, d a multiple of 8 up to 192, K and V streamed by a two-stage cp.async pipeline; P rounded to the
+    bfloat16, d a multiple of 8 up to 128, K and V streamed by a two-stage cp.async pipeline; P rounded to the
     input type before P V, as every 16-bit tensor-core kernel), or "auto" (mma wherever it takes the call, else
     simt; `engines.decode`). block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
 

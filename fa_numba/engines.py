@@ -146,7 +146,7 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_di
 def decode(engine: str, *, kind: str | None = None, head_dim: int = 0, block_k: int | None = None,
            aligned: bool = True) -> str:
     """"simt" or "mma" for a decoding call (`attention_with_kvcache`): the tensor-core split kernel
-    (kernels.mma.decode) takes float16 and bfloat16 inputs with d a multiple of 8 up to 192, rows 16-byte aligned
+    (kernels.mma.decode) takes float16 and bfloat16 inputs with d a multiple of 8 up to 128, rows 16-byte aligned
     (`aligned`) and block_k (if given) a multiple of 16 whose two pipeline stages fit 48 KB; `auto` takes it
     wherever it takes the call, the CUDA-core split kernel otherwise; `mma` asks for it outright (a ValueError
     says why it does not take the call). kind None checks the engine's name only."""

@@ -169,7 +169,7 @@ def test_a_pipeline_without_its_wait_reads_stale_tiles(monkeypatch):
     ("float16", 12, True, None, "simt"),  # d not a multiple of 8: no 16-byte rows for cp.async
     ("float16", 16, False, None, "simt"),  # caches not 16-byte aligned
     ("float16", 16, True, 8, "simt"),  # a tile mma.sync cannot take
-    ("float16", 256, True, None, "simt")])  # over the tensor-core limit
+    ("float16", 192, True, None, "simt")])  # over the decode kernel's limit (d = 192 spills)
 def test_auto_takes_the_tensor_cores_wherever_they_take_the_call(kind, d, aligned, block_k, chosen):
     assert engines.decode("auto", kind=kind, head_dim=d, block_k=block_k, aligned=aligned) == chosen
     if chosen == "simt":
@@ -178,9 +178,23 @@ def test_auto_takes_the_tensor_cores_wherever_they_take_the_call(kind, d, aligne
 
 
 def test_the_default_tiles_fit_two_stages_in_48_kb():
-    for d, block_k in ((64, 64), (128, 32), (192, 16)):
+    for d, block_k in ((32, 64), (64, 64), (128, 32)):
         split = mma_decode.decode_split("float16", 4, d)
         assert split.block_k == block_k and split.shared_bytes <= 48 * 1024 and split.block_q == 16
     assert [mma_decode.decode_split("float16", r, 64).block_q for r in (16, 17, 40, 64, 65)] == [16, 32, 64, 64, 64]
     with pytest.raises(ValueError, match="over the 49152 static limit"):
         mma_decode.decode_split("float16", 4, 128, block_k=64)
+
+
+def test_a_head_dim_of_24_copies_a_zero_chunk_past_d():
+    """d = 24 pads to 32 columns: each row's last 16-byte chunk is zero-filled, on the whole tiles' lean copies
+    and on the last tile's general ones alike."""
+    rng = np.random.default_rng(24)
+    d = 24
+    q = rng.standard_normal((1, 2, 1, d)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, 64, d)).astype(np.float16) for _ in range(2))
+    out, lse = fa_numba.attention_with_kvcache(q, k, v, [57], block_k=BLOCK_K, split_size=32, return_lse=True,
+                                               engine="mma")
+    c = split_kv.check(out[0], lse[0], q[0], k[0, :, :57], v[0, :, :57], causal=True, scale=1 / math.sqrt(d),
+                       block_k=BLOCK_K, splits=split_kv.Splits(2, 2, BLOCK_K), p_dtype="float16")
+    assert c.err_out <= c.atol_out and c.err_lse <= c.atol_lse

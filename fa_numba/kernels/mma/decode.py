@@ -20,7 +20,9 @@ Loop (block (i, s) of request b, K/V head h; tiles start .. stop - 1 of split s 
         fold K_j, V_j from buffer u into (m, l, acc)       (the engine's `fold`: S, masking, softmax, P V)
         barrier: every warp is done with buffer u, which iteration j + 1 refills with tile j + 2
 
-Every wait is `cp.async.wait_group 1` (one group per iteration, the last one empty), so the SASS has one kind
+The copies of a whole tile (every row a key: all but a request's last tile) take `streamer`'s lean path, one
+fixed 16-byte column per thread and rows a constant apart; the last tile takes the engine's general stager,
+which zero-fills the rows past n_b. Every wait is `cp.async.wait_group 1` (one group per iteration, the last one empty), so the SASS has one kind
 of wait in the loop and the model reads it as pipelined. The simulator's cp.async lands a group only at the
 wait that covers it (`warp.emulated_tc`), so a missing wait or barrier reads stale data there and a test fails.
 
@@ -36,7 +38,8 @@ input type before P V: proofs/L6 part 7), O_s = acc / l and LSE_s = m + log l as
 writes them; the combine is kernels.decode's, unchanged. HBM traffic: that of kernels.decode
 (iomodel.traffic_decode), counted in the simulator (tests/test_decode_mma.py).
 
-Limits: 16-bit inputs (float16, bfloat16), d a multiple of 8 (16-byte rows for cp.async) up to 192, caches
+Limits: 16-bit inputs (float16, bfloat16), d a multiple of 8 (16-byte rows for cp.async) up to 128 (at d = 192
+the one-warp kernel compiles to 255 registers with a spill: MAX_DECODE_HEAD_DIM), caches
 whose rows start 16 bytes apart (`staging.aligned16`), B_c a multiple of 16 with both stages in 48 KB.
 """
 
@@ -49,12 +52,14 @@ from numba import cuda, float32
 
 from fa_numba import backend, warp
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
-from fa_numba.kernels.mma.engine import KINDS, MAX_FORWARD_HEAD_DIM, SHARED_LIMIT, MmaConfig, make_ops
+from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, make_ops
 from fa_numba.kernels.mma.staging import aligned16
 
 STAGES = 2  # K_j, V_j buffers: the tile being multiplied and the one in flight
 TILE_CANDIDATES = (64, 32, 16)  # B_c by default: the largest whose two stages fit 48 KB
 MAX_WARPS = 4  # block_q = 16 W rows: up to 64 packed rows in one query tile
+# d = 192 (16 x 16 tiles, one warp) compiles to 255 registers and spills (sm_90a, 2026-12-03); 128: 249, none
+MAX_DECODE_HEAD_DIM = MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,9 @@ def decode_split(kind: str, rows: int, head_dim: int, block_k: int | None = None
     ValueError names a tile that does not fit, or a head dim the kernel does not take)."""
     if kind not in KINDS:
         raise ValueError(f"the tensor-core decode kernel takes float16 or bfloat16 inputs, got {kind}")
-    if head_dim % 8 or not 1 <= head_dim <= MAX_FORWARD_HEAD_DIM:
+    if head_dim % 8 or not 1 <= head_dim <= MAX_DECODE_HEAD_DIM:
         raise ValueError(f"the tensor-core decode kernel needs head dim d a multiple of 8 (16-byte rows for its "
-                         f"cp.async pipeline) in 8..{MAX_FORWARD_HEAD_DIM}, got {head_dim}")
+                         f"cp.async pipeline) in 8..{MAX_DECODE_HEAD_DIM}, got {head_dim}")
     warps = min(MAX_WARPS, 1 << max(0, -(-rows // 16) - 1).bit_length())  # a power of two (MmaConfig)
     errors = []
     for bc in (TILE_CANDIDATES if block_k is None else (block_k,)):
@@ -117,10 +122,35 @@ def decode_split(kind: str, rows: int, head_dim: int, block_k: int | None = None
     raise ValueError(f"no tensor-core decode tile fits head dim d = {head_dim}: {'; '.join(errors)}")
 
 
+def streamer(D, DP, SQ, THREADS, ROWS):
+    """(stream, LEAN): the copies of a whole cache tile (ROWS keys, every one within the request's length) of a
+    C-contiguous cache (num_pages, H_kv, page, d) by cp.async. Where a block's threads cover whole rows of
+    16-byte chunks (THREADS a multiple of the chunks per row, ROWS of the rows they cover at once: LEAN), each
+    thread copies one fixed column of the rows r_t, r_t + R, ..., so each address is its first plus a constant:
+    a few instructions a copy instead of the general stager's index arithmetic (`staging.stagers`, which the
+    kernel takes where LEAN is False, and for a request's last tile, whose rows past its length it zero-fills)."""
+    CH = 8  # 16-bit elements per 16-byte copy
+    CHUNKS = DP // CH
+    LEAN = THREADS % CHUNKS == 0 and ROWS % (THREADS // CHUNKS) == 0
+    STEP = THREADS // CHUNKS if LEAN else 1  # rows the block covers per copy of each thread
+    COPIES = ROWS // STEP
+
+    @cuda.jit(device=True, inline=True)
+    def stream(src, page, h, r0, tile):
+        rt = cuda.threadIdx.x // CHUNKS
+        x = CH * (cuda.threadIdx.x - rt * CHUNKS)
+        size = 16 if x < D else 0  # a zero chunk past d (d % 16 == 8)
+        first = ((page * src.shape[1] + h) * src.shape[2] + r0 + rt) * D + min(x, D - CH)  # row r0 + r_t
+        for c in range(COPIES):
+            warp.cp_async16(tile, (rt + c * STEP) * SQ + x, src, first + c * STEP * D, size)
+
+    return stream, LEAN
+
+
 def split_source(split: DecodeSplit, partial_tiles: bool = True):
     """The Python function of the split kernel (module docstring). partial_tiles=False compiles the PARTIAL-tile
-    path out (masking and the exact path), leaving what every FULL tile runs: what `fa_numba.decode_estimate`
-    profiles, never what a launch runs."""
+    path out (masking, the exact path, and the general stager of a request's last tile), leaving what every
+    FULL tile runs: what `fa_numba.decode_estimate` profiles, never what a launch runs."""
     E = make_ops(split.engine)
     stage_q, stage_async, any_bad, fold, quad_sum = E.stage_q, E.stage_async, E.any_bad, E.fold, E.quad_sum
     Z = E.sizes
@@ -129,6 +159,15 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
     ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF
     BUFFERS = STAGES * KV_SIZE
     PARTIAL_TILES = partial_tiles
+    lean, LEAN = streamer(Z.D, Z.DP, Z.SQ, 32 * Z.W, BC)
+
+    @cuda.jit(device=True, inline=True)
+    def copy_tile(src, page, h, r0, n, tile):
+        """Issue the copies of one cache tile (rows r0 .. r0 + B_c - 1 of a page; past n zero-filled)."""
+        if LEAN and (not PARTIAL_TILES or r0 + BC <= n):  # LEAN a constant; every row of the tile holds a key
+            lean(src, page, h, r0, tile)
+        else:  # the general stager: rows past n zero-filled from a valid address
+            stage_async(src, page, h, r0, n, tile, BC)
 
     def flash_decode_split_mma(q, k, v, o, lse, scale, seqlens, table, lohi, tiles_per_split, denses, captured):
         sq = cuda.shared.array(Q_SIZE, ELEMENT)
@@ -171,8 +210,8 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
         if stop > start:  # block-uniform: a split its rows see nothing of reads neither Q nor the cache
             base = c0 - c0 % page  # the first key of tile j's page, and the page itself
             frame = table[b, c0 // page]
-            stage_async(k, frame, h, c0 - base, n_k - base, sk, BC)
-            stage_async(v, frame, h, c0 - base, n_k - base, sv, BC)
+            copy_tile(k, frame, h, c0 - base, n_k - base, sk)
+            copy_tile(v, frame, h, c0 - base, n_k - base, sv)
             warp.cp_async_commit()
             frame = table[b, min(start + 1, stop - 1) * BC // page]  # tile start + 1's page (a used one)
             stage_q(q, b, h, r0, n_rows, sq, qf, wid, mrow, mat)  # waits for every group: tile `start` too
@@ -182,8 +221,8 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
                 c1 = c0 + BC
                 base = c1 - c1 % page
                 other = (1 - u) * KV_SIZE
-                stage_async(k, frame, h, c1 - base, n_k - base, sk[other:other + KV_SIZE], BC)
-                stage_async(v, frame, h, c1 - base, n_k - base, sv[other:other + KV_SIZE], BC)
+                copy_tile(k, frame, h, c1 - base, n_k - base, sk[other:other + KV_SIZE])
+                copy_tile(v, frame, h, c1 - base, n_k - base, sv[other:other + KV_SIZE])
             # tile j + 2's page, read now and used an iteration later: no wait on the table in the loop
             frame = table[b, min(j + 2, stop - 1) * BC // page]
             warp.cp_async_commit()  # empty on the last tile: one wait_group 1 per iteration either way
@@ -251,4 +290,4 @@ def launch(split: DecodeSplit, grid, stream, q, k, v, o_split, lse_split, scale,
                                                        lohi4, tiles_per_split, mask_arrays(None)[7], ())
 
 
-__all__ = ["DecodeSplit", "STAGES", "argtypes", "decode_split", "launch", "make_split", "split_source"]
+__all__ = ["DecodeSplit", "MAX_DECODE_HEAD_DIM", "STAGES", "argtypes", "decode_split", "launch", "make_split", "split_source"]
