@@ -75,19 +75,58 @@ def finish_wavefronts(started) -> dict:
 WIDTH_AGREEMENT = 0.05
 
 
+def _full_tile_counts(profiles: list) -> dict:
+    """{(variant, d, dtype, tiles, strided, mod): counts} of the non-causal tensor-core builds in this run whose
+    counts price one iteration (no loop without a trip-count rule): what `attach_estimates` prices a causal
+    build's iterations with."""
+    found = {}
+    for prof in profiles:
+        c = prof.config
+        if c["variant"] in whole_kernel.MMA_KERNELS and not c["causal"] and _prices_an_iteration(c, prof.counts):
+            found[_sibling_key(c)] = prof.counts
+    return found
+
+
+def _prices_an_iteration(c: dict, counts: dict) -> bool:
+    """Whether a tensor-core build's counts price one iteration: no loop without a trip-count rule inside the
+    tile loop, and the products the kernel does (`whole_kernel.estimate_configuration`'s two checks)."""
+    return ("error" not in counts and not counts.get("unattributed")
+            and counts.get("products") == whole_kernel.PRODUCTS[c["variant"]])
+
+
+def _sibling_key(c: dict) -> tuple:
+    return (c["variant"], c["head_dim"], c["dtype"], c["block_q"], c["block_k"], bool(c.get("strided")),
+            c.get("score_mod"))
+
+
 def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
-    """Fill each profile's `estimate` from its counts and the traced wavefronts of one iteration."""
+    """Fill each profile's `estimate` from its counts and the traced wavefronts of one iteration.
+
+    A causal tensor-core build carries its PARTIAL tiles' code (the masking and the exact path for non-finite
+    values, whose loops have no trip-count rule), so its own counts price no iteration. Its FULL tiles, all
+    but about one per row of query tiles, run the non-causal build's code, so where that build is in the same
+    run its counts stand for every iteration (a PARTIAL tile's extra masking is not counted: an
+    underestimate of about 1/(visited tiles per row) of the issue; the estimate says "counts_from"), while the
+    occupancy is the causal build's own (its registers) and the iterations, flops and traffic the causal
+    launch's."""
+    siblings = _full_tile_counts(profiles)
     for prof in profiles:
         cfg = {k: prof.config[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype", "causal")}
         traced = wavefronts.get(json.dumps(_traced_config(cfg), sort_keys=True))
         if "error" in prof.counts or traced is None:
             prof.estimate = {"withheld": prof.counts.get("error", "no wavefronts traced")}
             continue
+        counts, borrowed = prof.counts, {}
+        sibling = siblings.get(_sibling_key(prof.config)) if cfg["causal"] else None
+        if sibling is not None and not _prices_an_iteration(prof.config, counts):
+            counts = sibling
+            borrowed = {"counts_from": "the non-causal build's FULL-tile iteration (PARTIAL tiles priced as FULL)"}
         grid, block = prof.config["launch"]["grid"], prof.config["launch"]["block"]
-        found, details = whole_kernel.estimate_configuration(cfg, prof.counts, prof.occupancy, tuple(grid),
+        found, details = whole_kernel.estimate_configuration(cfg, counts, prof.occupancy, tuple(grid),
                                                              tuple(block), traced["total"]["wavefronts"], launch)
+        details = {**details, **borrowed}
         warps = -(-prof.threads // SM90.warp_size)
-        in_sass = sum(prof.counts["shared_accesses"].values()) * warps
+        in_sass = sum(counts["shared_accesses"].values()) * warps
         agree = abs(in_sass - traced["total"]["accesses"]) <= WIDTH_AGREEMENT * in_sass
         check = {"shared_accesses": {"sass": in_sass, "traced": traced["total"]["accesses"], "agree": agree}}
         peak = H200.peak_tensor_tflops if cfg["variant"] in whole_kernel.MMA_KERNELS else H200.peak_fp32_tflops
