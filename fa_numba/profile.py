@@ -414,7 +414,8 @@ def table(profiles: list[Profile]) -> str:
                      f"{100 * ffma / issued:.0f}" if issued else "-", str(sum(m["LDS/STS"] for m in mixes)),
                      str(sum(m["LDL/STL"] for m in mixes)),
                      "-" if c["variant"] in whole_kernel.MMA_KERNELS else f"{p.bound['tflops']:.1f}",
-                     (f"{p.estimate['tflops']:.1f}" + ("" if p.estimate["shared_accesses"]["agree"] else "?"))
+                     (f"{p.estimate['tflops']:.1f}" + ("" if p.estimate["shared_accesses"]["agree"] else "?")
+                      + ("~" if "counts_from" in p.estimate else ""))
                      if "tflops" in p.estimate else "-",
                      p.estimate.get("limiter", "n/a" if p.estimate else "-")])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -514,8 +515,9 @@ def main(argv=None) -> int:
           "hot-loop = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in the matrix-product loops only x "
           "scheduler fill, which overstates (CUDA-core kernels only; '-' for the tensor-core ones, whose estimate "
           "adds the tensor-core term: 4 cycles per mma.sync m16n8k16 at the dense peak). ?: the traced shared-memory accesses differ from the SASS's by over "
-          f"{WIDTH_AGREEMENT:.0%} (their widths were guessed otherwise), so the shared term is uncertain. Both are "
-          "read from the code, neither is a measurement.")
+          f"{WIDTH_AGREEMENT:.0%} (their widths were guessed otherwise), so the shared term is uncertain. ~: a "
+          "causal tensor-core kernel priced by its non-causal build's FULL-tile iteration (its PARTIAL tiles' extra "
+          "masking not counted). Both are read from the code, neither is a measurement.")
     print(f"({len(profiles)} configurations in {time.perf_counter() - start:.0f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
