@@ -10,7 +10,7 @@ it is, and the CUDA cores otherwise:
 - backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
   tensor-core backward takes (`kernels.mma.backward.plan`).
 Decoding (`decode`): auto takes the tensor-core split kernel for float16 and bfloat16 inputs with d a multiple of
-8. float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
+8 up to 128 and rows 16-byte aligned, the CUDA-core one otherwise. float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
 3xTF32 (kernels.mma.tf32: three TF32 products per product, within the float32 rule with the term of proofs/L6
 part 9), `engine="mma-tf32"` by one (about 2^-10 relative per product: for speed where that is acceptable, as
 torch's allow_tf32); neither has a backward yet (a ValueError says so). The 16-bit tensor-core results carry the

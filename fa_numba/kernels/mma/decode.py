@@ -22,8 +22,8 @@ Loop (block (i, s) of request b, K/V head h; tiles start .. stop - 1 of split s 
 
 The copies of a whole tile (every row a key: all but a request's last tile) take `streamer`'s lean path, one
 fixed 16-byte column per thread and rows a constant apart; the last tile takes the engine's general stager,
-which zero-fills the rows past n_b. Every wait is `cp.async.wait_group 1` (one group per iteration, the last one empty), so the SASS has one kind
-of wait in the loop and the model reads it as pipelined. The simulator's cp.async lands a group only at the
+which zero-fills the rows past n_b. Every wait is `cp.async.wait_group 1` (one group per iteration, the last one
+empty), so the SASS has one kind of wait in the loop and the model reads it as pipelined. The simulator's cp.async lands a group only at the
 wait that covers it (`warp.emulated_tc`), so a missing wait or barrier reads stale data there and a test fails.
 
 Rows and masking. Rows are the packed rows of `kernels.decode` (R = g N_q per request and K/V head, warp w of
@@ -39,8 +39,8 @@ writes them; the combine is kernels.decode's, unchanged. HBM traffic: that of ke
 (iomodel.traffic_decode), counted in the simulator (tests/test_decode_mma.py).
 
 Limits: 16-bit inputs (float16, bfloat16), d a multiple of 8 (16-byte rows for cp.async) up to 128 (at d = 192
-the one-warp kernel compiles to 255 registers with a spill: MAX_DECODE_HEAD_DIM), caches
-whose rows start 16 bytes apart (`staging.aligned16`), B_c a multiple of 16 with both stages in 48 KB.
+the one-warp kernel compiles to 255 registers with a spill: MAX_DECODE_HEAD_DIM), caches whose rows start 16
+bytes apart (`staging.aligned16`), B_c a multiple of 16 with both stages in 48 KB.
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ class DecodeSplit:
 
 def decode_split(kind: str, rows: int, head_dim: int, block_k: int | None = None) -> DecodeSplit:
     """The checked configuration for R = g N_q packed rows: W warps, ceil(R / 16) rounded up to a power of two
-    (at most MAX_WARPS: more rows
-    take more query tiles), B_c the largest of TILE_CANDIDATES whose two stages fit 48 KB, or `block_k` (a
-    ValueError names a tile that does not fit, or a head dim the kernel does not take)."""
+    (at most MAX_WARPS: more rows take more query tiles), B_c the largest of TILE_CANDIDATES whose two stages
+    fit 48 KB, or `block_k` (a ValueError names a tile that does not fit, or a head dim the kernel does not
+    take)."""
     if kind not in KINDS:
         raise ValueError(f"the tensor-core decode kernel takes float16 or bfloat16 inputs, got {kind}")
     if head_dim % 8 or not 1 <= head_dim <= MAX_DECODE_HEAD_DIM:
@@ -208,7 +208,7 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
         m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO
         c0 = start * BC  # tile j's first key
         if stop > start:  # block-uniform: a split its rows see nothing of reads neither Q nor the cache
-            base = c0 - c0 % page  # the first key of tile j's page, and the page itself
+            base = c0 - c0 % page  # the first key of the page that holds tile `start`
             frame = table[b, c0 // page]
             copy_tile(k, frame, h, c0 - base, n_k - base, sk)
             copy_tile(v, frame, h, c0 - base, n_k - base, sv)
@@ -265,13 +265,17 @@ def make_split(split: DecodeSplit):
 def argtypes():
     """The Numba types of the split kernel's arguments (what `fa_numba.decode_estimate` compiles): 16-bit bits
     for q and the caches, float32 partials, int32 lengths, table and lohi (B, 1, R, 2), the dense-mask and
-    captured placeholders."""
+    captured placeholders (the forward's types: `MmaKernel.array_types`, `block_lists.mask_types`)."""
     from numba import types
 
-    bits = types.Array(types.uint16, 4, "C")
-    return (bits, bits, bits, types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"), types.float32,
-            types.Array(types.int32, 1, "C"), types.Array(types.int32, 2, "C"), types.Array(types.int32, 4, "C"),
-            types.int64, types.Array(types.uint8, 4, "C"), types.Tuple(()))
+    from fa_numba.kernels.block_lists import mask_types
+    from fa_numba.kernels.mma.launch import MmaKernel
+    from fa_numba.kernels.score_mod import tuple_type
+
+    bits, out, stat = MmaKernel.array_types("float16")
+    return (bits, bits, bits, out, stat, types.float32, types.Array(types.int32, 1, "C"),
+            types.Array(types.int32, 2, "C"), types.Array(types.int32, 4, "C"), types.int64, mask_types()[7],
+            tuple_type(None))
 
 
 def launch(split: DecodeSplit, grid, stream, q, k, v, o_split, lse_split, scale, seqlens, table, lohi,
@@ -290,4 +294,5 @@ def launch(split: DecodeSplit, grid, stream, q, k, v, o_split, lse_split, scale,
                                                        lohi4, tiles_per_split, mask_arrays(None)[7], ())
 
 
-__all__ = ["DecodeSplit", "MAX_DECODE_HEAD_DIM", "STAGES", "argtypes", "decode_split", "launch", "make_split", "split_source"]
+__all__ = ["DecodeSplit", "MAX_DECODE_HEAD_DIM", "STAGES", "argtypes", "decode_split", "launch", "make_split",
+           "split_source", "streamer"]
