@@ -50,7 +50,7 @@ def run_tests() -> dict:
     start = time.perf_counter()
     # -m "": the slow marker's shipped layouts too (slow in the simulator, seconds on a GPU); the masked and
     # non-finite backward tests cover the guarded products of PARTIAL tiles (proofs/L7.8)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "", "tests/test_kernels.py",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "", "tests/test_kernels.py",
                            "tests/test_engine.py", "tests/test_backward_kernels.py", "tests/test_backward_nonfinite.py",
                            "tests/test_mask_kernels.py", "tests/test_robustness.py", "tests/test_api.py",
                            "tests/test_arrays.py", "tests/test_torch_citizen.py", "tests/test_dropins.py"],

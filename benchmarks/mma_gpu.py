@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     results = {"date": time.strftime("%Y-%m-%d"), "backend": fa_numba.backend.name(), "rows": []}
     if not args.smoke:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "", "-p", "no:cacheprovider",
                                "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py",
                                "tests/test_mma_tf32.py", "tests/test_mma_backward.py"],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})

@@ -52,5 +52,8 @@ def run(rank: int, world: int, port: int, case: dict, path: str) -> None:
                      work=np.array([[w["full"], w["partial"]] for w in work]),
                      engines=np.array(sorted(set().union(*(w["engines"] for w in work)))),
                      **{name: x.numpy() for name, x in zip(("out", "dq", "dk", "dv", "lse"), full)})
+        # Every rank reaches teardown together: a run of the slow tier (2026-12-03) saw a rank abort in gloo's
+        # teardown ("terminate called without an active exception", SIGABRT) while its peer was still writing.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -35,8 +35,9 @@ def collected(request, tmp_path_factory) -> dict[str, set[str]]:
     if found is None:
         out = tmp_path_factory.mktemp("lemmas") / "map.json"
         env = {**os.environ, "FA_NUMBA_LEMMA_MAP": str(out)}
-        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p",
+                               "no:cacheprovider", "tests"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         found = json.loads(out.read_text())
     ids: dict[str, set[str]] = {}
