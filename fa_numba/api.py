@@ -160,7 +160,7 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     if order not in SIMT_VARIANTS:  # the registry's v1-mma / v2-mma are engine="mma" with order "v1" / "v2"
         raise ValueError(f"order must be one of {SIMT_VARIANTS} (engine='mma' picks the tensor-core kernel of "
                          f"order 'v1' or 'v2'), got {order!r}")
-    kind = "bfloat16" if call.bfloat16 else np.dtype(q.dtype).name
+    kind = call.kind_of(q)
     if 0 in (prob.batch, prob.n_q, prob.n_k):
         shapes.check_mask(causal, mask)
         engines.resolve(engine, kind=kind, order=order, head_dim=max(prob.d, prob.d_v), block_q=block_q,
@@ -269,7 +269,7 @@ def _saved_inputs(call, q, v, named: dict) -> tuple:
     head dim for out and dout); out
     and dout in float32 or q's dtype (bfloat16 included: each is read on its own, so a bfloat16 out can
     come with a float32 dout and the float32 lse), lse float32."""
-    q_dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
+    q_dtype = call.kind_of(q)
     wanted = {"out": f"dtype float32 or q's dtype {q_dtype} (the forward's output)",
               "dout": f"q's dtype {q_dtype} or float32", "lse": "dtype float32 (the forward's)"}
     shapes_ = {"out": shapes.out_shape(q, v), "dout": shapes.out_shape(q, v), "lse": tuple(q.shape)[:-1]}
@@ -378,10 +378,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
             q, k, v, out, dout = tuple(value_dims.widened(call, name, x, width)
                                        for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
         prob = dataclasses.replace(prob, d=width, d_v=width)
-    dtype = "bfloat16" if call.bfloat16 else str(np.dtype(q.dtype))
+    dtype = call.kind_of(q)
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
-    dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
+    dout_kind = call.kind_of(dout)
     if engines.backward(engine, kind=dtype, order=order, head_dim=prob.d, dout_kind=dout_kind,
                         causal=causal, deterministic=bool(deterministic), block_q=block_q, block_k=block_k) == "mma":
         grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
@@ -450,7 +450,7 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
     (dq, dk, dv) in the caller's layout, their last axes at most the kernels' head dim (value_dims.result)."""
     from fa_numba.kernels.mma import backward as mma_backward
 
-    dout_kind = "bfloat16" if call.bfloat16 and np.dtype(dout.dtype) != np.float32 else str(np.dtype(dout.dtype))
+    dout_kind = call.kind_of(dout)
     if dout_kind != kind:
         raise TypeError(f"dout must have q's dtype {kind} for engine='mma' (the tensor cores read its 16 bits), "
                         f"got {dout_kind}; cast it, or use engine='simt'")

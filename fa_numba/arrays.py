@@ -110,6 +110,12 @@ class Call:
     bfloat16: bool = False  # the inputs were bfloat16: `arrays` hold their bits (int16 / uint16)
     _owners: dict = field(default_factory=dict, repr=False)
 
+    def kind_of(self, array) -> str:
+        """The dtype name of one of the inputs as the caller gave it: "bfloat16" for bfloat16 bits held as
+        int16 / uint16, else the array's own dtype name (a float32 array, dO say, stays "float32")."""
+        name = np.dtype(array.dtype).name
+        return "bfloat16" if self.bfloat16 and name in ("int16", "uint16") else name
+
     def context(self):
         """Run allocations and launches under this: selects the inputs' GPU if it is not numba's current."""
         index = self.device if self.kind == "cupy" else getattr(self.device, "index", None)

@@ -185,7 +185,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     group = heads // heads_kv
     rows = n_q * group  # packed rows per (request, K/V head): r = t N_q + i
     block_k = None if block_k is None else shapes.check_block("block_k", block_k)
-    kind = "bfloat16" if call.bfloat16 else np.dtype(q_.dtype).name
+    kind = call.kind_of(q_)
     aligned = not call.on_device or all(aligned16(x) for x in (q_, kc, vc))  # host inputs: fresh device copies
     if engines.decode(engine, kind=kind, head_dim=d, block_k=block_k, aligned=aligned) == "mma":
         layout = mma_decode.decode_split(kind, rows, d, block_k)  # a DecodeSplit: q and the caches go as bits
