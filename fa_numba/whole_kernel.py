@@ -44,10 +44,11 @@ MMA_VARIANTS = ("v1-mma", "v2-mma")  # the tensor-core forwards: products on mma
 # and the deterministic mode's Q-outer dQ pass
 MMA_BACKWARD = ("bwd-kv-mma", "bwd-kv-mma-det", "bwd-dq-mma")
 MMA_KERNELS = MMA_VARIANTS + MMA_BACKWARD
-# the products' multiply-adds one HMMA does, by the inputs' dtype: 16-bit m16n8k16; float32 by 3xTF32, three
-# m16n8k8 per product (kernels.mma.tf32); and the instruction's shape (Device.mma_cycles)
-USEFUL_MACS = {"float16": 16 * 8 * 16, "bfloat16": 16 * 8 * 16, "float32": 16 * 8 * 8 / 3}
-MMA_SHAPE = {"float16": "m16n8k16", "bfloat16": "m16n8k16", "float32": "m16n8k8"}
+# the products' multiply-adds one HMMA does, by the kernel's kind: 16-bit m16n8k16; float32 by 3xTF32, three
+# m16n8k8 per product, "tf32" (engine="mma-tf32") one (kernels.mma.tf32); and the instruction's shape
+# (Device.mma_cycles)
+USEFUL_MACS = {"float16": 16 * 8 * 16, "bfloat16": 16 * 8 * 16, "float32": 16 * 8 * 8 / 3, "tf32": 16 * 8 * 8}
+MMA_SHAPE = {"float16": "m16n8k16", "bfloat16": "m16n8k16", "float32": "m16n8k8", "tf32": "m16n8k8"}
 # the warps of a kernel's block own 16 rows each of the tile it keeps (query rows, or keys in the kv backward);
 # one product of an iteration is then 16 x (the other tile) x D multiply-adds per warp
 _WARP_OWNS_KEYS = ("bwd-kv-mma", "bwd-kv-mma-det")

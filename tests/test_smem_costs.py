@@ -157,6 +157,16 @@ def test_the_command_line_prints_one_result_per_configuration(capsys):
     assert rowwise["scalar"]["regions"]["k_tile"]["degree"] == 1.0 and rowwise["merged"]["total"]["wavefronts"] > 0
 
 
+def test_the_traced_inputs_are_float32_values_for_both_float32_kinds_and_bits_for_16_bit_ones():
+    """3xTF32 ("float32") and plain TF32 ("tf32") kernels read float32 arrays; 16-bit ones their bits."""
+    for dtype, want in (("float32", np.float32), ("tf32", np.float32), ("float16", np.uint16), ("bfloat16", np.uint16)):
+        (q, k, v), _ = smem_costs._inputs(dict(variant="v2-mma", head_dim=16, dtype=dtype), 16, 16)
+        assert q.dtype == k.dtype == v.dtype == want, dtype
+    (q, _, _), _ = smem_costs._inputs(dict(variant="v2-mma", head_dim=16, dtype="bfloat16"), 16, 16)
+    (f, _, _), _ = smem_costs._inputs(dict(variant="v2-mma", head_dim=16, dtype="float32"), 16, 16)
+    assert np.array_equal(q, (f.view(np.uint32) >> 16).astype(np.uint16))  # the same draw, its top 16 bits
+
+
 def test_unknown_widths_and_variants_are_errors():
     with pytest.raises(ValueError, match="widths must be one of"):
         smem_costs.per_iteration(SMALL, "vector")

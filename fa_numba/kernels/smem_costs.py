@@ -109,7 +109,7 @@ def _inputs(cfg: dict, n_q: int, n_k: int):
     dtype = np.float16 if cfg.get("dtype") == "float16" else np.float32
     d = cfg["head_dim"]
     drawn = tuple(rng.standard_normal((1, 1, n, d)).astype(dtype) for n in (n_q, n_k, n_k))
-    if cfg["variant"] in MMA_VARIANTS and cfg.get("dtype") != "float32":  # bfloat16: float32's top 16 bits
+    if cfg["variant"] in MMA_VARIANTS and cfg.get("dtype") not in ("float32", "tf32"):  # bfloat16: top 16 bits
         drawn = tuple(x.view(np.uint16) if cfg["dtype"] == "float16" else
                       (x.view(np.uint32) >> 16).astype(np.uint16) for x in drawn)
     return drawn, 1.0 / math.sqrt(d)
