@@ -23,7 +23,8 @@ from __future__ import annotations
 
 ENGINES = ("auto", "simt", "mma", "mma-tf32")
 MMA_KINDS = ("float16", "bfloat16")  # the 16-bit inputs: forward and backward, and auto's choice
-FLOAT32_KINDS = ("float32",)  # float32 inputs: the forward on tensor cores (3xTF32, or TF32 by "mma-tf32")
+# float32 inputs run the forward on tensor cores as kernel kind "float32" (3xTF32) or "tf32" ("mma-tf32"):
+# kernels.mma.tf32.FLOAT32_KINDS, the kernels' kinds on float32 inputs
 MMA_ORDERS = ("v1", "v2")
 
 
@@ -50,7 +51,7 @@ def mma_kind(engine: str, kind: str) -> str:
     """The tensor-core kernel's kind for inputs of `kind` under `engine` ("mma" or "mma-tf32"): the 16-bit kinds
     as they are, "float32" (3xTF32) for float32 inputs, "tf32" for float32 inputs under "mma-tf32"."""
     if engine == "mma-tf32":
-        if kind not in FLOAT32_KINDS:
+        if kind != "float32":
             raise ValueError(f"engine='mma-tf32' multiplies float32 inputs by one TF32 product; got {kind} inputs "
                              f"(use engine='mma' for them)")
         return "tf32"
@@ -84,7 +85,7 @@ def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
     if backward and kind not in MMA_KINDS:
         raise ValueError(f"engine='mma' runs the backward for float16 or bfloat16 inputs (the 3xTF32 backward for "
                          f"float32 is not built yet), got {kind}; use engine='simt' for its backward")
-    if kind not in MMA_KINDS + FLOAT32_KINDS + ("tf32",):
+    if kind not in MMA_KINDS + ("float32", "tf32"):  # the 16-bit kinds, 3xTF32, plain TF32
         raise ValueError(f"engine='mma' takes float16, bfloat16 or float32 inputs, got {kind}; use engine='simt' "
                          f"for {kind}")
     from fa_numba.kernels.mma.engine import MAX_FORWARD_HEAD_DIM, MAX_HEAD_DIM  # the kernels' own limits
