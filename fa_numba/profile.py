@@ -499,8 +499,8 @@ def main(argv=None) -> int:
     if args.strided:  # every kernel's q, k, v as views (the tensor-core backward's dO and O stay C-contiguous)
         configs = [dict(c, strided=True) for c in configs]
     start = time.perf_counter()
-    tracing = None if args.no_estimate else start_wavefronts(configs)  # in the simulator, while we compile
     jobs = max(1, min(args.jobs, len(configs)))
+    tracing = None if args.no_estimate else start_wavefronts(configs, jobs)  # in the simulator, while we compile
     with concurrent.futures.ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         submit = pool.submit if pool else lambda fn, *a: _Done(fn(*a))
         futures = [submit(profile_configuration, cfg, args.arch, launch) for cfg in configs]

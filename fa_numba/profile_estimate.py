@@ -36,30 +36,34 @@ def wavefront_cache() -> pathlib.Path:
     return root / "fa_numba" / f"wavefronts-{digest.hexdigest()[:16]}.json"
 
 
-def start_wavefronts(configs: list[dict]):
-    """Start kernels.smem_costs in a simulator process on the distinct traced configurations the cache lacks
-    (tracing one block takes 20 s to 3 minutes of CPU); returns (cached results, the process or None)."""
+def start_wavefronts(configs: list[dict], jobs: int = 1):
+    """Start kernels.smem_costs in simulator processes on the distinct traced configurations the cache lacks
+    (tracing one block takes 20 s to 15 minutes of CPU, in one thread): up to `jobs` processes, the
+    configurations dealt among them; returns (cached results, the processes)."""
     unique = {json.dumps(_traced_config(c), sort_keys=True): _traced_config(c) for c in configs}
     cache = wavefront_cache()
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     missing = [cfg for key, cfg in unique.items() if key not in known]
     if not missing:
-        return known, None
+        return known, []
     print(f"shared-memory wavefronts: tracing {len(missing)} kernels in the CUDA simulator (cached in {cache}) ...",
           file=sys.stderr, flush=True)
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    return known, subprocess.Popen([sys.executable, "-m", "fa_numba.kernels.smem_costs", json.dumps(missing)],
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    shares = [missing[i::max(1, min(jobs, len(missing)))] for i in range(max(1, min(jobs, len(missing))))]
+    return known, [subprocess.Popen([sys.executable, "-m", "fa_numba.kernels.smem_costs", json.dumps(share)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for share in shares]
 
 
 def finish_wavefronts(started) -> dict:
-    known, proc = started
-    if proc is None:
+    known, procs = started
+    if not procs:
         return known
-    out, err = proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(f"tracing shared memory in the simulator failed: {err[-2000:]}")
-    known = {**known, **json.loads(out)}
+    done = [(proc, *proc.communicate()) for proc in procs]  # every process ends before any result is read
+    for proc, out, err in done:
+        if proc.returncode:
+            raise RuntimeError(f"tracing shared memory in the simulator failed: {err[-2000:]}")
+        known = {**known, **json.loads(out)}
     cache = wavefront_cache()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -48,3 +48,21 @@ def test_a_causal_build_without_its_non_causal_sibling_stays_withheld():
     causal = made_up(True, {**COUNTS, "unattributed": ["0x1000-0x1400"]}, 2)
     profile_estimate.attach_estimates([causal], wavefronts(), LAUNCH)
     assert "tflops" not in causal.estimate and "trip-count rule" in causal.estimate["withheld"]
+
+
+def test_tracing_is_dealt_among_processes_and_gives_what_one_process_gives(tmp_path, monkeypatch):
+    """start_wavefronts(configs, jobs=2) traces two configurations in two simulator processes (a backward
+    kernel's trace takes many minutes on one core); finish_wavefronts merges them into what one process gives,
+    and caches them: a second start finds everything known and starts none."""
+    small = [dict(variant="v2", block_q=16, block_k=32, head_dim=16, dtype="float32", causal=False),
+             dict(variant="v1", block_q=16, block_k=32, head_dim=16, dtype="float32", causal=True)]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "two"))
+    known, procs = profile_estimate.start_wavefronts(small, jobs=2)
+    assert known == {} and len(procs) == 2
+    two = profile_estimate.finish_wavefronts((known, procs))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "one"))
+    one = profile_estimate.finish_wavefronts(profile_estimate.start_wavefronts(small, jobs=1))
+    assert sorted(two) == sorted(one) == sorted(json.dumps(profile_estimate._traced_config(c), sort_keys=True)
+                                                for c in small)
+    assert all(two[k]["total"] == one[k]["total"] and two[k]["total"]["wavefronts"] > 0 for k in one)
+    assert profile_estimate.start_wavefronts(small, jobs=2) == (one, [])  # cached: nothing to trace
