@@ -6,8 +6,9 @@ Variants: "split" (attention_with_kvcache on the CUDA cores, engine="simt", the 
 bfloat16 only, the rows of a float32 shape say so), "v2" (fa_numba.attention, order v2 on the CUDA cores, causal,
 on the cache as (B, H_kv, N_k, d): the same problem for the prefill kernel). Bytes are iomodel's
 (traffic_decode, traffic); the HBM bound is bytes / 4.8 TB/s (the H200's HBM3e): the least time the call can
-take, the physical limit of decoding, **a bound, not a speed**. On a GPU each variant is timed (CUDA events, median after warm-up) and its bytes / time given as a share
-of that bandwidth; in the simulator the decode kernels' HBM accesses are counted and compared with the model.
+take, the physical limit of decoding, **a bound, not a speed**. On a GPU each variant is timed (CUDA events,
+median after warm-up) and its bytes / time given as a share of that bandwidth; in the simulator the decode
+kernels' HBM accesses are counted and compared with the model.
 """
 
 from __future__ import annotations

@@ -49,10 +49,10 @@ def start_wavefronts(configs: list[dict], jobs: int = 1):
     print(f"shared-memory wavefronts: tracing {len(missing)} kernels in the CUDA simulator (cached in {cache}) ...",
           file=sys.stderr, flush=True)
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    shares = [missing[i::max(1, min(jobs, len(missing)))] for i in range(max(1, min(jobs, len(missing))))]
-    return known, [subprocess.Popen([sys.executable, "-m", "fa_numba.kernels.smem_costs", json.dumps(share)],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                   for share in shares]
+    count = max(1, min(jobs, len(missing)))
+    command = [sys.executable, "-m", "fa_numba.kernels.smem_costs"]
+    return known, [subprocess.Popen([*command, json.dumps(missing[i::count])], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for i in range(count)]
 
 
 def finish_wavefronts(started) -> dict:

@@ -23,8 +23,9 @@ Loop (block (i, s) of request b, K/V head h; tiles start .. stop - 1 of split s 
 The copies of a whole tile (every row a key: all but a request's last tile) take `streamer`'s lean path, one
 fixed 16-byte column per thread and rows a constant apart; the last tile takes the engine's general stager,
 which zero-fills the rows past n_b. Every wait is `cp.async.wait_group 1` (one group per iteration, the last one
-empty), so the SASS has one kind of wait in the loop and the model reads it as pipelined. The simulator's cp.async lands a group only at the
-wait that covers it (`warp.emulated_tc`), so a missing wait or barrier reads stale data there and a test fails.
+empty), so the SASS has one kind of wait in the loop and the model reads it as pipelined. The simulator's
+cp.async lands a group only at the wait that covers it (`warp.emulated_tc`), so a missing wait or barrier reads
+stale data there and a test fails.
 
 Rows and masking. Rows are the packed rows of `kernels.decode` (R = g N_q per request and K/V head, warp w of
 W owns rows 16 w .. 16 w + 15 of the query tile); row r sees the keys [lo_r, hi_r) of lohi[b, r]: the engine's
