@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 import fa_numba  # noqa: F401  (first: it chooses the backend before numba.cuda is imported)
-from fa_numba import masks, timing, tolerance
+from fa_numba import masks, timing, tolerance, tolerance_backward
 from fa_numba.kernels import SIMT_VARIANTS, default_tiles
 
 
@@ -81,7 +81,7 @@ def check_mask_mod(batch, heads, n, d, tile) -> list:
         try:
             grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, order=order,
                                                 deterministic=deterministic, **({"block_q": tile} if tile else {}))
-            c = tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mm)
+            c = tolerance_backward.check_attention_backward(*grads, q, k, v, dout, mask=mm)
             row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
         except AssertionError as failure:
             row.update(passed=False, why=str(failure)[:300])
@@ -110,7 +110,7 @@ def check_mask_mod_mma(batch, heads, n, d, tile) -> list:
         try:
             grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, engine="mma",
                                                 deterministic=deterministic, **tiles)
-            c = tolerance.check_attention_backward(*grads, *exact, mask=mm, p_dtype="float16")
+            c = tolerance_backward.check_attention_backward(*grads, *exact, mask=mm, p_dtype="float16")
             row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
         except AssertionError as failure:
             row.update(passed=False, why=str(failure)[:300])

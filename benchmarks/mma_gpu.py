@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 import fa_numba  # noqa: F401  (first: it chooses the backend before numba.cuda is imported)
-from fa_numba import engines, tolerance
+from fa_numba import engines, tolerance, tolerance_backward
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
@@ -172,7 +172,8 @@ def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") ->
     grads = fa_numba.attention_backward(*values[:3], out.astype(np.float32), lse.astype(np.float32), values[3],
                                         causal=causal, engine="mma", deterministic=deterministic)
     try:
-        c = tolerance.check_attention_backward(*grads, *exact, causal=causal, p_dtype=kind, contractions=("matmul",))
+        c = tolerance_backward.check_attention_backward(*grads, *exact, causal=causal, p_dtype=kind,
+                                                        contractions=("matmul",))
         row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
     except AssertionError as err:
         return {**row, "passed": False, "error": str(err)[:400]}

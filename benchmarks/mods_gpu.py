@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 import fa_numba  # noqa: F401  (first: it chooses the backend before numba.cuda is imported)
-from fa_numba import mods, timing, tolerance
+from fa_numba import mods, timing, tolerance, tolerance_backward
 from fa_numba.kernels import default_tiles
 
 
@@ -74,10 +74,10 @@ def check_rows(batch, heads, n, d) -> list:
                 out, lse = fa_numba.attention(q, k, v, engine=engine, return_lse=True, score_mod=mod)
                 grads = fa_numba.attention_backward(q, k, v, out, lse, dout, engine=engine, score_mod=mod,
                                                     captured_grads=engine == "simt")
-                c = tolerance.check_attention_backward(*grads[:3], *wide, score_mod=mod, p_dtype=p_dtype)
+                c = tolerance_backward.check_attention_backward(*grads[:3], *wide, score_mod=mod, p_dtype=p_dtype)
                 row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
                 if engine == "simt":
-                    errs = tolerance.check_captured_gradients(grads[3], *wide, score_mod=mod)
+                    errs = tolerance_backward.check_captured_gradients(grads[3], *wide, score_mod=mod)
                     row.update(captured_err=[e for e in errs if e is not None])
             except AssertionError as failure:
                 row.update(passed=False, why=str(failure)[:300])

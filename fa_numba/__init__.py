@@ -3,6 +3,7 @@
 Layers, top to bottom (each imports only those above it):
     reference       float64 dense attention and its gradients (the definition), their float32 twins
     tolerance       the derived tolerance rules a float32 result is judged by: terms, baselines, checks
+    tolerance_backward  the gradients' rule (3x and the recomputation floors), on tolerance's pieces
     online_softmax  the (m, l, acc) state and its merge / update / finalize
     tiling          tile grid, SKIP / FULL / PARTIAL classification (causal or any mask), block masks, schedules
     masks           causal, sliding window, documents, prefix-LM, from_function / from_dense: predicate,
@@ -30,7 +31,8 @@ from fa_numba import backend
 
 backend.select()  # before anything imports numba.cuda
 
-from fa_numba import iomodel, masks, online_softmax, reference, tiled, tiling, tolerance  # noqa: E402
+from fa_numba import (iomodel, masks, online_softmax, reference, tiled, tiling, tolerance,  # noqa: E402
+                      tolerance_backward)
 from fa_numba.api import attention, attention_backward  # noqa: E402
 from fa_numba.decode import attention_with_kvcache  # noqa: E402
 
@@ -46,5 +48,5 @@ def __getattr__(name):
 
 
 __all__ = ["attention", "attention_backward", "attention_with_kvcache", "backend", "flash_attn_func", "iomodel", "masks", "online_softmax",
-           "reference", "sdpa", "tiled", "tiling", "tolerance"]
+           "reference", "sdpa", "tiled", "tiling", "tolerance", "tolerance_backward"]
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts, tolerance
+from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts, tolerance, tolerance_backward
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.block_lists import kernel_mask
 from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM
@@ -405,8 +405,8 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
     scale = 1 / math.sqrt(s.head_dim)
     out, lse = attention_forward(q, k, v, causal, block, mask=mask)
     contractions = reference.CONTRACTIONS if s.batch * s.heads * s.n_q * s.n_k <= EXACT_CHECK_MAX_SCORES else ("matmul",)
-    base = tolerance.baseline_backward(*(reference_view(x) for x in (q, k, v, dout)), causal=causal,
-                                       contractions=contractions, mask=mask)
+    base = tolerance_backward.baseline_backward(*(reference_view(x) for x in (q, k, v, dout)), causal=causal,
+                                                contractions=contractions, mask=mask)
     q, k, v, dout = (kernel_view(x) for x in (q, k, v, dout))
     device = [cuda.to_device(x) for x in (q, k, v, out, lse, dout)]
     blocks = None if mask is None else kernel_mask(mask, s.n_q, s.n_k, block, block)  # the backward's square tiles
@@ -432,7 +432,7 @@ def run_backward(shape: Shape, variants=None, *, repeats: int = 20, warmup: int 
             row[f"err_{key}"] = tolerance.max_error(g, ref)
         row.update(atol_dq=base.atol_dq, atol_dk=base.atol_dk, atol_dv=base.atol_dv)
         try:
-            tolerance.judge_backward(*grads, base, name=row["variant"])
+            tolerance_backward.judge_backward(*grads, base, name=row["variant"])
             row["passed"] = True
         except AssertionError as failure:
             row["passed"], row["failure"] = False, str(failure)

@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch.multiprocessing as mp
 
-    from fa_numba import tolerance
+    from fa_numba import tolerance, tolerance_backward
 
     p = argparse.ArgumentParser(prog="python -m fa_numba.distributed", description=main.__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="ranks W (default: %(default)s)")
@@ -332,8 +332,8 @@ def main(argv=None) -> int:
     err_out = tolerance.max_error(got["out"], ref.out)
     err_lse = tolerance.max_error(got["lse"], ref.lse)
     try:
-        grads = tolerance.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"], got["v"],
-                                                   got["dout"], causal=causal)
+        grads = tolerance_backward.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"],
+                                                            got["v"], got["dout"], causal=causal)
         gradients = f"dQ {grads.err_dq:.2e} (atol {grads.atol_dq:.2e}), dK {grads.err_dk:.2e}, dV {grads.err_dv:.2e}"
     except AssertionError as failure:
         grads, gradients = None, f"gradients outside the rule: {failure}"

@@ -21,8 +21,8 @@ that differs by batch and head (`fa_numba.slice_masks`: a 4-D `masks.from_dense`
 The backward (proofs/L7_backward.md): `attention_backward` gives the float64 gradients (dq, dk, dv) of
 <dO, O> for a given dO, `attention_backward_naive_f32` the same formulas in float32 (P recomputed from its
 own float32 LSE, as every FlashAttention backward does), the yardstick of the gradients' rule
-(`tolerance.baseline_backward`); `dense_backward` returns what they materialise as well (P, dP, D). Each
-takes `mask=` as the forward does.
+(`tolerance_backward.baseline_backward`); `dense_backward` returns what they materialise as well (P, dP, D).
+Each takes `mask=` as the forward does.
 
 Non-finite values (proofs/L2, L3, L8). Whether a row sees any key is decided by the mask alone: a row with no
 visible key (causal: possible when N_q > N_k; any mask may have such rows) has O = 0 and LSE = -inf, whatever
@@ -292,8 +292,8 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     """The dense gradients in `dtype`, from their own forward (`dense`) in the same dtype and contraction order.
 
     `attention_backward` (float64) and `attention_backward_naive_f32` (float32) return its dq, dk, dv; the
-    gradients' rule (`fa_numba.tolerance`) reads its P, dP, D and operands for its floors. Materialises S, P,
-    dP and dS: B H N_q N_k elements each. score_mod: a `mods.ScoreMod` with a grad (ValueError without one):
+    gradients' rule (`fa_numba.tolerance_backward`) reads its P, dP, D and operands for its floors. Materialises
+    S, P, dP and dS: B H N_q N_k elements each. score_mod: a `mods.ScoreMod` with a grad (ValueError without one):
     dS = dS' mod'(S), and the captured arrays' gradients in `dcaptured` (module docstring, proofs/L13).
     """
     prob = shapes.problem(q, k, v, value_dim=True)

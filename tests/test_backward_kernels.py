@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fa_numba
-from fa_numba import backend, iomodel, reference, tolerance
+from fa_numba import backend, iomodel, reference, tolerance, tolerance_backward
 from fa_numba.kernels import backward
 from strategies import BACKWARD_HARD_CASES, Case, kernel_cases
 
@@ -39,7 +39,7 @@ def _problem(case: Case, dtype=np.float32):
 SMALL_HARD = [_square(c) for c in BACKWARD_HARD_CASES if c.n_q * c.heads * c.batch <= 64]
 
 
-def _within(check: tolerance.CheckBackward) -> bool:
+def _within(check: tolerance_backward.CheckBackward) -> bool:
     """judge_backward raises on any entry beyond its tolerance; this states the verdict in the test too."""
     return check.err_dq <= check.atol_dq and check.err_dk <= check.atol_dk and check.err_dv <= check.atol_dv
 
@@ -57,7 +57,7 @@ def test_backward_kernels_pass_the_3x_rule(order, deterministic, case: Case, hal
                                         deterministic=deterministic, block_q=case.block_q, block_k=case.block_q)
     assert all(g.dtype == np.float32 for g in grads)
     assert grads[0].shape == q.shape and grads[1].shape == k.shape and grads[2].shape == v.shape
-    tolerance.check_attention_backward(*grads, q, k, v, dout, causal=case.causal, name=f"kernel {order}")
+    tolerance_backward.check_attention_backward(*grads, q, k, v, dout, causal=case.causal, name=f"kernel {order}")
 
 
 @pytest.mark.lemma("L7")
@@ -65,12 +65,12 @@ def test_backward_kernels_pass_the_3x_rule(order, deterministic, case: Case, hal
                                                           f"{'causal' if c.causal else 'full'}-x{c.amplitude:g}")
 def test_backward_kernels_on_the_hard_cases(case: Case):
     q, k, v, dout, out, lse = _problem(case)
-    base = tolerance.baseline_backward(q, k, v, dout, causal=case.causal)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=case.causal)
     for order, deterministic in ORDERS:
         grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=case.causal, order=order,
                                             deterministic=deterministic, block_q=case.block_q)
-        assert _within(tolerance.judge_backward(*grads, base,
-                                                name=f"kernel {order}{' deterministic' if deterministic else ''}"))
+        assert _within(tolerance_backward.judge_backward(
+            *grads, base, name=f"kernel {order}{' deterministic' if deterministic else ''}"))
 
 
 # The tiles and micro-tiles a launch gets by default (backward.DEFAULTS: 32x32 with 4x4 per thread at d = 64,
@@ -87,12 +87,12 @@ SHIPPED = [Case(n_q=37, n_k=45, d=64, block_q=32, block_k=32, causal=True, seed=
 def test_the_shipped_backward_layouts_pass_the_3x_rule(case: Case):
     assert backward.default_backward_tiles(case.d)[0] == case.block_q
     q, k, v, dout, out, lse = _problem(case)
-    base = tolerance.baseline_backward(q, k, v, dout, causal=case.causal)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=case.causal)
     for order, deterministic in ORDERS:
         grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=case.causal, order=order,
                                             deterministic=deterministic)  # tiles left to the defaults
-        assert _within(tolerance.judge_backward(*grads, base,
-                                                name=f"shipped d={case.d} {order}{' det' if deterministic else ''}"))
+        assert _within(tolerance_backward.judge_backward(
+            *grads, base, name=f"shipped d={case.d} {order}{' det' if deterministic else ''}"))
 
 
 @pytest.mark.lemma("L7")
@@ -113,7 +113,7 @@ def test_backward_traffic_equals_iomodel(order, deterministic, case: Case):
                                      deterministic=deterministic)
     assert ledger.reads == model.reads
     assert ledger.writes == model.writes
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, causal=case.causal, name=f"counted {order}")
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, causal=case.causal, name=f"counted {order}")
 
 
 @pytest.mark.lemma("L7")
@@ -124,7 +124,7 @@ def test_rows_without_visible_keys_get_exactly_zero_gradient():
         dq, dk, dv = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=True, order=order,
                                                  deterministic=deterministic, block_q=4)
         assert (dq[0, 0, :8] == 0).all() and np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
-        tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, causal=True)
+        tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, causal=True)
 
 
 def test_deterministic_mode_is_bitwise_repeatable():
@@ -136,7 +136,7 @@ def test_deterministic_mode_is_bitwise_repeatable():
         for a, b in zip(grads, runs[0]):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     atomic = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=True, block_q=4)
-    tolerance.check_attention_backward(*atomic, q, k, v, dout, causal=True, name="atomic dq")
+    tolerance_backward.check_attention_backward(*atomic, q, k, v, dout, causal=True, name="atomic dq")
 
 
 def _qkvo():
@@ -178,7 +178,7 @@ def test_layouts_and_float32_dout_with_float16_inputs():
     halves = [x.astype(np.float16) for x in (q, k, v)]
     out16, lse16 = fa_numba.attention(*halves, return_lse=True, block_q=8, block_k=8)
     grads = fa_numba.attention_backward(*halves, out16, lse16, dout, block_q=8)  # dout float32: the forward's dtype
-    tolerance.check_attention_backward(*grads, *halves, dout)
+    tolerance_backward.check_attention_backward(*grads, *halves, dout)
 
 
 def _sdpa_grads(torch, q, k, v, dout, causal):
@@ -209,7 +209,7 @@ def test_autograd_matches_torch_sdpa_in_float64(causal, backward_order):
     # torch's float64 gradients are the exact gradients as our float64 reference computes them
     for ours, theirs in zip(reference.attention_backward(q, k, v, dout, causal=causal), sdpa):
         np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12)
-    base = tolerance.baseline_backward(q, k, v, dout, causal=causal)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=causal)
     for name, g, theirs, atol in zip(("dq", "dk", "dv"), (tq.grad, tk.grad, tv.grad), sdpa,
                                      (base.atol_dq, base.atol_dk, base.atol_dv)):
         assert g.dtype == torch.float32 and g.shape == theirs.shape
@@ -236,8 +236,8 @@ def test_gpu_larger_shapes(causal, d):
     case = Case(n_q=517, n_k=389 if causal else 1031, d=d, block_q=block, block_k=block, causal=causal, batch=2,
                 heads_kv=2, group=2, seed=d)
     q, k, v, dout, out, lse = _problem(case)
-    base = tolerance.baseline_backward(q, k, v, dout, causal=causal, contractions=("matmul", "loop"))
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=causal, contractions=("matmul", "loop"))
     for order, deterministic in ORDERS:
         grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=causal, order=order,
                                             deterministic=deterministic)
-        assert _within(tolerance.judge_backward(*grads, base, name=f"gpu {order}"))
+        assert _within(tolerance_backward.judge_backward(*grads, base, name=f"gpu {order}"))

@@ -20,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from numba import cuda
 
-from fa_numba import backend, masks, reference, tiled, tolerance
+from fa_numba import backend, masks, reference, tiled, tolerance_backward
 from fa_numba.kernels import VARIANTS, backward, poisoned_outputs
 from fa_numba.kernels.block_lists import kernel_mask
 from strategies import MASK_KINDS, SIM_MAX_BLOCKS, Case, GlobalAndLocal, MaskCase, mask_cases
@@ -221,7 +221,7 @@ def _check_poison(poison: Poison, order: str, deterministic: bool):
     name = f"{order}{' deterministic' if deterministic else ''} {mask!r}"
     clean_inputs = poison.inputs(clean=True)
     clean = _backward(mask, case, order, deterministic, *clean_inputs)
-    tolerance.check_attention_backward(*clean, *clean_inputs, mask=mask, name=f"{name} clean")
+    tolerance_backward.check_attention_backward(*clean, *clean_inputs, mask=mask, name=f"{name} clean")
     grads = _backward(mask, case, order, deterministic, *poison.inputs())
     # dQ is added by atomics across key tiles in order "kv" (not deterministic), dK and dV across query tiles
     # and heads in order "q": on a GPU their order of addition, hence their last bits, varies between runs
@@ -338,7 +338,7 @@ def test_padding_full_of_garbage_leaves_the_visible_part_finite_and_exact(order,
     dq, dk, dv = _backward(mc.mask, mc.case, order, deterministic, q, k, v, dout)
     assert all(np.isfinite(g).all() for g in (dq, dk, dv))
     assert (dq[:, :, real:] == 0).all() and (dk[:, :, real:] == 0).all() and (dv[:, :, real:] == 0).all()
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mc.mask, name=f"{order} padded")
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mc.mask, name=f"{order} padded")
 
     docs = MaskCase(Case(n, n, 4, 8, 8, False, seed=10), masks.documents([7, 9, 8]))
     q, k, v, dout = Poison(docs, "q", (0, 0, 0, 0)).inputs(clean=True)
@@ -348,12 +348,12 @@ def test_padding_full_of_garbage_leaves_the_visible_part_finite_and_exact(order,
     outside = np.r_[0:7, 16:24]
     assert all(np.isfinite(g[:, :, outside]).all() for g in (dq, dk, dv))
     assert np.isnan(dq[:, :, 7:16]).all() and np.isnan(dk[:, :, 7:16]).all()
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=docs.mask, name=f"{order} documents")
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=docs.mask, name=f"{order} documents")
 
 
 @pytest.mark.lemma("L7")
 def test_the_reference_floors_do_not_see_what_the_mask_hides():
-    """The gradients' recomputation floors (tolerance._recompute_floors) sum over visible pairs
+    """The gradients' recomputation floors (tolerance_backward._recompute_floors) sum over visible pairs
     only: padding full of NaN and inf gives exactly the floors of the same padding filled with finite
     numbers (a NaN floor would be dropped as non-finite, and the visible rows judged with no floor at all)."""
     n, real = 24, 13
@@ -368,7 +368,7 @@ def test_the_reference_floors_do_not_see_what_the_mask_hides():
         x[:, :, real::3] = np.inf
     with np.errstate(invalid="ignore", over="ignore"):
         want, got = (reference.dense_backward(*x, mask=mask) for x in (finite, garbage))
-        want_floors, got_floors = tolerance._recompute_floors(want), tolerance._recompute_floors(got)
+        want_floors, got_floors = tolerance_backward._recompute_floors(want), tolerance_backward._recompute_floors(got)
     assert all(f > 0 for f in want_floors) and got_floors == want_floors
     for g, w in zip((got.dq, got.dk, got.dv), (want.dq, want.dk, want.dv)):  # and the gradients of the visible
         assert np.array_equal(g, w)  # part are the same, bit for bit

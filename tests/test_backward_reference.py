@@ -8,7 +8,7 @@ from hypothesis import example, given
 
 from scipy.special import softmax
 
-from fa_numba import masks, reference, tolerance
+from fa_numba import masks, reference, tolerance, tolerance_backward
 from float64_bounds import finite_difference_bounds, float64_atols, magnitudes
 from strategies import (BACKWARD_HARD_CASES, HARD_MASK_CASES, Case, MaskCase, cases, mask_cases,
                         with_backward_hard_cases, with_hard_mask_cases)
@@ -166,7 +166,7 @@ def test_backward_tolerance_is_the_documented_rule():
     case = Case(n_q=7, n_k=9, d=5, block_q=1, block_k=1, causal=True, logit=3.0, seed=6)
     q, k, v = case.inputs()
     dout = case.grad_output()
-    base = tolerance.baseline_backward(q, k, v, dout, causal=True)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=True)
     ref = reference.attention_backward(q, k, v, dout, causal=True)
     naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=True, contraction=c)
              for c in reference.CONTRACTIONS]
@@ -199,7 +199,7 @@ def test_cancellation_floor_covers_a_row_that_sees_one_key():
     case = Case(n_q=4, n_k=1, d=6, block_q=1, block_k=1, causal=False, seed=11)
     q, k, v = case.inputs(np.float32)
     dout = case.grad_output(np.float32)
-    base = tolerance.baseline_backward(q, k, v, dout)
+    base = tolerance_backward.baseline_backward(q, k, v, dout)
     ref = reference.attention_backward(q, k, v, dout)
     naive_dq = [reference.attention_backward_naive_f32(q, k, v, dout, contraction=c)[0] for c in ("loop", "loop_reversed")]
     assert all(tolerance.max_error(n, ref[0]) == 0 for n in naive_dq)  # exact by luck
@@ -223,16 +223,16 @@ def test_check_attention_backward_rejects_a_wrong_answer():
     q, k, v = case.inputs()
     dout = case.grad_output()
     grads = reference.attention_backward_naive_f32(q, k, v, dout, causal=True)
-    check = tolerance.check_attention_backward(*grads, q, k, v, dout, causal=True)
+    check = tolerance_backward.check_attention_backward(*grads, q, k, v, dout, causal=True)
     assert check.err_dq <= check.atol_dq / 3 and check.err_dv <= check.atol_dv / 3  # naive passes with room
     unmasked = reference.attention_backward_naive_f32(q, k, v, dout, causal=False)  # forgot the mask
     for t, name in enumerate(("dq", "dk", "dv")):
         wrong = list(grads)
         wrong[t] = unmasked[t]
         with pytest.raises(AssertionError, match=f"kernel {name}"):
-            tolerance.check_attention_backward(*wrong, q, k, v, dout, causal=True)
+            tolerance_backward.check_attention_backward(*wrong, q, k, v, dout, causal=True)
     with pytest.raises(AssertionError, match="non-finite mismatch"):
-        tolerance.check_attention_backward(grads[0] * np.nan, *grads[1:], q, k, v, dout, causal=True)
+        tolerance_backward.check_attention_backward(grads[0] * np.nan, *grads[1:], q, k, v, dout, causal=True)
 
 
 # --- masks beyond causal (proofs/L8) -----------------------------------------------------------------
@@ -317,7 +317,8 @@ def test_causal_flag_equals_the_causal_mask_in_the_backward_reference_bitwise(ca
     for fn in (reference.attention_backward, reference.attention_backward_naive_f32):
         for a, b in zip(fn(q, k, v, dout, causal=True), fn(q, k, v, dout, mask=masks.causal())):
             np.testing.assert_array_equal(a, b)
-    by_flag, by_mask = (vars(tolerance.baseline_backward(q, k, v, dout, contractions=("matmul",), **kw)).values()
+    by_flag, by_mask = (vars(tolerance_backward.baseline_backward(q, k, v, dout, contractions=("matmul",),
+                                                                  **kw)).values()
                         for kw in ({"causal": True}, {"mask": masks.causal()}))
     for a, b in zip(by_flag, by_mask):  # the gradients and their tolerances
         np.testing.assert_array_equal(a, b)
@@ -329,7 +330,7 @@ def test_check_attention_backward_with_a_mask_rejects_unmasked_gradients():
     q, k, v = Case(n_q=7, n_k=7, d=4, block_q=1, block_k=1, causal=False, seed=13).inputs()
     dout = Case(n_q=7, n_k=7, d=4, block_q=1, block_k=1, causal=False, seed=13).grad_output()
     grads = reference.attention_backward_naive_f32(q, k, v, dout, mask=mask)
-    check = tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mask)
+    check = tolerance_backward.check_attention_backward(*grads, q, k, v, dout, mask=mask)
     assert check.err_dq <= check.atol_dq and check.err_dk <= check.atol_dk
     for wrong in (reference.attention_backward_naive_f32(q, k, v, dout, causal=True),  # the window forgotten
                   reference.attention_backward_naive_f32(q, k, v, dout, mask=masks.sliding_window(1, 0))):
@@ -337,6 +338,6 @@ def test_check_attention_backward_with_a_mask_rejects_unmasked_gradients():
             given_grads = list(grads)
             given_grads[t] = wrong[t]
             with pytest.raises(AssertionError, match=f"kernel {name}"):
-                tolerance.check_attention_backward(*given_grads, q, k, v, dout, mask=mask)
+                tolerance_backward.check_attention_backward(*given_grads, q, k, v, dout, mask=mask)
     with pytest.raises(ValueError, match=r"pass causal=True or mask=\.\.\., not both"):
         reference.attention_backward(q, k, v, dout, causal=True, mask=mask)

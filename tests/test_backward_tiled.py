@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling, tolerance
+from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling, tolerance, tolerance_backward
 from float64_bounds import float64_atols, magnitudes
 from strategies import (HARD_MASK_CASES, Case, MaskCase, cases, mask_cases, with_backward_hard_cases,
                         with_hard_mask_cases)
@@ -62,11 +62,11 @@ def test_float32_spec_of_both_orders_passes_the_3x_rule(case: Case):
     q, k, v, dout = inputs
     out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=case.block_q, block_k=case.block_k,
                                   causal=case.causal, dtype=np.float32)
-    base = tolerance.baseline_backward(q, k, v, dout, causal=case.causal)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=case.causal)
     for order, deterministic in VARIANTS:
         grads = _backward(case, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
         assert all(g.dtype == np.float32 for g in grads)
-        tolerance.judge_backward(*grads, base, name=f"tiled {order} float32")
+        tolerance_backward.judge_backward(*grads, base, name=f"tiled {order} float32")
 
 
 @pytest.mark.lemma("L7")
@@ -75,10 +75,10 @@ def test_float16_inputs_are_checked_against_the_reference_of_the_same_inputs():
     inputs = _inputs(case, np.float16)
     q, k, v, dout = inputs
     out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=4, block_k=4, causal=True, dtype=np.float32)
-    base = tolerance.baseline_backward(q, k, v, dout, causal=True)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, causal=True)
     for order, deterministic in VARIANTS:
         grads = _backward(case, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
-        tolerance.judge_backward(*grads, base, name=f"tiled {order} from float16")
+        tolerance_backward.judge_backward(*grads, base, name=f"tiled {order} from float16")
 
 
 @pytest.mark.lemma("L7")
@@ -160,7 +160,7 @@ def test_a_broken_spec_is_caught(monkeypatch):
     ref = reference.attention_backward(*inputs, causal=True)
     atols = float64_atols(magnitudes(*inputs, True))
     f32 = _inputs(case, np.float32)
-    base = tolerance.baseline_backward(*f32, causal=True)
+    base = tolerance_backward.baseline_backward(*f32, causal=True)
     monkeypatch.setattr(tiled, "_preprocess", lambda out, dout: np.zeros(out.shape[:-1], dtype=out.dtype))
     for order, deterministic in VARIANTS:
         dq, dk, dv, _ = _backward(case, order, deterministic, inputs, forward)
@@ -171,7 +171,7 @@ def test_a_broken_spec_is_caught(monkeypatch):
         grads = _backward(case, order, deterministic, f32, tuple(x.astype(np.float32) for x in forward),
                           dtype=np.float32)[:3]
         with pytest.raises(AssertionError, match="broken dq"):
-            tolerance.judge_backward(*grads, base, name="broken")
+            tolerance_backward.judge_backward(*grads, base, name="broken")
 
 
 def test_arguments_are_validated_by_name():
@@ -304,11 +304,11 @@ def test_float32_backward_spec_with_a_mask_passes_the_3x_rule(mc: MaskCase):
     q, k, v, dout = inputs
     out, lse, _ = tiled.attention(q, k, v, order="v2", block_q=mc.case.block_q, block_k=mc.case.block_k,
                                   mask=mc.mask, dtype=np.float32)
-    base = tolerance.baseline_backward(q, k, v, dout, mask=mc.mask)
+    base = tolerance_backward.baseline_backward(q, k, v, dout, mask=mc.mask)
     for order, deterministic in VARIANTS:
         grads = _mask_backward(mc, order, deterministic, inputs, (out, lse), dtype=np.float32)[:3]
         assert all(g.dtype == np.float32 for g in grads)
-        tolerance.judge_backward(*grads, base, name=f"tiled {order} float32")
+        tolerance_backward.judge_backward(*grads, base, name=f"tiled {order} float32")
 
 
 @pytest.mark.lemma("L8")

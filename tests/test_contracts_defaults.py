@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fa_numba import masks, reference, tiled, tiling, tolerance
+from fa_numba import masks, reference, tiled, tiling, tolerance, tolerance_backward
 from strategies import Case
 
 # N_q = N_k = 3, one-row tiles: causal masking changes every output and the upper tiles' kind.
@@ -40,7 +40,7 @@ COMPUTED = {  # entry point: call(**maybe causal) -> a result
     "tolerance.baseline": lambda **kw: tolerance.baseline(Q, K, V, **kw),
     "reference.attention_backward": lambda **kw: reference.attention_backward(Q, K, V, DOUT, **kw),
     "reference.attention_backward_naive_f32": lambda **kw: reference.attention_backward_naive_f32(Q, K, V, DOUT, **kw),
-    "tolerance.baseline_backward": lambda **kw: tolerance.baseline_backward(Q, K, V, DOUT, **kw),
+    "tolerance_backward.baseline_backward": lambda **kw: tolerance_backward.baseline_backward(Q, K, V, DOUT, **kw),
     "tiled.attention": lambda **kw: tiled.attention(Q, K, V, order="v1", **TILES, **kw),
     "tiled.attention_backward": lambda **kw: tiled.attention_backward(
         Q, K, V, *_forward_of(kw.get("causal", False)), DOUT, order="q", **TILES, **kw),
@@ -62,7 +62,7 @@ def test_causal_masking_is_off_unless_asked_for(name):
 
 CHECKS = {  # entry point: call(**maybe causal) on non-causal results: passes iff it judges without the mask
     "tolerance.check_attention": lambda **kw: tolerance.check_attention(*reference.attention(Q, K, V), Q, K, V, **kw),
-    "tolerance.check_attention_backward": lambda **kw: tolerance.check_attention_backward(
+    "tolerance_backward.check_attention_backward": lambda **kw: tolerance_backward.check_attention_backward(
         *reference.attention_backward(Q, K, V, DOUT), Q, K, V, DOUT, **kw),
 }
 
@@ -88,7 +88,7 @@ def test_the_backward_spec_defaults_to_atomic_dq_and_skipping():
 def test_the_gradients_tolerance_has_no_recomputation_floor_unless_given():
     expected = np.array([1.0, -2.0, 0.5])
     naive = [expected + np.array([2.0**-20, 0.0, 0.0]), expected - np.array([0.0, 2.0**-18, 0.0])]  # exact errors
-    atol = tolerance.tolerance_backward(expected, naive)
-    assert atol == tolerance.tolerance_backward(expected, naive, 0.0)
+    atol = tolerance_backward.tolerance_backward(expected, naive)
+    assert atol == tolerance_backward.tolerance_backward(expected, naive, 0.0)
     assert atol == 3 * 2.0**-18 + tolerance.rounding_floor(expected)
-    assert tolerance.tolerance_backward(expected, naive, 2.0**-10) == atol + 2.0**-10
+    assert tolerance_backward.tolerance_backward(expected, naive, 2.0**-10) == atol + 2.0**-10

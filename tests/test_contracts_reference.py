@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fa_numba import reference, tiled, tolerance
+from fa_numba import reference, tiled, tolerance, tolerance_backward
 from strategies import Case
 
 # --- visible_matmul: sum_j p_ij v_j over the visible pairs, non-finite values included ----------------
@@ -148,7 +148,7 @@ def test_a_problem_with_no_finite_reference_entry_is_allowed_no_error():
     with pytest.raises(AssertionError, match="non-finite mismatch"):
         tolerance.judge(np.zeros_like(base.out), base.lse, base)
     dout = np.ones_like(q)
-    back = tolerance.baseline_backward(q, k, v, dout)
+    back = tolerance_backward.baseline_backward(q, k, v, dout)
     assert (back.atol_dq, back.atol_dk, back.atol_dv) == (0.0, 0.0, 0.0)
 
 
@@ -178,9 +178,9 @@ def test_assert_close_reports_how_many_fail_and_shows_only_the_first_five():
     lambda q, k, v, dout: tolerance.baseline(q, k, v),
     lambda q, k, v, dout: tolerance.baseline(q, k, v, block_q=1, block_k=1).terms,
     lambda q, k, v, dout: tolerance.check_attention(*reference.attention(q, k, v), q, k, v),
-    lambda q, k, v, dout: tolerance.baseline_backward(q, k, v, dout),
-    lambda q, k, v, dout: tolerance.check_attention_backward(*reference.attention_backward(q, k, v, dout), q, k, v,
-                                                             dout),
+    lambda q, k, v, dout: tolerance_backward.baseline_backward(q, k, v, dout),
+    lambda q, k, v, dout: tolerance_backward.check_attention_backward(*reference.attention_backward(q, k, v, dout),
+                                                                      q, k, v, dout),
     lambda q, k, v, dout: reference.dense(q, k, v),
     lambda q, k, v, dout: reference.dense_backward(q, k, v, dout),
 ], ids=["Baseline", "Terms", "Check", "BaselineBackward", "CheckBackward", "Dense", "DenseBackward"])

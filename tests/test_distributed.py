@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="ring attention runs on torch.distributed (the torch extra)")
 
 import fa_numba.distributed as fd  # noqa: E402
-from fa_numba import split_kv, tolerance  # noqa: E402
+from fa_numba import split_kv, tolerance, tolerance_backward  # noqa: E402
 
 BLOCK = 8
 
@@ -55,8 +55,8 @@ def test_ring_attention_forward_and_backward_match_single_device(world, layout, 
     ref = tolerance.baseline(got["q"], got["k"], got["v"], causal=causal, contractions=("matmul",))
     assert tolerance.assert_close(got["out"], ref.out, atol_out, name="ring out") <= atol_out
     assert tolerance.assert_close(got["lse"], ref.lse, atol_lse, name="ring lse") <= atol_lse
-    grads = tolerance.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"], got["v"],
-                                               got["dout"], causal=causal)
+    grads = tolerance_backward.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"], got["v"],
+                                                        got["dout"], causal=causal)
     assert grads.err_dq <= grads.atol_dq and grads.err_dk <= grads.atol_dk and grads.err_dv <= grads.atol_dv
     assert q.shape[:-1] == dout.shape[:-1] and k.shape[:-1] == v.shape[:-1] and v.shape[-1] == dout.shape[-1]
     # the block calls each rank made, counted in the ring itself: the schedule's pairs, and equal under zigzag
@@ -87,8 +87,8 @@ def test_ring_attention_on_float16_runs_the_engine_asked_for(engine, tmp_path):
     atol = atol_out + half_ulp(ref.out)
     assert tolerance.assert_close(got["out"], ref.out, atol, name="ring out") <= atol
     assert tolerance.assert_close(got["lse"], ref.lse, atol_lse, name="ring lse") <= atol_lse
-    base = tolerance.baseline_backward(got["q"], got["k"], got["v"], got["dout"], causal=causal, p_dtype=p_dtype,
-                                       contractions=("matmul",))
+    base = tolerance_backward.baseline_backward(got["q"], got["k"], got["v"], got["dout"], causal=causal,
+                                                p_dtype=p_dtype, contractions=("matmul",))
     for name in ("dq", "dk", "dv"):
         want = getattr(base, name)
         atol = getattr(base, "atol_" + name) + half_ulp(want)

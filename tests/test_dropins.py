@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="the drop-ins need torch (the torch 
 
 import fa_numba  # noqa: E402
 import fa_numba.autograd  # noqa: E402
-from fa_numba import tolerance  # noqa: E402
+from fa_numba import tolerance, tolerance_backward  # noqa: E402
 
 F = torch.nn.functional
 
@@ -68,7 +68,7 @@ def test_sdpa_gradients_match_torch_and_the_dtype_comes_back():
     fa_numba.sdpa(q, k, v, is_causal=True).backward(dout)
     ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
     F.scaled_dot_product_attention(*ref, is_causal=True).backward(dout.double())
-    base = tolerance.baseline_backward(*(x.detach().numpy() for x in (q, k, v)), dout.numpy(), causal=True)
+    base = tolerance_backward.baseline_backward(*(x.detach().numpy() for x in (q, k, v)), dout.numpy(), causal=True)
     for name, ours, theirs, atol in zip("qkv", (q, k, v), ref, (base.atol_dq, base.atol_dk, base.atol_dv)):
         tolerance.assert_close(ours.grad.numpy(), theirs.grad.numpy(), atol, name=f"sdpa d{name}")
     half = fa_numba.sdpa(*(x.detach().half() for x in (q, k, v)))
@@ -192,7 +192,7 @@ def test_sdpa_adds_a_float_attn_mask_as_torch_does(shape):
     dout = torch.randn(out.shape, generator=g)
     out.backward(dout)
     want.backward(dout.double())
-    base = tolerance.baseline_backward(*(x.numpy() for x in (q, k, v)), dout.numpy(), score_mod=mod)
+    base = tolerance_backward.baseline_backward(*(x.numpy() for x in (q, k, v)), dout.numpy(), score_mod=mod)
     for name, ours, theirs, atol in zip("qkv", leaves, wide, (base.atol_dq, base.atol_dk, base.atol_dv)):
         tolerance.assert_close(ours.grad.numpy(), theirs.grad.numpy(), atol, name=f"sdpa float mask d{name}")
 

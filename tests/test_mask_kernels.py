@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from numba import cuda
 
 import fa_numba
-from fa_numba import backend, iomodel, masks, tiled, tolerance
+from fa_numba import backend, iomodel, masks, tiled, tolerance, tolerance_backward
 from fa_numba.kernels import VARIANTS, backward, poisoned_outputs
 from fa_numba.kernels.block_lists import kernel_mask
 from strategies import HARD_MASK_CASES, MaskCase, mask_kernel_cases, with_hard_mask_cases
@@ -186,8 +186,8 @@ def test_backward_kernels_with_a_mask_match_the_reference(order, deterministic, 
     dout = mc.case.grad_output(np.float32)
     forward = _kernel_forward(mc, (q, k, v))
     dq, dk, dv = run_backward(mc, order, deterministic, (q, k, v, dout), forward)
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mc.mask,
-                                       name=f"{order}{' deterministic' if deterministic else ''} kernel")
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mc.mask,
+                                                name=f"{order}{' deterministic' if deterministic else ''} kernel")
     assert (dq[..., _dead(mc), :] == 0).all()  # zero gradient, decided by the mask
 
 
@@ -237,7 +237,7 @@ def test_builtins_and_from_dense_give_the_same_counts_in_every_kernel(mc: MaskCa
         ledgers = []
         for mask in (mc.mask, dense):
             *grads, ledger = _counted_backward(mc, order, deterministic, (q, k, v, dout), forward, mask=mask)
-            tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mask, name=f"{order} {mask!r}")
+            tolerance_backward.check_attention_backward(*grads, q, k, v, dout, mask=mask, name=f"{order} {mask!r}")
             ledgers.append(ledger)
         assert ledgers[0] == ledgers[1] == _backward_model(mc, order, deterministic), (order, deterministic)
 

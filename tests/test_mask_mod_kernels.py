@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import fa_numba
-from fa_numba import masks, mods, reference, slice_masks, tiling, tolerance
+from fa_numba import masks, mods, reference, slice_masks, tiling, tolerance, tolerance_backward
 from fa_numba.kernels import SIMT_VARIANTS
 
 B, H, H_KV, N_Q, N_K, D = 2, 4, 2, 21, 27, 8
@@ -119,7 +119,7 @@ def test_mask_mod_per_slice_backward_within_the_rule(order, deterministic):
     out, lse = _run(mm, "v2", q, k, v)
     dq, dk, dv = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, order=order,
                                              deterministic=deterministic, block_q=TILE)
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mm)
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mm)
     grads4 = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=masks.from_dense(mm.dense_slices(B, H, N_Q, N_K)),
                                          order=order, deterministic=deterministic, block_q=TILE)
     for a, b in zip((dq, dk, dv), grads4):
@@ -153,7 +153,7 @@ def test_fn_is_never_called_past_the_problem():
     out4, lse4 = _run(masks.from_dense(table.astype(bool)), "v2", q, k, v)
     np.testing.assert_array_equal(out, out4)
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, block_q=TILE)
-    tolerance.check_attention_backward(*grads, q, k, v, dout, mask=masks.from_dense(table.astype(bool)))
+    tolerance_backward.check_attention_backward(*grads, q, k, v, dout, mask=masks.from_dense(table.astype(bool)))
 
 
 def test_tile_lists_follow_the_captured_arrays_content():
@@ -182,8 +182,8 @@ def test_mask_mod_with_a_score_mod_and_captured_gradients():
     tolerance.check_attention(out, lse, q, k, v, mask=mm, score_mod=mod)
     dq, dk, dv, dcaptured = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, block_q=TILE,
                                                         score_mod=mod, captured_grads=True)
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mm, score_mod=mod)
-    errors = tolerance.check_captured_gradients(dcaptured, q, k, v, dout, score_mod=mod, mask=mm)
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mm, score_mod=mod)
+    errors = tolerance_backward.check_captured_gradients(dcaptured, q, k, v, dout, score_mod=mod, mask=mm)
     assert errors[0] is not None  # the table takes a gradient, and it was checked
 
 

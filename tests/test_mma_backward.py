@@ -2,7 +2,7 @@
 
 Judged by the gradients' rule (3x a naive float32 backward, plus the floors of what the backward recomputes)
 with the terms of the two 16-bit roundings this backward adds (P before dV, dS before dK and dQ:
-tolerance.grad_rounding_terms, proofs/L7), through `fa_numba.attention_backward(..., engine="mma")`. In the
+tolerance_backward.grad_rounding_terms, proofs/L7), through `fa_numba.attention_backward(..., engine="mma")`. In the
 simulator the mma.sync products are emulated (fa_numba.warp.emulated_tc); on a GPU the same tests run on the
 tensor cores. Shapes stay small: one-warp blocks (block_k = 16) unless a case says otherwise.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fa_numba
-from fa_numba import backend, profile, reference, tolerance
+from fa_numba import backend, profile, reference, tolerance_backward
 from fa_numba.kernels.mma import backward as mma_backward
 from strategies import Case
 
@@ -70,8 +70,8 @@ def test_mma_backward_matches_reference_within_the_derived_rule(case, kind, dete
     sixteen, exact, out, lse = _problem(case, kind)
     grads = _backward(case, kind, sixteen, out, lse, deterministic=deterministic)
     assert all(g.dtype == np.float32 for g in grads)
-    tolerance.check_attention_backward(*grads, *exact, causal=case.causal, p_dtype=kind,
-                                       name=f"bwd-mma {kind}{' det' if deterministic else ''}")
+    tolerance_backward.check_attention_backward(*grads, *exact, causal=case.causal, p_dtype=kind,
+                                                name=f"bwd-mma {kind}{' det' if deterministic else ''}")
 
 
 @pytest.mark.lemma("L7")
@@ -82,8 +82,8 @@ def test_the_16_bit_terms_are_what_let_the_mma_gradients_pass():
     sixteen, exact, out, lse = _problem(case, "bfloat16")
     grads = _backward(case, "bfloat16", sixteen, out, lse)
     with pytest.raises(AssertionError):
-        tolerance.check_attention_backward(*grads, *exact, causal=False)
-    tolerance.check_attention_backward(*grads, *exact, causal=False, p_dtype="bfloat16")
+        tolerance_backward.check_attention_backward(*grads, *exact, causal=False)
+    tolerance_backward.check_attention_backward(*grads, *exact, causal=False, p_dtype="bfloat16")
 
 
 def test_deterministic_mode_is_bitwise_repeatable_and_agrees_with_the_atomic_one():
@@ -94,8 +94,8 @@ def test_deterministic_mode_is_bitwise_repeatable_and_agrees_with_the_atomic_one
     assert all(np.array_equal(a, b) for a, b in zip(first, second))
     atomic = _backward(case, "float16", sixteen, out, lse)
     assert np.array_equal(first[1], atomic[1]) and np.array_equal(first[2], atomic[2])  # dK, dV: the same kernel
-    tolerance.check_attention_backward(*atomic, *exact, causal=True, p_dtype="float16", name="atomic")
-    tolerance.check_attention_backward(*first, *exact, causal=True, p_dtype="float16", name="deterministic")
+    tolerance_backward.check_attention_backward(*atomic, *exact, causal=True, p_dtype="float16", name="atomic")
+    tolerance_backward.check_attention_backward(*first, *exact, causal=True, p_dtype="float16", name="deterministic")
 
 
 def _at(tensor: int, row: int, col: int, value: float):
@@ -125,7 +125,7 @@ def test_mma_backward_non_finite_inputs_follow_the_dense_rule(poison, determinis
     ref = reference.attention_backward(*exact, causal=True)
     assert any(not np.isfinite(r).all() for r in ref)  # the poison reaches some gradient ...
     assert any(np.isfinite(r).any() and not np.isfinite(r).all() for r in ref)  # ... and not all of it
-    tolerance.check_attention_backward(*grads, *exact, causal=True, p_dtype="float16", name="non-finite")
+    tolerance_backward.check_attention_backward(*grads, *exact, causal=True, p_dtype="float16", name="non-finite")
 
 
 @pytest.mark.lemma("L7")
@@ -143,7 +143,7 @@ def test_without_a_causal_mask_padding_keeps_non_finite_inputs_where_they_belong
     grads = _backward(case, "float16", sixteen, out, lse)
     ref = reference.attention_backward(*exact, causal=False)
     assert np.isnan(ref[0]).any() and not np.isfinite(ref[2]).all()  # the poison reaches dq and dv
-    tolerance.check_attention_backward(*grads, *exact, causal=False, p_dtype="float16", name="padded")
+    tolerance_backward.check_attention_backward(*grads, *exact, causal=False, p_dtype="float16", name="padded")
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -222,7 +222,8 @@ def test_mma_backward_traffic_equals_iomodel(case, deterministic):
                                      deterministic=deterministic)
     assert ledger.reads == model.reads
     assert ledger.writes == model.writes
-    tolerance.check_attention_backward(dq, dk, dv, *exact, causal=case.causal, p_dtype="float16", name="counted")
+    tolerance_backward.check_attention_backward(dq, dk, dv, *exact, causal=case.causal, p_dtype="float16",
+                                                name="counted")
 
 
 @pytest.mark.lemma("L7")
@@ -245,7 +246,7 @@ def test_autograd_on_tensor_cores_matches_sdpa_in_float64(dtype):
     wide = [x.double().requires_grad_() for x in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*wide, is_causal=True).backward(dout.double())
     exact = [x.double().numpy() for x in (q, k, v, dout)]
-    base = tolerance.baseline_backward(*exact, causal=True, p_dtype=dtype)
+    base = tolerance_backward.baseline_backward(*exact, causal=True, p_dtype=dtype)
     unit = {"float16": 2.0**-11, "bfloat16": 2.0**-8}[dtype]  # half an ulp, relative: the result's rounding
     for name, leaf, ref, ours, atol in zip("qkv", leaves, wide, (base.dq, base.dk, base.dv),
                                           (base.atol_dq, base.atol_dk, base.atol_dv)):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fa_numba
-from fa_numba import iomodel, masks, reference, tolerance
+from fa_numba import iomodel, masks, reference, tolerance, tolerance_backward
 from fa_numba.kernels.counting import run_counted_backward
 
 SLOW = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_the_tensor_core_backward_with_a_mask_is_within_the_rule_and_reads_what_
     if not deterministic:  # K read once per key tile some row sees: not keys 16..31 (by hand)
         assert ledger.reads["K"] == (N_K - 16) * D * B * H_KV
     assert not (dk[:, :, 16:32].any() or dv[:, :, 16:32].any())
-    tolerance.check_attention_backward(dq, dk, dv, *exact, mask=mask, p_dtype="float16", name="counted")
+    tolerance_backward.check_attention_backward(dq, dk, dv, *exact, mask=mask, p_dtype="float16", name="counted")
 
 
 @pytest.mark.lemma("L8")
@@ -139,7 +139,7 @@ def test_the_tensor_core_backward_takes_every_mask_form(name, deterministic):
     q, k, v, dout = sixteen
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mask, engine="mma", block_q=TILE,
                                         block_k=TILE, deterministic=deterministic)
-    tolerance.check_attention_backward(*grads, *exact, mask=mask, p_dtype="float16", name=name)
+    tolerance_backward.check_attention_backward(*grads, *exact, mask=mask, p_dtype="float16", name=name)
 
 
 @pytest.mark.lemma("L8")
@@ -164,7 +164,7 @@ def test_a_nan_behind_the_mask_stays_out_of_every_result():
     for deterministic in (False, True):
         grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mask, engine="mma", block_q=TILE,
                                             block_k=TILE, deterministic=deterministic)
-        tolerance.check_attention_backward(*grads, *exact, mask=mask, p_dtype="float16", name="NaN hidden")
+        tolerance_backward.check_attention_backward(*grads, *exact, mask=mask, p_dtype="float16", name="NaN hidden")
         assert all(np.isfinite(g).all() for g in grads)
 
 
@@ -184,4 +184,4 @@ def test_a_mask_mod_is_never_called_past_the_problem_on_tensor_cores():
         np.testing.assert_array_equal(got, want)
     q, k, v, dout = sixteen
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mm, engine="mma", block_q=TILE, block_k=TILE)
-    tolerance.check_attention_backward(*grads, *exact, mask=dense, p_dtype="float16")
+    tolerance_backward.check_attention_backward(*grads, *exact, mask=dense, p_dtype="float16")

@@ -1,7 +1,8 @@
 """Score mods compiled into the CUDA-core kernels (issue 27, proofs/L13; fa_numba/kernels/score_mod.py):
 every forward order and every backward variant, with every built-in and three user-written mods (one with a
 captured table, one without captured arrays, one reading the batch index), against the float64 reference
-with the derived rules (`tolerance.check_attention(score_mod=)`, `check_attention_backward(score_mod=)`).
+with the derived rules (`tolerance.check_attention(score_mod=)`,
+`tolerance_backward.check_attention_backward(score_mod=)`).
 
 Problems are ragged on purpose (N_q = 13, N_k = 11, tiles of 4): a mod evaluated past N reads its captured
 table out of bounds, which the simulator raises on. GQA (4 query heads over 2 K/V heads) and two batch
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import fa_numba
-from fa_numba import backend, masks, mods, reference, tolerance
+from fa_numba import backend, masks, mods, reference, tolerance, tolerance_backward
 from fa_numba.kernels import SIMT_VARIANTS
 from fa_numba.kernels.score_mod import MAX_CAPTURED, ModCompileError
 from test_mods import DECAY, key_bias
@@ -102,8 +103,8 @@ def _check_backward(variant, mod_name, mask_name):
     out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, mask=mask, score_mod=mod)
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, order=order, deterministic=deterministic,
                                         block_q=TILE, mask=mask, score_mod=mod)
-    tolerance.check_attention_backward(*grads, q, k, v, dout, mask=mask, score_mod=mod,
-                                       name=f"{order}{' deterministic' if deterministic else ''} {mod_name}")
+    tolerance_backward.check_attention_backward(*grads, q, k, v, dout, mask=mask, score_mod=mod,
+                                                name=f"{order}{' deterministic' if deterministic else ''} {mod_name}")
     return grads
 
 
@@ -224,8 +225,8 @@ def _check_mma_backward(mod_name, deterministic, causal, repeat=False, tiles=Non
                                   score_mod=mod)
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, engine="mma", deterministic=deterministic,
                                         causal=causal, score_mod=mod, **tiles)
-    tolerance.check_attention_backward(*grads, *(x.astype(np.float32) for x in (q, k, v, dout)), causal=causal,
-                                       score_mod=mod, p_dtype="float16", name=f"bwd-mma {mod_name}")
+    tolerance_backward.check_attention_backward(*grads, *(x.astype(np.float32) for x in (q, k, v, dout)), causal=causal,
+                                                score_mod=mod, p_dtype="float16", name=f"bwd-mma {mod_name}")
     if deterministic and repeat:
         again = fa_numba.attention_backward(q, k, v, out, lse, dout, engine="mma", deterministic=True,
                                             causal=causal, score_mod=mod)
@@ -291,7 +292,7 @@ def test_a_mod_is_never_evaluated_at_a_masked_pair(order):
             grads = fa_numba.attention_backward(q, k, v, out, lse, dout, order=variant[0], deterministic=variant[1],
                                                 block_q=TILE, causal=True, score_mod=mod)
             assert all(np.isfinite(g).all() for g in grads)
-            tolerance.check_attention_backward(*grads, q, k, v, dout, causal=True, score_mod=mod)
+            tolerance_backward.check_attention_backward(*grads, q, k, v, dout, causal=True, score_mod=mod)
     visible = np.random.default_rng(4).random((N_K, N_K)) < 0.6
     table = np.where(visible, 0.5, np.nan)[None].repeat(H, axis=0)  # NaN exactly where the mask hides the pair
     dense = key_table(table)
@@ -404,8 +405,8 @@ def test_autograd_with_a_mod_matches_the_rule_and_compiles_in_one_graph():
     out.backward(torch.from_numpy(dout))
     _, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, score_mod=mod)
     tolerance.check_attention(out.detach().numpy(), lse, q, k, v, causal=True, score_mod=mod)
-    tolerance.check_attention_backward(tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy(), q, k, v, dout,
-                                       causal=True, score_mod=mod)
+    tolerance_backward.check_attention_backward(tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy(), q, k, v, dout,
+                                                causal=True, score_mod=mod)
     compiled = torch.compile(lambda a, b, c: fa.attention(a, b, c, causal=True, score_mod=mod, block_q=TILE,
                                                           block_k=TILE), fullgraph=True, backend="eager")
     again = compiled(*(torch.from_numpy(x) for x in (q, k, v)))
@@ -467,8 +468,8 @@ def _check_captured(mod_name, mask_name):
     out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, mask=mask, score_mod=mod)
     *_, dcaptured = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, mask=mask, score_mod=mod,
                                                 captured_grads=True)
-    tolerance.check_captured_gradients(dcaptured, q, k, v, dout, score_mod=mod, mask=mask,
-                                       name=f"{mod_name} {mask_name}")
+    tolerance_backward.check_captured_gradients(dcaptured, q, k, v, dout, score_mod=mod, mask=mask,
+                                                name=f"{mod_name} {mask_name}")
 
 
 def test_captured_gradients_are_bitwise_repeatable_and_independent_of_the_chunking(monkeypatch):

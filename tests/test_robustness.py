@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fa_numba
-from fa_numba import backend, masks, reference, tolerance
+from fa_numba import backend, masks, reference, tolerance, tolerance_backward
 from strategies import Case
 
 SMALL = dict(block_q=8, block_k=8)
@@ -58,7 +58,7 @@ def test_the_backward_sees_the_predicate_at_its_own_call():
         expected = masks.documents(list(lengths))
         out, lse = fa_numba.attention(q, k, v, mask=mask, return_lse=True, **SMALL)
         dq, dk, dv = fa_numba.attention_backward(q, k, v, out, lse, dout, mask=mask, block_q=8)
-        check = tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=expected)
+        check = tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=expected)
         assert _within(check), check
 
 
@@ -75,8 +75,8 @@ def test_autograd_differentiates_the_mask_its_forward_used():
     out = fa_numba.autograd.attention(tq, tk, tv, mask=mask)
     ids[:] = _document_ids(16)  # after the forward, before the backward
     out.backward(torch.from_numpy(dout))
-    check = tolerance.check_attention_backward(tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy(), q, k, v, dout,
-                                               mask=masks.documents([4, 12]))
+    check = tolerance_backward.check_attention_backward(tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy(), q, k, v,
+                                                        dout, mask=masks.documents([4, 12]))
     assert _within(check), check
 
 
@@ -136,7 +136,7 @@ def test_bfloat16_backward_takes_the_documented_dtypes(dout_dtype):
     out, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, **SMALL)
     dout = case.grad_output(np.float32).astype(BF16).astype(dout_dtype)
     grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=True, block_q=8)
-    check = tolerance.check_attention_backward(*grads, *exact, dout.astype(np.float32), causal=True)
+    check = tolerance_backward.check_attention_backward(*grads, *exact, dout.astype(np.float32), causal=True)
     assert _within(check), check
     rounded = out.astype(BF16)
     from_bf16 = fa_numba.attention_backward(q, k, v, rounded, lse, dout, causal=True, block_q=8)
@@ -200,11 +200,12 @@ def test_exact_gradients_pass_with_a_negative_scale(n_k):
     q, k, v = case.inputs(np.float32)
     dout = case.grad_output(np.float32)
     exact = reference.attention_backward(q, k, v, dout, scale=-0.7)
-    check = tolerance.check_attention_backward(*(g.astype(np.float32) for g in exact), q, k, v, dout, scale=-0.7)
+    check = tolerance_backward.check_attention_backward(*(g.astype(np.float32) for g in exact), q, k, v, dout,
+                                                        scale=-0.7)
     assert _within(check) and min(check.atol_dq, check.atol_dk, check.atol_dv) >= 0, check
     out, lse = fa_numba.attention(q, k, v, scale=-0.7, return_lse=True, **SMALL)
     dq, dk, dv = fa_numba.attention_backward(q, k, v, out, lse, dout, scale=-0.7, block_q=8)
-    assert _within(tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, scale=-0.7))
+    assert _within(tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, scale=-0.7))
 
 
 # -- 7. V beyond the accumulator's range -------------------------------------------------------------------

@@ -6,7 +6,7 @@ rule passes the reference's own float32 twin and fails a perturbed or wrongly ma
 import numpy as np
 import pytest
 
-from fa_numba import masks, mods, reference, tolerance
+from fa_numba import masks, mods, reference, tolerance, tolerance_backward
 
 B, N_Q, N_K, D = 2, 13, 10, 8
 
@@ -133,13 +133,14 @@ def test_one_slice_for_all_is_bitwise_the_2d_mask(mod_name):
                              **tiles),
           tolerance.baseline(q, k, v, mask=flat, score_mod=mod, contractions=contractions, p_dtype="float16",
                              **tiles), "baseline")
-    _same(tolerance.baseline_backward(q, k, v, dout, mask=sliced, score_mod=mod, contractions=contractions,
-                                      p_dtype="bfloat16"),
-          tolerance.baseline_backward(q, k, v, dout, mask=flat, score_mod=mod, contractions=contractions,
-                                      p_dtype="bfloat16"), "baseline_backward")
+    _same(tolerance_backward.baseline_backward(q, k, v, dout, mask=sliced, score_mod=mod, contractions=contractions,
+                                               p_dtype="bfloat16"),
+          tolerance_backward.baseline_backward(q, k, v, dout, mask=flat, score_mod=mod, contractions=contractions,
+                                               p_dtype="bfloat16"), "baseline_backward")
     if mod is not None:
-        _same(tolerance.baseline_captured(q, k, v, dout, mask=sliced, score_mod=mod, contractions=contractions),
-              tolerance.baseline_captured(q, k, v, dout, mask=flat, score_mod=mod, contractions=contractions),
+        _same(tolerance_backward.baseline_captured(q, k, v, dout, mask=sliced, score_mod=mod,
+                                                   contractions=contractions),
+              tolerance_backward.baseline_captured(q, k, v, dout, mask=flat, score_mod=mod, contractions=contractions),
               "baseline_captured")
 
 
@@ -215,11 +216,11 @@ def test_rule_passes_the_float32_twin_and_fails_wrong_outputs(heads, heads_kv):
         tolerance.judge(*reference.attention_naive_f32(q, k, v, mask=wrong), base)
     # the gradients' rule, the same way
     dq, dk, dv = reference.attention_backward_naive_f32(q, k, v, dout, mask=mask)
-    tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mask)
+    tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mask)
     dv = dv.copy()
     dv[0, 0, 1, 0] += 1.0
     with pytest.raises(AssertionError, match="dv"):
-        tolerance.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mask)
+        tolerance_backward.check_attention_backward(dq, dk, dv, q, k, v, dout, mask=mask)
 
 
 # dense_backward's float32 S = scale Q K^T (no errstate there, unlike the forward's) warns on inf - inf in the
@@ -271,9 +272,9 @@ def test_nonfinite_inputs_reach_only_the_slices_that_see_them(heads, heads_kv):
     clean_q[-1, -1, 2, 1] = 0.0
     clean_dout[-1, -1, 2, :] = 0.0
     contractions = ("matmul",)
-    _same(tolerance.baseline_backward(q, k, v, dout, mask=mask, contractions=contractions, p_dtype="float16"),
-          tolerance.baseline_backward(clean_q, k, v, clean_dout, mask=mask, contractions=contractions,
-                                      p_dtype="float16"), "baseline_backward")
+    _same(tolerance_backward.baseline_backward(q, k, v, dout, mask=mask, contractions=contractions, p_dtype="float16"),
+          tolerance_backward.baseline_backward(clean_q, k, v, clean_dout, mask=mask, contractions=contractions,
+                                               p_dtype="float16"), "baseline_backward")
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
@@ -294,8 +295,8 @@ def test_rule_terms_are_the_max_over_the_slices():
     def terms(q, k, v, dout, mask):
         grads = reference.dense_backward(q, k, v, dout, mask=mask)
         forward = tolerance._terms(reference.dense(q, k, v, mask=mask), None, "float16")
-        return ((forward.score_out, forward.score_lse, forward.p_out) + tolerance._recompute_floors(grads)
-                + tolerance.grad_rounding_terms(grads, "float16"))
+        return ((forward.score_out, forward.score_lse, forward.p_out) + tolerance_backward._recompute_floors(grads)
+                + tolerance_backward.grad_rounding_terms(grads, "float16"))
 
     got = terms(q, k, v, dout, mask)
     alone = [terms(q[b:b + 1, h:h + 1], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1], dout[b:b + 1, h:h + 1],

@@ -1,6 +1,6 @@
-"""The gradients' 16-bit rounding terms (`tolerance.grad_rounding_terms`, proofs/L7_backward.md, floating point)
-in isolation: a tensor-core backward rounds P to the input's 16-bit type before dV = P^T dO, and dS before
-dK = scale dS^T Q and dQ = scale dS K. Here those gradients are evaluated in float64 twice, with the rounded
+"""The gradients' 16-bit rounding terms (`tolerance_backward.grad_rounding_terms`, proofs/L7_backward.md,
+floating point) in isolation: a tensor-core backward rounds P to the input's 16-bit type before dV = P^T dO, and
+dS before dK = scale dS^T Q and dQ = scale dS K. Here those gradients are evaluated in float64 twice, with the rounded
 and with the unrounded operands, by the formulas of L7 written out again (not through `reference`), and every
 entry's difference must stay within the term; the term must not be absurdly loose either."""
 
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from fa_numba import masks, reference, tolerance
+from fa_numba import masks, reference, tolerance, tolerance_backward
 
 KINDS = ("float16", "bfloat16")
 
@@ -129,7 +129,7 @@ def _differences(problem, kind):
 def _terms(problem, kind):
     grads = reference.dense_backward(problem["q"], problem["k"], problem["v"], problem["dout"],
                                      causal=problem["causal"], scale=problem["scale"], mask=problem["mask"])
-    return tolerance.grad_rounding_terms(grads, kind)
+    return tolerance_backward.grad_rounding_terms(grads, kind)
 
 
 @pytest.mark.lemma("L7")
@@ -156,7 +156,7 @@ def test_a_nan_that_no_row_sees_leaves_the_terms_finite_and_unchanged():
         terms = _terms({**problem, **poisoned}, kind)
         assert all(np.isfinite(t) and t > 0 for t in terms)
         assert terms == _terms({**problem, **zeroed}, kind)
-        base = tolerance.baseline_backward(**{**problem, **poisoned}, p_dtype=kind)
+        base = tolerance_backward.baseline_backward(**{**problem, **poisoned}, p_dtype=kind)
         assert np.isfinite([base.atol_dq, base.atol_dk, base.atol_dv]).all()
 
 
@@ -182,20 +182,20 @@ def test_no_p_dtype_is_the_float32_rule_and_a_p_dtype_adds_its_terms():
     problem = PROBLEMS["gqa"]
     args = (problem["q"], problem["k"], problem["v"], problem["dout"])
     kwargs = dict(causal=problem["causal"], scale=problem["scale"], mask=problem["mask"])
-    before = tolerance.baseline_backward(*args, **kwargs)
-    none = tolerance.baseline_backward(*args, **kwargs, p_dtype=None)
+    before = tolerance_backward.baseline_backward(*args, **kwargs)
+    none = tolerance_backward.baseline_backward(*args, **kwargs, p_dtype=None)
     assert _atols(none) == _atols(before)
     exact = reference.attention_backward(*args, **kwargs)
-    assert tolerance.check_attention_backward(*exact, *args, **kwargs, p_dtype=None) == \
-        tolerance.check_attention_backward(*exact, *args, **kwargs)
+    assert tolerance_backward.check_attention_backward(*exact, *args, **kwargs, p_dtype=None) == \
+        tolerance_backward.check_attention_backward(*exact, *args, **kwargs)
     for kind in KINDS:
         terms = _terms(problem, kind)
         expected = tuple(atol + term for atol, term in zip(_atols(before), terms))
-        base = tolerance.baseline_backward(*args, **kwargs, p_dtype=kind)
+        base = tolerance_backward.baseline_backward(*args, **kwargs, p_dtype=kind)
         assert _atols(base) == expected
         for field in ("dq", "dk", "dv"):
             np.testing.assert_array_equal(getattr(base, field), getattr(before, field))
-        assert _atols(tolerance.check_attention_backward(*exact, *args, **kwargs, p_dtype=kind)) == expected
+        assert _atols(tolerance_backward.check_attention_backward(*exact, *args, **kwargs, p_dtype=kind)) == expected
 
 
 @pytest.mark.parametrize("bad", ["float32", "fp16", "half", np.float16])
@@ -205,8 +205,8 @@ def test_a_bad_p_dtype_is_a_value_error_naming_it(bad):
     grads = reference.dense_backward(*args)
     message = r"p_dtype must be one of \[.bfloat16., .float16.\].*got " + re.escape(repr(bad))
     with pytest.raises(ValueError, match=message):
-        tolerance.grad_rounding_terms(grads, bad)
+        tolerance_backward.grad_rounding_terms(grads, bad)
     with pytest.raises(ValueError, match=message):
-        tolerance.baseline_backward(*args, p_dtype=bad)
+        tolerance_backward.baseline_backward(*args, p_dtype=bad)
     with pytest.raises(ValueError, match=message):
-        tolerance.check_attention_backward(*reference.attention_backward(*args), *args, p_dtype=bad)
+        tolerance_backward.check_attention_backward(*reference.attention_backward(*args), *args, p_dtype=bad)

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="the PyTorch integration needs torch
 
 import fa_numba  # noqa: E402
 import fa_numba.autograd  # noqa: E402
-from fa_numba import masks, reference, tolerance, torch_ops  # noqa: E402
+from fa_numba import masks, reference, tolerance, tolerance_backward, torch_ops  # noqa: E402
 
 F = torch.nn.functional
 # 8 x 8 tiles: the shipped defaults (64 x 64 and more) take seconds per launch in the simulator
@@ -193,7 +193,7 @@ def test_leading_batch_axes_are_one_batch():
     base = tolerance.baseline(*flat[:3], causal=True)
     tolerance.assert_close(out.detach().reshape(6, 2, 5, 4).numpy(), want.reshape(6, 2, 5, 4).numpy(),
                            base.atol_out, name="5-D out vs SDPA")
-    bb = tolerance.baseline_backward(*flat, causal=True)
+    bb = tolerance_backward.baseline_backward(*flat, causal=True)
     for name, leaf, theirs, atol in zip("qkv", leaves, grads, (bb.atol_dq, bb.atol_dk, bb.atol_dv)):
         tolerance.assert_close(leaf.grad.reshape(theirs.reshape(6, -1, *theirs.shape[-2:]).shape).numpy(),
                                theirs.reshape(6, -1, *theirs.shape[-2:]).numpy(), atol, name=f"5-D d{name} vs SDPA")
@@ -254,7 +254,7 @@ def test_bool_masks_broadcast_like_sdpa(mask_shape):
             qs, ks, vs, ds = (x[b, hh].numpy() for x, hh in ((q, h), (k, h // 2), (v, h // 2), (dout, h)))
             base = tolerance.baseline(qs, ks, vs, mask=sl)
             tolerance.assert_close(out.detach()[b, h].numpy(), want[b, h].numpy(), base.atol_out, name=f"out {b},{h}")
-            bb = tolerance.baseline_backward(qs, ks, vs, ds, mask=sl)
+            bb = tolerance_backward.baseline_backward(qs, ks, vs, ds, mask=sl)
             tolerance.assert_close(leaves[0].grad[b, h].numpy(), grads[0][b, h].numpy(), bb.atol_dq, name=f"dq {b},{h}")
     for leaf, theirs in zip(leaves[1:], grads[1:]):  # dk, dv sum two query heads each: twice one head's rule
         scale = float(theirs.abs().max()) + 1.0
@@ -284,8 +284,8 @@ def test_a_mask_mod_crosses_the_operators_by_key_and_traces_fullgraph():
     assert torch.equal(out_c, out)
     for a, b in zip(leaves, traced):
         np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())
-    tolerance.check_attention_backward(*(x.grad.numpy() for x in leaves), q.numpy(), k.numpy(), v.numpy(),
-                                       np.ones(q.shape, np.float32), mask=mm)
+    tolerance_backward.check_attention_backward(*(x.grad.numpy() for x in leaves), q.numpy(), k.numpy(), v.numpy(),
+                                                np.ones(q.shape, np.float32), mask=mm)
     base = tolerance.baseline(q.numpy(), k.numpy(), v.numpy(), mask=mm)
     tolerance.assert_close(out.detach().numpy(), base.out, base.atol_out, name="out vs the float64 reference")
 
@@ -314,7 +314,7 @@ def test_cuda_tensors_in_strided_views_run_on_their_device_like_host_tensors():
     out_host.sum().backward()
     out_device.sum().backward()
     q = host.detach().numpy()
-    bb = tolerance.baseline_backward(q, q, q, np.ones_like(q), causal=True)
+    bb = tolerance_backward.baseline_backward(q, q, q, np.ones_like(q), causal=True)
     # each is within atol_dq of the exact gradient (the kv order adds dQ atomically, in any order): so within 2x
     tolerance.assert_close(device.grad.cpu().numpy(), host.grad.numpy(), 2 * bb.atol_dq, name="dq, device vs host")
 

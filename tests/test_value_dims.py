@@ -9,7 +9,7 @@ import pytest
 from numba import cuda
 
 import fa_numba
-from fa_numba import iomodel, reference, shapes, tiled, tolerance
+from fa_numba import iomodel, reference, shapes, tiled, tolerance, tolerance_backward
 from fa_numba.kernels import cast
 
 RNG = np.random.default_rng(20261203)
@@ -204,13 +204,13 @@ def test_backward_simt_and_mma_within_the_rule(d, d_v):
         grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=True, order=order, deterministic=det,
                                             block_q=8)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-        tolerance.check_attention_backward(*grads, q, k, v, dout, causal=True)
+        tolerance_backward.check_attention_backward(*grads, q, k, v, dout, causal=True)
     h = [x.astype(np.float16) for x in (q, k, v, dout)]
     out16, lse16 = fa_numba.attention(*h[:3], causal=True, return_lse=True, engine="mma")
     grads = fa_numba.attention_backward(*h[:3], out16, lse16, h[3], causal=True, engine="mma")
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    tolerance.check_attention_backward(*grads, *h, causal=True, p_dtype="float16",
-                                       contractions=("matmul",))
+    tolerance_backward.check_attention_backward(*grads, *h, causal=True, p_dtype="float16",
+                                                contractions=("matmul",))
 
 
 def test_device_arrays_strided_and_empty():

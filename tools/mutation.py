@@ -7,8 +7,8 @@
     python tools/mutation.py --report [MODULE ...] the per-module table and every survivor, from the results
     python tools/mutation.py --renumber            refresh the line numbers shown in the equivalents file
 
-MODULE is a key of MODULES below (shapes, reference, tolerance, online_softmax, tiling, masks, tiled,
-iomodel, profile). Exit status: 0 when every mutant of the modules asked for has a result and every survivor is
+MODULE is a key of MODULES below (shapes, reference, tolerance, tolerance_backward, online_softmax, tiling, masks,
+tiled, iomodel, profile). Exit status: 0 when every mutant of the modules asked for has a result and every survivor is
 listed in tests/mutation_equivalents.md, 1 otherwise (2: a baseline run failed, nothing was mutated).
 
 Why a small tool of our own rather than mutmut: mutmut 3 rewrites every function of a module into a
@@ -115,6 +115,9 @@ MODULES = {
         "reference", "contracts_reference", "backward_reference", "contracts_defaults", _doctests("tolerance"),
         "nonfinite", BACKWARD_FLOORS, "masks", "tiled", "backward_tiled", "slice_masks_reference"),
         (NONFINITE_KERNELS,)),
+    "tolerance_backward": Target("fa_numba/tolerance_backward.py", _files(
+        "backward_reference", "tolerance_grad16", "contracts_defaults", "contracts_reference", BACKWARD_FLOORS,
+        "backward_tiled", "masks", "slice_masks_reference")),
     "online_softmax": Target("fa_numba/online_softmax.py", _files(
         "online_softmax", "seeds", "contracts_online_softmax", "contracts_tiled", "contracts_reference", "nonfinite",
         "tiled", "tiling", "masks", "backward_tiled"), (NONFINITE_KERNELS,)),

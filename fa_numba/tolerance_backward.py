@@ -1,0 +1,261 @@
+"""The gradients' rule: how far float32 gradients (dq, dk, dv) of attention may be from the float64 reference.
+
+The forward's rule is in `fa_numba.tolerance`; this module holds the rule that judges the gradients
+(proofs/L7_backward.md, floating point; its floors are L6's float32 ulp placed where the backward needs it):
+`baseline_backward` / `judge_backward` / `check_attention_backward` judge (dq, dk, dv) by
+err <= 3 err(naive float32) + floor, err(naive) from `reference.attention_backward_naive_f32`, the floor adding
+one float32 ulp of what the backward recomputes (dP - D where it cancels, and LSE; `_recompute_floors`) to
+`rounding_floor`. Each takes `mask=` as the forward does. A tensor-core backward rounds P (before dV = P^T dO)
+and dS (before dK = scale dS^T Q and dQ = scale dS K) to the 16-bit type: `p_dtype=` adds
+`grad_rounding_terms`' u16 sum |a| |b| + eta16 sum |b| per gradient. With a score mod (`score_mod=`,
+proofs/L13) the floors carry |mod'(S)|, and `baseline_captured` / `check_captured_gradients` judge the
+gradients of the mod's captured arrays by the same 3x rule, entry by entry (L13, claim 4).
+
+From `fa_numba.tolerance` it takes the forward rule's pieces as they are: `max_error`, `rounding_floor` and
+`assert_close` (the error, the floor, the entrywise check with its non-finite cases), and three private helpers,
+`_p_rounding` (a 16-bit type's (u16, eta16), P_ROUNDING), `_rounded_operand_bound` (how far rounding one operand
+of a product to 16 bits moves it) and `_finite_max` (the max over the finite entries). `fa_numba.tolerance`
+does not import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fa_numba import mods, reference
+from fa_numba.tolerance import _finite_max, _p_rounding, _rounded_operand_bound, assert_close, max_error, rounding_floor
+
+
+# ----------------------------------------------------------------------------------------------------
+# The gradients' rule (proofs/L7_backward.md, DESIGN.md): 3x instead of 2x, as flash-attn's own suite, and a
+# floor for what the backward recomputes.
+
+GRAD_FACTOR = 3.0
+ULP32_PER_UNIT = 2.0**-23  # ulp32(x) <= 2^-23 |x|: the float32 spacing relative to the magnitude
+
+
+def _ds_floor(grads: reference.DenseBackward) -> tuple[np.ndarray, np.ndarray]:
+    """(e, p_lse), (B, H, N_q, N_k) each, 0 off the visible pairs: the floor of dS' = P (dP - D) per pair (the
+    two recomputed quantities, `_recompute_floors` says which), and P ulp(LSE), the floor of P."""
+    p, dp, d_row, shift, visible = grads.p, grads.dp, grads.d_row, grads.shift, grads.visible
+    zero = p.dtype.type(0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mag_dp = np.matmul(np.abs(grads.dout), np.swapaxes(np.abs(grads.v), -1, -2))  # sum_x |dO_ix| |V_jx|
+        mag_d = (np.abs(grads.dout) * np.abs(grads.out)).sum(axis=-1)  # sum_x |dO_ix| |O_ix|
+        p_lse = np.where(visible, p * ULP32_PER_UNIT * np.abs(shift)[..., None], zero)  # P ulp(LSE)
+        e = np.where(visible, p * ULP32_PER_UNIT * (mag_dp + mag_d[..., None]) + p_lse * np.abs(dp - d_row[..., None]),
+                     zero)
+    return e, p_lse
+
+
+def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, float]:
+    """The floors of dq, dk, dv for what the backward recomputes, from the float64 reference's P, dP, D and
+    its operands (`reference.dense_backward`).
+
+    Two floors that a naive evaluation can be right about by luck (proofs/L7, floating point), each one
+    float32 ulp at the magnitude of the data, ulp32(x) <= 2^-23 |x| (L6's floor, placed where the backward
+    needs it):
+    - the cancellation dP_ij - D_i: two d-term dot products, exactly equal where a row sees one key or its
+      P is one-hot; an evaluation that rounds both alike has dS = 0 exactly, 3x its error is 0. One ulp
+      each at the magnitude of its terms, sum_x |dO_ix| |V_jx| and sum_x |dO_ix| |O_ix|, times P_ij.
+    - the stored LSE_i, rounded at its magnitude: one ulp of it is a relative error of every P_ij of the
+      row, times |dP_ij - D_i| in dS and times |dO_i| in dV (a forward whose LSE is a few ulps off is
+      still right by the forward's rule).
+    Carried into dQ = scale dS K, dK = scale dS^T Q and dV = P^T dO, over the visible pairs only as the
+    gradients are (L7.8): a NaN or inf that a row or key cannot see (padding, say) must not make its
+    floor NaN, which _finite_max would drop, leaving the row judged without its floor.
+    With a score mod (proofs/L13) dS = dS' mod'(S): both floors enter dq and dk times |mod'(S)| (dv's, through
+    P only, is unchanged).
+    """
+    q4, k4, do4, visible, scale = grads.q, grads.k, grads.dout, grads.visible, grads.scale
+    prob = grads.problem
+    zero = grads.p.dtype.type(0)
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)  # d for dk, d_v for dv
+    e, p_lse = _ds_floor(grads)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if grads.mod_grad is not None:  # dS = dS' mod'(S) (L13): the floors of dS' carried through mod'
+            e = np.where(visible, e * np.abs(grads.mod_grad), zero)
+        # magnitudes: |scale|, so that a negative scale gives the same (non-negative) floor as its opposite
+        floor_dq = abs(scale) * reference.visible_matmul(e, np.abs(k4), visible)
+        visible_t = np.swapaxes(visible, -1, -2)  # visible.T, per slice for a mask per batch and head
+        floor_dk = (abs(scale) * reference.visible_matmul(np.swapaxes(e, -1, -2), np.abs(q4), visible_t)
+                    ).reshape(grouped).sum(axis=2)
+        floor_dv = reference.visible_matmul(np.swapaxes(p_lse, -1, -2), np.abs(do4), visible_t
+                                            ).reshape(grouped).sum(axis=2)
+    return _finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv)
+
+
+def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[float, float, float]:
+    """(term_dq, term_dk, term_dv): how far rounding P and dS to the 16-bit type `p_dtype` before their products
+    (a tensor-core backward) can move each entry of dq, dk, dv (proofs/L7, floating point), from the float64
+    reference's P, dP, D and operands (`reference.dense_backward`).
+
+    Each rounded operand errs by |fl16(a) - a| <= u16 |a| + eta16 (P_ROUNDING), and enters its gradient once,
+    linearly; the float32 products and sums are the 3x rule's. With dS_ij = P_ij (dP_ij - D_i), over the
+    visible pairs only (a NaN or inf that no row sees stays out, as in `_recompute_floors`):
+
+        term_dv = max_{j,x} sum_{h in group} sum_i (u16 P_ij + eta16) |dO_ix|,
+        term_dk = |scale| max_{j,x} sum_{h in group} sum_i (u16 |dS_ij| + eta16) |Q_ix|,
+        term_dq = |scale| max_{i,x} sum_j (u16 |dS_ij| + eta16) |K_jx|.
+
+    With a score mod, P is exp(mod(S) - LSE) and the rounded dS is dS' mod'(S) (proofs/L13), what such a kernel
+    rounds. Unlike the forward's (`p_rounding_term`) eta16 has no factor: P is already normalised when it is rounded,
+    and a dS far below the type's normal range (tiny dO) is rounded to its subnormals with this absolute error.
+    """
+    _p_rounding(p_dtype)  # a bad p_dtype is a ValueError naming it
+    q4, k4, do4, p, dp, d_row = grads.q, grads.k, grads.dout, grads.p, grads.dp, grads.d_row
+    visible, prob = grads.visible, grads.problem
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)  # d for dk, d_v for dv
+    with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
+        ds = np.where(visible, p * (dp - d_row[..., None]), p.dtype.type(0))  # dS, 0 off the visible pairs
+        if grads.mod_grad is not None:  # with a score mod the rounded operand is dS = dS' mod'(S) (proofs/L13)
+            ds = np.where(visible, ds * grads.mod_grad, p.dtype.type(0))
+        term_dq = abs(grads.scale) * _rounded_operand_bound(ds, k4, visible, p_dtype)
+        visible_t = np.swapaxes(visible, -1, -2)  # visible.T, per slice for a mask per batch and head
+        term_dk = (abs(grads.scale) * _rounded_operand_bound(np.swapaxes(ds, -1, -2), q4, visible_t, p_dtype)
+                   ).reshape(grouped).sum(axis=2)
+        term_dv = _rounded_operand_bound(np.swapaxes(p, -1, -2), do4, visible_t, p_dtype).reshape(grouped).sum(axis=2)
+    return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
+
+
+def tolerance_backward(expected: np.ndarray, naive, recompute: float = 0.0) -> float:
+    """atol = 3 * err(naive float32) + floor for one gradient (dq, dk or dv): `tolerance` with 3x.
+
+    `naive` is one float32 evaluation or a sequence of them (the `reference.CONTRACTIONS`). The floor is
+    `rounding_floor(expected)` plus `recompute`: one float32 ulp of the two quantities the backward
+    recomputes, dP - D (where it cancels) and the stored LSE, carried into this gradient
+    (`baseline_backward` computes it). Why 3x and why the second floor: proofs/L7_backward.md, floating
+    point. In short: the backward chains more rounded steps than the forward (P from a rounded LSE, D
+    from a rounded O, the difference dP - D), and flash-attn's own suite allows gradients 3x; where
+    dP - D cancels exactly, or an LSE happens to round well, a naive evaluation is right by luck, which
+    the measured 3x cannot see.
+    """
+    naive = [naive] if isinstance(naive, np.ndarray) else list(naive)
+    return GRAD_FACTOR * max(max_error(n, expected) for n in naive) + rounding_floor(expected) + recompute
+
+
+@dataclass(frozen=True)
+class CheckBackward:
+    """The outcome of `check_attention_backward`: errors and tolerances of dq, dk, dv."""
+
+    err_dq: float
+    err_dk: float
+    err_dv: float
+    atol_dq: float
+    atol_dk: float
+    atol_dv: float
+
+
+@dataclass(frozen=True)
+class BaselineBackward:
+    """The float64 gradients of one problem and the tolerances the 3x rule allows around them."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    atol_dq: float
+    atol_dk: float
+    atol_dv: float
+
+
+def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
+                      contractions=reference.CONTRACTIONS, mask=None, p_dtype: str | None = None,
+                      score_mod=None) -> BaselineBackward:
+    """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward).
+
+    p_dtype ("float16" or "bfloat16"): the implementation rounds P (before dV) and dS (before dK and dQ) to
+    that type (a tensor-core backward); each gradient's atol gets `grad_rounding_terms`' term. None: float32.
+    score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it
+    (the mod and its derivative on float32 scalars, each rounded to float32 once, as the kernels evaluate
+    them), and the recomputation floors carry |mod'(S)| (`_recompute_floors`; proofs/L13, the kernels).
+    With both, the 16-bit terms round P = exp(mod(S) - LSE) and dS = dS' mod'(S), what a tensor-core backward
+    with the mod rounds (`grad_rounding_terms`).
+    """
+    if p_dtype is not None:
+        _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
+    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
+    ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
+    terms = (0.0, 0.0, 0.0) if p_dtype is None else grad_rounding_terms(grads, p_dtype)
+    del grads  # its P and dP (B H N_q N_k each): the naive evaluations need not hold them beside their own
+    naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask,
+                                                    score_mod=score_mod)
+             for c in contractions]
+    atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) + terms[t] for t, r in enumerate(ref)]
+    return BaselineBackward(*ref, *atols)
+
+
+def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") -> CheckBackward:
+    """Assert (dq, dk, dv) are within the baseline's tolerances; returns the errors."""
+    err_dq = assert_close(dq, base.dq, base.atol_dq, name=f"{name} dq")
+    err_dk = assert_close(dk, base.dk, base.atol_dk, name=f"{name} dk")
+    err_dv = assert_close(dv, base.dv, base.atol_dv, name=f"{name} dv")
+    return CheckBackward(err_dq, err_dk, err_dv, base.atol_dq, base.atol_dk, base.atol_dv)
+
+
+def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False, scale: float | None = None,
+                             name: str = "kernel", contractions=reference.CONTRACTIONS, mask=None,
+                             p_dtype: str | None = None, score_mod=None) -> CheckBackward:
+    """Check gradients from any implementation against the float64 reference with the 3x rule (mask as
+    in `attention_backward`; p_dtype for a tensor-core backward, the 16-bit type P and dS are rounded to;
+    score_mod for one that applies a score mod, `baseline_backward`)."""
+    base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask,
+                             p_dtype=p_dtype, score_mod=score_mod)
+    return judge_backward(dq, dk, dv, base, name=name)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The captured arrays' gradients of a score mod (proofs/L13, claim 4): the same 3x rule, entry by entry.
+
+
+@dataclass(frozen=True)
+class BaselineCaptured:
+    """The float64 gradients of a mod's captured arrays (None where one takes none) and their atols."""
+
+    expected: tuple
+    atols: tuple
+
+
+def baseline_captured(q, k, v, dout, *, score_mod, causal: bool = False, scale: float | None = None, mask=None,
+                      contractions=reference.CONTRACTIONS) -> BaselineCaptured:
+    """Reference gradients of score_mod's captured arrays and their tolerances: per array,
+
+        atol = 3 * err(naive float32) + rounding_floor(expected) + max_e sum_{p -> e} floor(dS'_p) |c_p|,
+
+    the gradients' rule applied to dC[e] = sum_{p -> e} dS'_p c_p (c_p: the pair's derivative of the mod with
+    respect to that entry): the naive float32 evaluations (`attention_backward_naive_f32`'s twin, summing in
+    float32 in the pairs' order) measure the rounding, and the floor carries the two recomputed quantities of
+    dS' (`_ds_floor`) through |c_p|, as `_recompute_floors` carries them into dq and dk."""
+    mod = mods.check_score_mod(score_mod)
+    if mod is None or mod.grad is None:
+        raise ValueError("score_mod must be a ScoreMod with its grad (the captured gradients come from dS')")
+    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=mod)
+    expected = grads.dcaptured
+    e, _ = _ds_floor(grads)
+    floors = mods.captured_gradients(mod, grads.s_raw, e, grads.visible, absolute=True)
+    del grads
+    naive = [reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, dtype=np.float32,
+                                      contraction=c, score_mod=mod).dcaptured for c in contractions]
+    atols = tuple(None if want is None else
+                  tolerance_backward(want, [n[t] for n in naive], _finite_max(floors[t]))
+                  for t, want in enumerate(expected))
+    return BaselineCaptured(tuple(expected), atols)
+
+
+def check_captured_gradients(dcaptured, q, k, v, dout, *, score_mod, causal: bool = False,
+                             scale: float | None = None, mask=None, name: str = "kernel",
+                             contractions=reference.CONTRACTIONS) -> tuple:
+    """Check a mod's captured gradients from any implementation against the float64 reference with the 3x
+    rule (`baseline_captured`); returns the errors (None where an array takes no gradient)."""
+    base = baseline_captured(q, k, v, dout, score_mod=score_mod, causal=causal, scale=scale, mask=mask,
+                             contractions=contractions)
+    if len(dcaptured) != len(base.expected):
+        raise AssertionError(f"{name}: {len(dcaptured)} captured gradients for {len(base.expected)} arrays")
+    errors = []
+    for t, (ours, want, atol) in enumerate(zip(dcaptured, base.expected, base.atols)):
+        if (ours is None) != (want is None):
+            raise AssertionError(f"{name} captured[{t}]: got {'None' if ours is None else 'a gradient'}, expected "
+                                 f"{'None' if want is None else 'a gradient'}")
+        errors.append(None if want is None else assert_close(ours, want, atol, name=f"{name} captured[{t}]"))
+    return tuple(errors)
