@@ -46,6 +46,10 @@ float64 reference materialises (`reference.dense`):
   dS_ij = |scale| sum_x (eps |q_ix| |k_jx| + eta (|q_ix| + |k_jx|)), moving O and LSE as the score floor's does
   with W = P dS; in P V it is the P-rounding term's form with u16 = eps, eta16 = eta. `products=` ("3xtf32" or
   "tf32").
+- the weights by ex2 (every tensor-core forward, proofs/L6 part 10): 2^(fl(s L) - fl(m(t) L)), L = fl(log2 e),
+  by ex2.approx.ftz: each weight errs by phi_ij = u (2 |S_ij| + 3 (m_i - S_ij)) + EXP_REL relative and below
+  2^-126 absolutely (flushed), moving O by sum_j P_ij phi_ij (|V_jx| + |O_ix|) and LSE by sum_j P_ij phi_ij
+  (plus the flushes). Added with `p_dtype=` or `products=`, which name a tensor-core forward (`exp2_terms`).
 - with a score mod (`score_mod=`, a `fa_numba.mods.ScoreMod`; proofs/L13 claim 5): the reference and the naive
   evaluations apply it, and the score term's W becomes W' = P u |S| |mod'(S)| (the score's rounding seen
   through the mod).
@@ -89,6 +93,8 @@ ROUND_TRIP = gamma(2)  # one v1 round trip, fl(fl(acc / l) l) = acc (1 + d1)(1 +
 # 2 ulps), and an ulp of y is at most 2^-23 |y|: a relative error of at most EXP_REL.
 EXP_ULPS = 3
 EXP_REL = EXP_ULPS * 2.0**-23
+# ex2.approx.ftz.f32 flushes a result below float32's normal range to zero: an absolute error below this
+FLUSH = 2.0**-126
 
 
 def visits(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool) -> np.ndarray:
@@ -120,7 +126,8 @@ class Terms:
     orders) can move O and LSE by (proofs/L6, part 6). The tiled terms are None when the tiles were not given.
     p_out: what rounding P to a 16-bit type before P V can move O by (`p_rounding_term`, proofs/L6 part 7).
     split_out, split_lse: what tf32 products of float32 inputs (3xTF32 or plain TF32) can move O and LSE by
-    (`split_terms`, proofs/L6 part 9).
+    (`split_terms`, proofs/L6 part 9). exp2_out, exp2_lse: what the tensor-core forwards' weights, 2^(s log2(e)
+    - m log2(e)) by ex2.approx, can move O and LSE by (`exp2_terms`, proofs/L6 part 10).
     """
 
     score_out: float
@@ -131,6 +138,8 @@ class Terms:
     p_out: float = 0.0  # P rounded to a 16-bit type before P V (p_rounding_term); 0 for float32 P
     split_out: float = 0.0  # tf32 products of float32 inputs (split_terms, proofs/L6 part 9); 0 without
     split_lse: float = 0.0
+    exp2_out: float = 0.0  # the weights by ex2 (exp2_terms, proofs/L6 part 10); 0 for exp
+    exp2_lse: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -283,9 +292,34 @@ def split_terms(dense: reference.Dense, score_errors: np.ndarray, products: str)
     return _finite_max(score_out + pv_out), _finite_max(w_sum)
 
 
-def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None, split=None) -> Terms:
+def exp2_terms(dense: reference.Dense) -> tuple[float, float]:
+    """(out, lse): how far computing every weight exp(s - m(t)) as 2^(fl(s L) - fl(m(t) L)), L = fl(log2 e), by
+    ex2.approx.ftz (the tensor-core forwards' fold) can move O and LSE (proofs/L6 part 10). Each weight errs by
+    phi_ij = u (2 |S_ij| + 3 (m_i - S_ij)) + EXP_REL relative (the argument's three roundings and L's, ex2's
+    2 ulps) and by less than FLUSH absolutely (a result below float32's normal range flushed to zero), which
+    reaches O as sum_j P_ij phi_ij (|V_jx| + |O_ix|) + FLUSH (max_j P_ij) sum_j (|V_jx| + |O_ix|) and LSE as
+    sum_j P_ij phi_ij + FLUSH n_i max_j P_ij (first order; sums over the row's n_i visible keys, S the softmax's
+    scores: S' = mod(S) with a score mod, m_i their row max)."""
+    p, s, v4, visible, out = dense.p, dense.s, dense.v, dense.visible, dense.out
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = s.max(axis=-1, keepdims=True)  # the row max over the visible scores (-inf on a dead row: P is 0 there)
+        phi = U32 * (2 * np.abs(s) + 3 * (m - s)) + EXP_REL
+        w = np.where(p == 0, 0.0, p * phi)  # masked pairs: P = 0 and s = -inf, never multiplied
+        del phi
+        w_sum = w.sum(axis=-1)
+        out_term = reference.visible_matmul(w, np.abs(v4), visible) + np.abs(out) * w_sum[..., None]
+        weight = p.max(axis=-1, initial=0.0)[..., None]
+        count = np.broadcast_to(visible, p.shape).sum(axis=-1)[..., None]
+        out_term += _rounded_operand_bound(p, v4, visible, None, weight, rounding=(0.0, FLUSH))
+        out_term += FLUSH * weight * count * np.abs(out)
+        lse_term = w_sum + FLUSH * (weight * count)[..., 0]
+    return _finite_max(out_term), _finite_max(lse_term)
+
+
+def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None, split=None, exp2: bool = False) -> Terms:
     """The derived terms from the float64 reference's S, P and O (`reference.dense`); the tiled ones with `tiles`,
-    the P-rounding one with `p_dtype`, the tf32 products' with split = (score magnitudes, products).
+    the P-rounding one with `p_dtype`, the tf32 products' with split = (score magnitudes, products), the ex2
+    weights' with `exp2`.
 
     Consumes `dense`: S's memory is reused for W (its S holds W afterwards).
     """
@@ -293,6 +327,7 @@ def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None, split=None
     v1_out = online_out = online_lse = None
     p_out = 0.0 if p_dtype is None else p_rounding_term(p, v4, visible, p_dtype)
     split_out, split_lse = (0.0, 0.0) if split is None else split_terms(dense, *split)
+    exp2_out, exp2_lse = exp2_terms(dense) if exp2 else (0.0, 0.0)
     if tiles is not None:
         sums = _tile_sums(p, v4, s, visible, out, tiles)
         v1_out = ROUND_TRIP * (1 + ROUND_TRIP) ** max(sums.max_trips - 1, 0) * _finite_max(sums.trips)
@@ -311,7 +346,7 @@ def _terms(dense: reference.Dense, tiles, p_dtype: str | None = None, split=None
         w_sum = w.sum(axis=-1)
         score_out = reference.visible_matmul(w, np.abs(v4), visible) + np.abs(out) * w_sum[..., None]
     return Terms(_finite_max(score_out), _finite_max(w_sum), v1_out, online_out, online_lse, p_out, split_out,
-                 split_lse)
+                 split_lse, exp2_out, exp2_lse)
 
 
 def _finite_max(x: np.ndarray) -> float:
@@ -423,7 +458,8 @@ class Baseline:
     def tolerances(self, order: str | None = None) -> tuple[float, float]:
         """(atol_out, atol_lse) for an implementation of `order`: None for a dense one; "v2" adds the online
         softmax's rescaling terms, "v1" those and its round-trip term (all need the tiles)."""
-        extra_out, extra_lse = self.terms.p_out + self.terms.split_out, self.terms.split_lse
+        terms = self.terms
+        extra_out, extra_lse = terms.p_out + terms.split_out + terms.exp2_out, terms.split_lse + terms.exp2_lse
         if order is None:
             return self.atol_out + extra_out, self.atol_lse + extra_lse
         if order not in ("v1", "v2"):
@@ -445,6 +481,7 @@ def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contr
     Give the tiles (block_q and block_k) to judge a v1 implementation: its round-trip term depends on them.
     p_dtype ("float16" or "bfloat16"): the implementation rounds P to that type before P V (tensor cores).
     products ("3xtf32" or "tf32"): the implementation multiplies float32 inputs on tensor cores so (`split_terms`).
+    Either names a tensor-core forward, whose weights are also ex2's: both add `exp2_terms` (proofs/L6 part 10).
     score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it, and
     the score term carries the mod's derivative, W' = P u |S| |mod'(S)| (proofs/L13, claim 5).
     """
@@ -460,7 +497,8 @@ def baseline(q, k, v, *, causal: bool = False, scale: float | None = None, contr
             raise ValueError("give p_dtype (16-bit P) or products (tf32 products of float32 inputs), not both")
         split = (score_magnitudes(q, k, scale, *_products(products)), products)
     dense = reference.dense(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
-    (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles, p_dtype, split)
+    exp2 = p_dtype is not None or products is not None  # a tensor-core forward: its weights by ex2 (L6 part 10)
+    (ref_out, ref_lse), terms = dense.result(), _terms(dense, tiles, p_dtype, split, exp2)
     del dense  # its S and P (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_naive_f32(q, k, v, causal=causal, scale=scale, contraction=c, mask=mask,
                                            score_mod=score_mod)

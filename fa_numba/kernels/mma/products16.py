@@ -1,7 +1,8 @@
 """The tensor-core products of 16-bit inputs (mma.sync m16n8k16, float16 or bfloat16): what `engine.make_ops`
 takes for those kinds (the float32 kinds take `kernels.mma.tf32`'s). Q_i is staged in shared memory and its A
-fragments read by ldmatrix x4, K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans; P is packed to the input
-type in the lane that holds it (proofs/L10, claim 5); the exact path reads the staged bits back as float32.
+fragments read by ldmatrix x4, K's B fragments by ldmatrix x4 (two k-steps a load; x2 for an odd last one), V's by
+ldmatrix x4 .trans (two 8-column blocks a load); P is packed to the input type in the lane that holds it
+(proofs/L10, claim 5); the exact path reads the staged bits back as float32.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ _EXP_MASK = {"float16": 0x7C00, "bfloat16": 0x7F80}  # a 16-bit value is inf or 
 
 def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
     """The 16-bit engine's products (mma.sync m16n8k16): Q_i staged in shared memory and its A fragments read
-    by ldmatrix x4, K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans, P packed to the input type in
-    the lane that holds it (L10, claim 5)."""
+    by ldmatrix x4, K's B fragments by ldmatrix x4 (x2 for an odd last k-step), V's by ldmatrix x4 .trans, P
+    packed to the input type in the lane that holds it (L10, claim 5)."""
     DP, SQ, KS, NT = sizes.DP, sizes.SQ, sizes.KS, sizes.NT
     DNV, SV = sizes.DNV, sizes.SV  # O's blocks and V_j's row stride: V's head dim d_v
     PK = sizes.BC // 16  # k-steps of P V
@@ -59,7 +60,13 @@ def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
         """s[nt, e] = this lane's entries of Q_i K_j^T (unscaled)."""
         for nt in range(NT):
             d4 = (ZERO, ZERO, ZERO, ZERO)
-            for ks in range(KS):
+            for kp in range(KS // 2):  # two k-steps' B fragments (matrices 0-1, then 2-3) per ldmatrix x4
+                ks = 2 * kp
+                bk = warp.ldmatrix_x4(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * mat)
+                d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), (bk[0], bk[1]))
+                d4 = mma(d4, (qf[ks + 1, 0], qf[ks + 1, 1], qf[ks + 1, 2], qf[ks + 1, 3]), (bk[2], bk[3]))
+            if KS % 2:  # an odd last k-step (d = 48, 80, ...): ldmatrix x2
+                ks = KS - 1
                 bk = warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1))
                 d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), bk)
             for e in range(4):
@@ -71,11 +78,13 @@ def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
         for kk in range(PK):
             pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
                   pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
-            for dn in range(DNV):
-                bv = warp.ldmatrix_x2_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SV + 8 * dn)
-                d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, bv)
-                for e in range(4):
-                    acc[dn, e] = d4[e]
+            for dp in range(DNV // 2):  # two 8-column blocks' B fragments per ldmatrix x4 .trans (DNV is even)
+                bv = warp.ldmatrix_x4_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SV + 8 * (2 * dp + (mat >> 1)))
+                for half in range(2):
+                    dn = 2 * dp + half
+                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, (bv[2 * half], bv[2 * half + 1]))
+                    for e in range(4):
+                        acc[dn, e] = d4[e]
 
     @cuda.jit(device=True, inline=True)
     def key_dots(qf, sq, sk, c, qrow0, t):
