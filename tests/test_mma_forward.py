@@ -221,8 +221,8 @@ HERE = Path(__file__).parent
 def test_mma_compiles_to_tensor_core_products_without_local_memory():
     """sm_90a SASS of the shipped-size configurations and of the widest head dim, 192 at B_c = 16: per key tile
     and warp exactly the products the layout calls for (B_c/8 d/16 for S, B_c/16 d/8 for P V, so 64 at B_c = 64,
-    d = 64 and at 32, 128, 48 at 16, 192) and as many
-    ldmatrix (v1's visit also reads Q's d/16 A fragments), tiles staged by cp.async (v2: no LDG in the tile
+    d = 64 and at 32, 128, 48 at 16, 192) and half as many ldmatrix (x4: K's fragments of two k-steps, V's of
+    two column blocks, a load; v1's visit also reads Q's d/16 A fragments), tiles staged by cp.async (v2: no LDG in the tile
     loop; v1 reads back its O, l and m: 2 rows x (d/4 + 2) per lane), no local memory, no spills, <= 48 KB.
     At d = 192 the unmasked v2's epilogue (48 IEEE divisions of O by l, a loop the compiler keeps rolled) puts
     the accumulator in 384 bytes of local memory after the tile loop; the tile loop itself has none."""
@@ -234,7 +234,9 @@ def test_mma_compiles_to_tensor_core_products_without_local_memory():
         products = row["block_k"] // 8 * row["d"] // 16 + row["block_k"] // 16 * row["d"] // 8
         v1 = row["order"] == "v1"
         assert row["tile_hmma"] == products, row
-        assert row["tile_ldsm"] == products + (row["d"] // 16 if v1 else 0), row
+        ks = row["d"] // 16  # k-steps of S: K's B fragments two k-steps an ldmatrix x4 (x2 for an odd last one)
+        loads = row["block_k"] // 8 * (ks // 2 + ks % 2) + row["block_k"] // 16 * row["d"] // 16  # V: x4, 2 blocks
+        assert row["tile_ldsm"] == loads + (ks if v1 else 0), row
         assert row["tile_ldgsts"] > 0 and row["tile_ldg"] == (2 * (row["d"] // 4 + 2) if v1 else 0), row
         assert row["tile_local"] == 0 and row["spill_stores"] == 0 and row["spill_loads"] == 0, row
         assert row["local"] == 0 or (row["d"] > 128 and row["order"] == "v2" and not row["causal"]), row
