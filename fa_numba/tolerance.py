@@ -63,7 +63,7 @@ reproduced exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -140,6 +140,11 @@ class Terms:
     split_lse: float = 0.0
     exp2_out: float = 0.0  # the weights by ex2 (exp2_terms, proofs/L6 part 10); 0 for exp
     exp2_lse: float = 0.0
+
+    def cuda_cores(self) -> "Terms":
+        """These terms without the tensor-core ones (P's rounding, the tf32 products', the ex2 weights'): what a
+        CUDA-core kernel on the same problem is judged with."""
+        return replace(self, p_out=0.0, split_out=0.0, split_lse=0.0, exp2_out=0.0, exp2_lse=0.0)
 
 
 @dataclass(frozen=True)
