@@ -7,13 +7,15 @@ Two kernels, both on the forward engine's staging and fragment conventions (kern
   K/V head); warp w owns keys 16 w .. 16 w + 15 and keeps their dK, dV accumulators in registers while the
   block walks the query heads of its group and their query tiles i (B_r rows) that see tile j. Per visit, in
   the transposed frame (a lane holds keys g, g + 8 and query columns 2t, 2t + 1 of each 8-column block):
-      S^T  = K_j Q_i^T        A: K_j rows by ldmatrix.x4 (row-major K, as the forward's Q)
-                               B: Q_i^T by ldmatrix.x2 (row-major Q, as the forward's K)
-      dP^T = V_j dO_i^T       A: V_j rows by ldmatrix.x4, B: dO_i^T by ldmatrix.x2
+      S^T  = K_j Q_i^T        A: K_j rows by ldmatrix.x4 (row-major K, as the forward's Q), read once per
+                               k-step for two 8-query blocks
+                               B: Q_i^T by ldmatrix.x4, two 8-query blocks a load (row-major Q, as the
+                               forward's K)
+      dP^T = V_j dO_i^T       A: V_j rows by ldmatrix.x4, B: dO_i^T by ldmatrix.x4, as S^T's
       P^T  = exp(scale S^T - LSE), dS^T = P^T o (dP^T - D)  on the fragments (0 at masked pairs)
       dV  += P^T dO_i         A: P^T's own fragments, rounded to 16 bits (no data moves: L10 claim 5)
-                               B: dO_i by ldmatrix.x2.trans (as the forward's V)
-      dK  += dS^T Q_i         A: dS^T's fragments rounded to 16 bits, B: Q_i by ldmatrix.x2.trans
+                               B: dO_i by ldmatrix.x4.trans, two 8-column blocks a load (as the forward's V)
+      dK  += dS^T Q_i         A: dS^T's fragments rounded to 16 bits, B: Q_i by ldmatrix.x4.trans
       dQ_i += scale dS K_j    the reduction runs over the block's keys, which all W warps hold: dS^T goes
                                through shared memory (16-bit, rows B_r + 8 apart), A: dS by ldmatrix.x4.trans
                                of it, B: K_j by ldmatrix.x2.trans; each warp takes whole 16-row slices of dQ_i
@@ -22,7 +24,8 @@ Two kernels, both on the forward engine's staging and fragment conventions (kern
 - `dq` (Q outer, the deterministic mode's second pass): one block of W warps per (query tile i of 16 W rows,
   batch, query head), as the forward's v2: S = Q_i K_j^T and dP = dO_i V_j^T (A: Q_i's and dO_i's fragments,
   read once; B: K_j, V_j by ldmatrix.x2), dS on the fragments, dQ += dS K_j (A: dS's fragments rounded to 16
-  bits, B: K_j by ldmatrix.x2.trans); dQ written once, no atomics: bitwise repeatable.
+  bits, B: K_j by ldmatrix.x4.trans, two 8-column blocks a load); dQ written once, no atomics: bitwise
+  repeatable.
 
 D and the zeroing of dQ come from the CUDA-core backward's `preprocess` kernel (kernels.backward): it reads O and
 dO once, whatever their dtype.
@@ -258,11 +261,13 @@ def kv_source(config: MmaBackwardConfig):
         for kk in range(KQ):
             a = (pack(x[2 * kk, 0], x[2 * kk, 1]), pack(x[2 * kk, 2], x[2 * kk, 3]),
                  pack(x[2 * kk + 1, 0], x[2 * kk + 1, 1]), pack(x[2 * kk + 1, 2], x[2 * kk + 1, 3]))
-            for dn in range(DN):
-                d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), a,
-                         warp.ldmatrix_x2_trans(src, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn))
-                for e in range(4):
-                    acc[dn, e] = d4[e]
+            for dp_ in range(DN // 2):  # two 8-column blocks' B fragments per ldmatrix x4 .trans (DN is even)
+                bs = warp.ldmatrix_x4_trans(src, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1)))
+                for half in range(2):
+                    dn = 2 * dp_ + half
+                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), a, (bs[2 * half], bs[2 * half + 1]))
+                    for e in range(4):
+                        acc[dn, e] = d4[e]
 
     @cuda.jit(device=True, inline=True)
     def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t, lohis, denses, sb, sh,
@@ -379,11 +384,14 @@ def kv_source(config: MmaBackwardConfig):
                     bad = kv_bad or any_bad(sq, BR) or any_bad(sdo, BR)
                     guard = cuda.syncthreads_or(1 if bad else 0) != 0
 
-                for nt in range(NQ):  # S^T and dP^T, then P^T and dS^T, 8 queries at a time
-                    d4 = (ZERO, ZERO, ZERO, ZERO)
-                    e4 = (ZERO, ZERO, ZERO, ZERO)
+                # S^T and dP^T in s and dp, two 8-query blocks at a time: K_j's and V_j's A fragments read once per
+                # k-step for both (at d = 128, B_r = 16, once per visit), Q_i's and dO_i's B fragments of the two
+                # blocks by one ldmatrix x4 each (NQ = B_r / 8 is even); each block's sum runs over the k-steps in
+                # order, as before
+                for np_ in range(NQ // 2):
+                    d4, d5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # S^T: blocks 2 np_, 2 np_ + 1
+                    e4, e5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # dP^T
                     for ks in range(KS):
-                        index_b = (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)
                         if HOLD:
                             ak = (kf[ks, 0], kf[ks, 1], kf[ks, 2], kf[ks, 3])
                             av = (vf[ks, 0], vf[ks, 1], vf[ks, 2], vf[ks, 3])
@@ -391,20 +399,30 @@ def kv_source(config: MmaBackwardConfig):
                             index_a = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
                             ak = warp.ldmatrix_x4(sk, index_a)
                             av = warp.ldmatrix_x4(sv, index_a)
-                        d4 = mma(d4, ak, warp.ldmatrix_x2(sq, index_b))
-                        e4 = mma(e4, av, warp.ldmatrix_x2(sdo, index_b))
-                    for e in range(4):  # 0 at masked pairs
+                        index_b = (16 * np_ + 8 * (mat >> 1) + mrow) * SQ + 16 * ks + 8 * (mat & 1)
+                        bq = warp.ldmatrix_x4(sq, index_b)
+                        bo = warp.ldmatrix_x4(sdo, index_b)
+                        d4 = mma(d4, ak, (bq[0], bq[1]))
+                        d5 = mma(d5, ak, (bq[2], bq[3]))
+                        e4 = mma(e4, av, (bo[0], bo[1]))
+                        e5 = mma(e5, av, (bo[2], bo[3]))
+                    for e in range(4):
+                        s[2 * np_, e], s[2 * np_ + 1, e] = d4[e], d5[e]
+                        dp[2 * np_, e], dp[2 * np_ + 1, e] = e4[e], e5[e]
+                for nt in range(NQ):  # P^T and dS^T in place, 0 at masked pairs
+                    for e in range(4):
+                        d4e, e4e = s[nt, e], dp[nt, e]
                         col = 8 * nt + 2 * t + (e & 1)
                         p, ds = ZERO, ZERO
                         if not masked or visible(r0 + col, key0 + 8 * (e >> 1), n_q, n_k, delta, lohis, denses, sb, sh,
                                                  b, h, captured):
-                            x = scale * d4[e]
+                            x = scale * d4e
                             if MOD:  # P = exp(mod(S) - LSE), dS = P (dP - D) mod'(S) (proofs/L13)
                                 p = math.exp(modded(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured) - slse[col])
-                                ds = p * (e4[e] - sd[col]) * slope(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured)
+                                ds = p * (e4e - sd[col]) * slope(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured)
                             else:
                                 p = math.exp(x - slse[col])
-                                ds = p * (e4[e] - sd[col])
+                                ds = p * (e4e - sd[col])
                         s[nt, e] = p
                         dp[nt, e] = ds
 
@@ -569,11 +587,15 @@ def dq_source(config: MmaBackwardConfig):
                 for kk in range(PK):
                     da = (pack(dp[2 * kk, 0], dp[2 * kk, 1]), pack(dp[2 * kk, 2], dp[2 * kk, 3]),
                           pack(dp[2 * kk + 1, 0], dp[2 * kk + 1, 1]), pack(dp[2 * kk + 1, 2], dp[2 * kk + 1, 3]))
-                    for dn in range(DN):
-                        bk = warp.ldmatrix_x2_trans(sk, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
-                        d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da, bk)
-                        for e in range(4):
-                            acc[dn, e] = d4[e]
+                    for dp_ in range(DN // 2):  # two 8-column blocks of K_j per ldmatrix x4 .trans (DN is even)
+                        index = (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1))
+                        bk = warp.ldmatrix_x4_trans(sk, index)
+                        for half in range(2):
+                            dn = 2 * dp_ + half
+                            d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da,
+                                     (bk[2 * half], bk[2 * half + 1]))
+                            for e in range(4):
+                                acc[dn, e] = d4[e]
         write_rows(dq, b, h, row0, n_q, acc, scale, t)
 
     return bwd_dq_mma
