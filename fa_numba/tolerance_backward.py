@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_numba import mods, reference
-from fa_numba.tolerance import _finite_max, _p_rounding, _rounded_operand_bound, assert_close, max_error, rounding_floor
+from fa_numba.tolerance import (EXP_REL, FLUSH, U32, _finite_max, _p_rounding, _rounded_operand_bound, assert_close,
+                                max_error, rounding_floor)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,6 +121,49 @@ def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[f
     return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
 
 
+def weight_errors(grads: reference.DenseBackward) -> np.ndarray:
+    """phi_ij = u (2 |S_ij| + 3 (LSE_i - S_ij)) + EXP_REL on the visible pairs with P_ij > 0, else 0: the relative
+    error of P_ij = exp(S_ij - LSE_i) recomputed as 2^(fl(S_ij L) - fl(LSE_i L)) by ex2.approx (proofs/L7, the ex2
+    weights; the forward's bound of proofs/L6 part 10 with LSE_i in place of the running max). S is the softmax's
+    score (S' = mod(S) with a score mod), read off P itself: LSE_i - S_ij = -log P_ij."""
+    p, lse = grads.p, grads.shift[..., None]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        gap = -np.log(np.where(p > 0, p, 1.0))  # LSE_i - S_ij >= 0
+        phi = U32 * (2 * np.abs(lse - gap) + 3 * gap) + EXP_REL
+    return np.where(p > 0, phi, 0.0)
+
+
+def grad_exp2_terms(grads: reference.DenseBackward) -> tuple[float, float, float]:
+    """(term_dq, term_dk, term_dv): how far recomputing P as 2^(fl(S L) - fl(LSE L)) by ex2.approx.ftz (the
+    tensor-core backward) can move dq, dk, dv (proofs/L7, the ex2 weights). P_ij errs by phi_ij P_ij
+    (`weight_errors`) and by less than FLUSH where ex2 flushes it to zero; P enters dV = P^T dO and dS =
+    P (dP - D) (times mod'(S) with a score mod) linearly, so, over the visible pairs:
+
+        term_dv = max_{j,x} sum_{h in group} sum_i (phi_ij P_ij + FLUSH) |dO_ix|,
+        term_dk = |scale| max_{j,x} sum_{h in group} sum_i (phi_ij |dS_ij| + FLUSH |dP_ij - D_i| |mod'|) |Q_ix|,
+        term_dq = |scale| max_{i,x} sum_j (phi_ij |dS_ij| + FLUSH |dP_ij - D_i| |mod'|) |K_jx|.
+    """
+    q4, k4, do4, p, dp, d_row = grads.q, grads.k, grads.dout, grads.p, grads.dp, grads.d_row
+    visible, prob = grads.visible, grads.problem
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)
+    visible_t = np.swapaxes(visible, -1, -2)
+    phi = weight_errors(grads)
+    exact = (1.0, 0.0)  # _rounded_operand_bound's (u, eta) for sum_j |a_ij| |b_jx| as it is
+    with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
+        spread = np.where(visible, dp - d_row[..., None], p.dtype.type(0))  # dP - D: what P multiplies in dS
+        if grads.mod_grad is not None:
+            spread = np.where(visible, spread * grads.mod_grad, p.dtype.type(0))
+        ds_part = phi * np.abs(p * spread) + FLUSH * np.abs(spread)
+        term_dq = abs(grads.scale) * _rounded_operand_bound(ds_part, k4, visible, None, rounding=exact)
+        term_dk = (abs(grads.scale) * _rounded_operand_bound(np.swapaxes(ds_part, -1, -2), q4, visible_t, None,
+                                                             rounding=exact)).reshape(grouped).sum(axis=2)
+        p_part = np.swapaxes(phi * p, -1, -2)
+        term_dv = (_rounded_operand_bound(p_part, do4, visible_t, None, rounding=exact)
+                   + _rounded_operand_bound(np.ones_like(p_part), do4, visible_t, None, rounding=(0.0, FLUSH))
+                   ).reshape(grouped).sum(axis=2)
+    return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
+
+
 def tolerance_backward(expected: np.ndarray, naive, recompute: float = 0.0) -> float:
     """atol = 3 * err(naive float32) + floor for one gradient (dq, dk or dv): `tolerance` with 3x.
 
@@ -166,7 +210,8 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
     """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward).
 
     p_dtype ("float16" or "bfloat16"): the implementation rounds P (before dV) and dS (before dK and dQ) to
-    that type (a tensor-core backward); each gradient's atol gets `grad_rounding_terms`' term. None: float32.
+    that type (a tensor-core backward); each gradient's atol gets `grad_rounding_terms`' term, and
+    `grad_exp2_terms`' (such a backward recomputes P by ex2). None: float32.
     score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it
     (the mod and its derivative on float32 scalars, each rounded to float32 once, as the kernels evaluate
     them), and the recomputation floors carry |mod'(S)| (`_recompute_floors`; proofs/L13, the kernels).
@@ -177,7 +222,9 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
         _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
     grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
     ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
-    terms = (0.0, 0.0, 0.0) if p_dtype is None else grad_rounding_terms(grads, p_dtype)
+    terms = (0.0, 0.0, 0.0)
+    if p_dtype is not None:  # a tensor-core backward: P and dS rounded to 16 bits, P recomputed by ex2
+        terms = tuple(a + b for a, b in zip(grad_rounding_terms(grads, p_dtype), grad_exp2_terms(grads)))
     del grads  # its P and dP (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask,
                                                     score_mod=score_mod)

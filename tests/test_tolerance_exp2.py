@@ -2,6 +2,7 @@
 weights' errors can do to O and LSE. The expected values are computed here in float64, apart from
 `tolerance.exp2_terms` and from the simulator's ex2 (fa_numba.warp.emulated_tc)."""
 
+import functools
 import math
 
 import numpy as np
@@ -106,3 +107,56 @@ def test_a_tensor_core_baseline_adds_the_exp2_term_and_a_float32_one_does_not():
         atol_out, atol_lse = base.tolerances()
         assert atol_out == base.atol_out + base.terms.p_out + base.terms.split_out + expected[0]
         assert atol_lse == base.atol_lse + base.terms.split_lse + expected[1]
+
+
+def _moved_gradients(q, k, v, dout, causal: bool, factor: float):
+    """Largest change of dq, dk, dv (float64, one query head per K/V head) when every recomputed P_ij moves by
+    factor x phi_ij relative, phi_ij = u (2 |S_ij| + 3 (LSE_i - S_ij)) + EXP_REL from the forward's own S and LSE,
+    each entry's signs chosen to move it the most (the gradients are linear in P)."""
+    dense = reference.dense(q, k, v, causal=causal)
+    scale = 1 / math.sqrt(q.shape[-1])
+    s, p, lse = dense.s, dense.p, dense.lse[..., None]
+    with np.errstate(invalid="ignore"):
+        phi = np.where(p > 0, U * (2 * np.abs(s) + 3 * (lse - s)) + tolerance.EXP_REL, 0.0)
+    dp = dout @ np.swapaxes(v, -1, -2)
+    spread = dp - (dout * dense.out).sum(axis=-1, keepdims=True)  # dP - D
+    moved = factor * phi * p  # |the change of P_ij|
+    # dV_jx = sum_i P_ij dO_ix: each (j, x) moved by sum_i moved_ij |dO_ix|
+    dv = np.einsum("bhij,bhix->bhjx", moved, np.abs(dout))
+    # dQ_ix = scale sum_j P_ij (dP - D)_ij K_jx, dK_jx = scale sum_i P_ij (dP - D)_ij Q_ix
+    dq = scale * np.einsum("bhij,bhjx->bhix", moved * np.abs(spread), np.abs(k))
+    dk = scale * np.einsum("bhij,bhix->bhjx", moved * np.abs(spread), np.abs(q))
+    # the same changes through the gradients' own formulas, with P moved entry by entry (signs per output column)
+    def through(p_moved, a, b):  # (a (P_moved - P) b): the change of a gradient whose formula is a P b
+        return a(p_moved) @ b - a(p) @ b
+
+    transpose = functools.partial(np.swapaxes, axis1=-1, axis2=-2)
+    for x in range(q.shape[-1]):
+        up = np.sign(dout[..., :, None, x])  # dV_jx: up where dO_ix > 0
+        got = through(p * (1 + factor * phi * up), transpose, dout[..., x, None])[..., 0]
+        assert np.allclose(np.abs(got), dv[..., x], rtol=1e-9, atol=1e-15)
+        up = np.sign(spread * k[..., None, :, x])  # dQ_ix: up where (dP - D)_ij K_jx > 0
+        got = scale * through(p * (1 + factor * phi * up), lambda m: m * spread, k[..., x, None])[..., 0]
+        assert np.allclose(np.abs(got), dq[..., x], rtol=1e-9, atol=1e-15)
+        up = np.sign(spread * q[..., :, None, x])  # dK_jx: up where (dP - D)_ij Q_ix > 0
+        got = scale * through(p * (1 + factor * phi * up), lambda m: transpose(m * spread), q[..., x, None])[..., 0]
+        assert np.allclose(np.abs(got), dk[..., x], rtol=1e-9, atol=1e-15)
+    return dq.max(), dk.max(), dv.max()
+
+
+@pytest.mark.lemma("L7")
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_backward_exp2_terms_bound_weights_moved_by_phi_and_not_by_three_phi(causal):
+    """The tensor-core backward's ex2 term (proofs/L7, the ex2 weights): P moved by phi_ij relative, entry by entry
+    with the signs that move each gradient entry the most, moves dq, dk, dv by at most `grad_exp2_terms` (they are
+    linear in P: reached to first order, the term's flush part above it); moved by 3 phi_ij, beyond it."""
+    from fa_numba import tolerance_backward
+
+    rng = np.random.default_rng(11)
+    q, k, v, dout = (rng.standard_normal((1, 2, 24, 8)) for _ in range(4))
+    grads = reference.dense_backward(q, k, v, dout, causal=causal)
+    terms = tolerance_backward.grad_exp2_terms(grads)
+    for factor, within in ((1.0, True), (3.0, False)):
+        moved = _moved_gradients(q, k, v, dout, causal, factor)
+        for name, got, term in zip(("dq", "dk", "dv"), moved, terms):
+            assert bool(got <= term * (1 + 1e-9)) is within, (name, factor, got, term)

@@ -179,6 +179,7 @@ def _atols(result):
 
 
 def test_no_p_dtype_is_the_float32_rule_and_a_p_dtype_adds_its_terms():
+    """No p_dtype: the float32 rule, bitwise; a p_dtype adds the 16-bit roundings' terms and the ex2 weights'."""
     problem = PROBLEMS["gqa"]
     args = (problem["q"], problem["k"], problem["v"], problem["dout"])
     kwargs = dict(causal=problem["causal"], scale=problem["scale"], mask=problem["mask"])
@@ -188,9 +189,12 @@ def test_no_p_dtype_is_the_float32_rule_and_a_p_dtype_adds_its_terms():
     exact = reference.attention_backward(*args, **kwargs)
     assert tolerance_backward.check_attention_backward(*exact, *args, **kwargs, p_dtype=None) == \
         tolerance_backward.check_attention_backward(*exact, *args, **kwargs)
+    grads = reference.dense_backward(*args, **kwargs)
+    exp2 = tolerance_backward.grad_exp2_terms(grads)  # a p_dtype names a tensor-core backward: P by ex2 as well
+    assert all(term > 0 for term in exp2)
     for kind in KINDS:
         terms = _terms(problem, kind)
-        expected = tuple(atol + term for atol, term in zip(_atols(before), terms))
+        expected = tuple(atol + term + extra for atol, term, extra in zip(_atols(before), terms, exp2))
         base = tolerance_backward.baseline_backward(*args, **kwargs, p_dtype=kind)
         assert _atols(base) == expected
         for field in ("dq", "dk", "dv"):

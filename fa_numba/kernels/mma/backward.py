@@ -59,7 +59,6 @@ Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +72,7 @@ from fa_numba.tiling import PARTIAL
 
 from fa_numba import backend, warp
 from fa_numba.kernels.common import ZERO, check_grid, check_sequence
-from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, PaddedRows, make_ops
+from fa_numba.kernels.mma.engine import KINDS, LOG2E, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, PaddedRows, make_ops
 
 ROLES = ("kv", "dq")
 # default (warps, block_q, block_k) per role and largest head dim: the largest tiles under 48 KB of static
@@ -371,7 +370,7 @@ def kv_source(config: MmaBackwardConfig):
                 cuda.syncthreads()  # the previous visit's Q, dO and sds are no longer read
                 if tid < BR:  # B_r <= 32 W threads (DEFAULTS): one row each, no loop in the visit
                     row = r0 + tid
-                    slse[tid] = lse[b, h, row] if row < n_q else ZERO
+                    slse[tid] = lse[b, h, row] * LOG2E if row < n_q else ZERO  # LSE_i log2(e): P by ex2
                     sd[tid] = dvec[b, h, row] if row < n_q else ZERO
                 stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
                 cuda.syncthreads()  # Q_i, dO_i, LSE_i, D_i staged
@@ -418,10 +417,11 @@ def kv_source(config: MmaBackwardConfig):
                                                  b, h, captured):
                             x = scale * d4e
                             if MOD:  # P = exp(mod(S) - LSE), dS = P (dP - D) mod'(S) (proofs/L13)
-                                p = math.exp(modded(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured) - slse[col])
+                                p = warp.ex2(modded(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured) * LOG2E
+                                             - slse[col])
                                 ds = p * (e4e - sd[col]) * slope(x, b, h, r0 + col, key0 + 8 * (e >> 1), captured)
                             else:
-                                p = math.exp(x - slse[col])
+                                p = warp.ex2(x * LOG2E - slse[col])  # exp(x - LSE): proofs/L7, the ex2 weights
                                 ds = p * (e4e - sd[col])
                         s[nt, e] = p
                         dp[nt, e] = ds
@@ -523,7 +523,7 @@ def dq_source(config: MmaBackwardConfig):
         stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
         tid = cuda.threadIdx.x
         if tid < BR:  # B_r = 16 W rows for 32 W threads: one row each
-            slse[tid] = lse[b, h, r0 + tid] if r0 + tid < n_q else ZERO
+            slse[tid] = lse[b, h, r0 + tid] * LOG2E if r0 + tid < n_q else ZERO  # LSE_i log2(e): P by ex2
             sd[tid] = dvec[b, h, r0 + tid] if r0 + tid < n_q else ZERO
         cuda.syncthreads()
         q_bad = False
@@ -568,10 +568,10 @@ def dq_source(config: MmaBackwardConfig):
                         x = scale * d4[e]
                         if MOD:  # as in the kv kernel (proofs/L13)
                             key = c0 + 8 * nt + 2 * t + (e & 1)
-                            p = math.exp(modded(x, b, h, row, key, captured) - (lse0 if e < 2 else lse1))
+                            p = warp.ex2(modded(x, b, h, row, key, captured) * LOG2E - (lse0 if e < 2 else lse1))
                             ds = p * (e4[e] - (d0 if e < 2 else d1)) * slope(x, b, h, row, key, captured)
                         else:
-                            p = math.exp(x - (lse0 if e < 2 else lse1))
+                            p = warp.ex2(x * LOG2E - (lse0 if e < 2 else lse1))
                             ds = p * (e4[e] - (d0 if e < 2 else d1))
                     dp[nt, e] = ds
             if guard:  # the warp's own rows of sds
