@@ -12,7 +12,8 @@ Two kernels, both on the forward engine's staging and fragment conventions (kern
                                B: Q_i^T by ldmatrix.x4, two 8-query blocks a load (row-major Q, as the
                                forward's K)
       dP^T = V_j dO_i^T       A: V_j rows by ldmatrix.x4, B: dO_i^T by ldmatrix.x4, as S^T's
-      P^T  = exp(scale S^T - LSE), dS^T = P^T o (dP^T - D)  on the fragments (0 at masked pairs)
+      P^T  = exp(scale S^T - LSE), dS^T = P^T o (dP^T - D)  on the fragments (0 at masked pairs; P^T by
+                               ex2.approx of (scale S^T) log2(e) - LSE log2(e): proofs/L7, the ex2 weights)
       dV  += P^T dO_i         A: P^T's own fragments, rounded to 16 bits (no data moves: L10 claim 5)
                                B: dO_i by ldmatrix.x4.trans, two 8-column blocks a load (as the forward's V)
       dK  += dS^T Q_i         A: dS^T's fragments rounded to 16 bits, B: Q_i by ldmatrix.x4.trans
@@ -67,6 +68,7 @@ from numba import cuda, float32, uint16, uint32
 
 from fa_numba.kernels.block_lists import LIST_FORMS, kernel_mask, mask_arrays, mask_types
 from fa_numba.kernels.mma import masking
+from fa_numba.kernels.mma.products16 import fragments_times_staged
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, has_scores, tuple_type
 from fa_numba.tiling import PARTIAL
 
@@ -253,20 +255,9 @@ def kv_source(config: MmaBackwardConfig):
             store_pair(sds, base, pack(x[nt, 0], x[nt, 1]))
             store_pair(sds, base + 8 * SDS, pack(x[nt, 2], x[nt, 3]))
 
-    @cuda.jit(device=True, inline=True)
-    def product(acc, x, src, mrow, mat):
-        """acc += X^T src on the tensor cores: X^T's A fragments are the warp's own (x: 16 keys x B_r queries in
-        the C layout, rounded to 16 bits), src (Q_i or dO_i, B_r x DP) B fragments by ldmatrix .trans."""
-        for kk in range(KQ):
-            a = (pack(x[2 * kk, 0], x[2 * kk, 1]), pack(x[2 * kk, 2], x[2 * kk, 3]),
-                 pack(x[2 * kk + 1, 0], x[2 * kk + 1, 1]), pack(x[2 * kk + 1, 2], x[2 * kk + 1, 3]))
-            for dp_ in range(DN // 2):  # two 8-column blocks' B fragments per ldmatrix x4 .trans (DN is even)
-                bs = warp.ldmatrix_x4_trans(src, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1)))
-                for half in range(2):
-                    dn = 2 * dp_ + half
-                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), a, (bs[2 * half], bs[2 * half + 1]))
-                    for e in range(4):
-                        acc[dn, e] = d4[e]
+    # acc += X^T src: X^T's A fragments the warp's own (x: 16 keys x B_r queries in the C layout, rounded to 16
+    # bits), src (Q_i or dO_i, B_r x DP) B fragments by ldmatrix x4 .trans, two column blocks a load
+    product = fragments_times_staged(KQ, DN, SQ, mma, pack)
 
     @cuda.jit(device=True, inline=True)
     def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t, lohis, denses, sb, sh,
@@ -691,12 +682,13 @@ def _aligned(*arrays) -> bool:
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deterministic=False, block_q=None,
         block_k=None, stream=0, mod: KernelMod | None = None, captured=NO_CAPTURED, mask=None,
         mask_form: str = "none") -> None:
-    """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the
-    uint16 bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); dq
-    (B, H, N_q, d), dk, dv (B, H_kv, N_k, d) float32 outputs, dvec (B, H, N_q) float32 workspace for D; mod
-    and captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's;
-    mask: a block mask (a fa_numba.masks mask fixed for these sizes, or a slice_masks mask) of kernel form
-    mask_form, its lists built for each kernel's own tiles (kernels.block_lists.kernel_mask), or None."""
+    """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the uint16
+    bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave
+    it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); dq (B, H, N_q, d), dk, dv (B, H_kv, N_k,
+    d) float32 outputs, dvec (B, H, N_q) float32 workspace for D; mod and captured: a score mod's KernelMod and its
+    device arrays (`score_mod.device_arrays`), the forward's; mask: a block mask (a fa_numba.masks mask fixed for
+    these sizes, or a slice_masks mask) of kernel form mask_form, its lists built for each kernel's own tiles
+    (kernels.block_lists.kernel_mask), or None."""
     from fa_numba.kernels import backward as simt
 
     batch, heads, n_q, d = q.shape

@@ -72,19 +72,12 @@ def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
             for e in range(4):
                 s[nt, e] = d4[e]
 
+    product = fragments_times_staged(PK, DNV, SV, mma, pack)
+
     @cuda.jit(device=True, inline=True)
     def pv(s, acc, sv, mrow, mat):
         """acc += P V_j, P rounded to the input type (L10, claim 5: P's A fragment for keys 16 kk .. 16 kk + 15)."""
-        for kk in range(PK):
-            pa = (pack(s[2 * kk, 0], s[2 * kk, 1]), pack(s[2 * kk, 2], s[2 * kk, 3]),
-                  pack(s[2 * kk + 1, 0], s[2 * kk + 1, 1]), pack(s[2 * kk + 1, 2], s[2 * kk + 1, 3]))
-            for dp in range(DNV // 2):  # two 8-column blocks' B fragments per ldmatrix x4 .trans (DNV is even)
-                bv = warp.ldmatrix_x4_trans(sv, (16 * kk + mrow + 8 * (mat & 1)) * SV + 8 * (2 * dp + (mat >> 1)))
-                for half in range(2):
-                    dn = 2 * dp + half
-                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), pa, (bv[2 * half], bv[2 * half + 1]))
-                    for e in range(4):
-                        acc[dn, e] = d4[e]
+        product(acc, s, sv, mrow, mat)
 
     @cuda.jit(device=True, inline=True)
     def key_dots(qf, sq, sk, c, qrow0, t):
@@ -101,6 +94,30 @@ def make_products(config, sizes: SimpleNamespace) -> SimpleNamespace:
                            to_f32=to_f32, zero=ZERO16, element=uint16, fragment=uint32, fragment_width=4, chunk=8,
                            q_in_shared=True,
                            mma=mma, pack=pack)
+
+
+def fragments_times_staged(k_steps: int, blocks: int, stride: int, mma, pack):
+    """The device function acc += X Y on the tensor cores, X's A fragments the warp's own float32 accumulator
+    fragments (x: (2 k_steps, 4) in the C layout, 8 columns a block) rounded to 16 bits by `pack` where they are
+    (L10, claim 5), Y a staged 16-bit tile (rows `stride` elements apart) whose B fragments ldmatrix x4 .trans
+    reads two 8-column blocks at a time (`blocks` is even); acc: (blocks, 4). The forward's P V_j and the
+    backward's P^T dO_i and dS^T Q_i are this product."""
+
+    @cuda.jit(device=True, inline=True)
+    def product(acc, x, src, mrow, mat):
+        for kk in range(k_steps):
+            a = (pack(x[2 * kk, 0], x[2 * kk, 1]), pack(x[2 * kk, 2], x[2 * kk, 3]),
+                 pack(x[2 * kk + 1, 0], x[2 * kk + 1, 1]), pack(x[2 * kk + 1, 2], x[2 * kk + 1, 3]))
+            for pair in range(blocks // 2):
+                index = (16 * kk + mrow + 8 * (mat & 1)) * stride + 8 * (2 * pair + (mat >> 1))
+                bs = warp.ldmatrix_x4_trans(src, index)
+                for half in range(2):
+                    dn = 2 * pair + half
+                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), a, (bs[2 * half], bs[2 * half + 1]))
+                    for e in range(4):
+                        acc[dn, e] = d4[e]
+
+    return product
 
 
 def _to_f32_function(kind: str):
@@ -133,4 +150,4 @@ def _make_f16_bits_to_f32():
 _f16_bits_to_f32 = None if backend.name() == "simulator" else _make_f16_bits_to_f32()
 
 
-__all__ = ["make_products"]
+__all__ = ["fragments_times_staged", "make_products"]
