@@ -297,6 +297,12 @@ def split_terms(dense: reference.Dense, score_errors: np.ndarray, products: str)
     return _finite_max(score_out + pv_out), _finite_max(w_sum)
 
 
+def ex2_weight_error(score: np.ndarray, gap: np.ndarray) -> np.ndarray:
+    """phi = u (2 |S| + 3 gap) + EXP_REL: the relative error of a weight exp(S - m) formed as 2^(fl(S L) - fl(m L)),
+    L = fl(log2 e), by ex2.approx, gap = m - S >= 0 (proofs/L6 part 10; the backward's m is LSE, proofs/L7)."""
+    return U32 * (2 * np.abs(score) + 3 * gap) + EXP_REL
+
+
 def exp2_terms(dense: reference.Dense) -> tuple[float, float]:
     """(out, lse): how far computing every weight exp(s - m(t)) as 2^(fl(s L) - fl(m(t) L)), L = fl(log2 e), by
     ex2.approx.ftz (the tensor-core forwards' fold) can move O and LSE (proofs/L6 part 10). Each weight errs by
@@ -308,7 +314,7 @@ def exp2_terms(dense: reference.Dense) -> tuple[float, float]:
     p, s, v4, visible, out = dense.p, dense.s, dense.v, dense.visible, dense.out
     with np.errstate(invalid="ignore", over="ignore"):
         m = s.max(axis=-1, keepdims=True)  # the row max over the visible scores (-inf on a dead row: P is 0 there)
-        phi = U32 * (2 * np.abs(s) + 3 * (m - s)) + EXP_REL
+        phi = ex2_weight_error(s, m - s)
         w = np.where(p == 0, 0.0, p * phi)  # masked pairs: P = 0 and s = -inf, never multiplied
         del phi
         w_sum = w.sum(axis=-1)

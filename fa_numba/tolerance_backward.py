@@ -14,8 +14,9 @@ gradients of the mod's captured arrays by the same 3x rule, entry by entry (L13,
 From `fa_numba.tolerance` it takes the forward rule's pieces as they are: `max_error`, `rounding_floor` and
 `assert_close` (the error, the floor, the entrywise check with its non-finite cases), and three private helpers,
 `_p_rounding` (a 16-bit type's (u16, eta16), P_ROUNDING), `_rounded_operand_bound` (how far rounding one operand
-of a product to 16 bits moves it) and `_finite_max` (the max over the finite entries). `fa_numba.tolerance`
-does not import this module.
+of a product to 16 bits moves it) and `_finite_max` (the max over the finite entries); and the ex2 weights'
+error, `ex2_weight_error` and FLUSH, which the tensor-core backward's recomputed P shares with the forward's
+weights. `fa_numba.tolerance` does not import this module.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_numba import mods, reference
-from fa_numba.tolerance import (EXP_REL, FLUSH, U32, _finite_max, _p_rounding, _rounded_operand_bound, assert_close,
-                                max_error, rounding_floor)
+from fa_numba.tolerance import (FLUSH, _finite_max, _p_rounding, _rounded_operand_bound, assert_close,
+                                ex2_weight_error, max_error, rounding_floor)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def weight_errors(grads: reference.DenseBackward) -> np.ndarray:
     p, lse = grads.p, grads.shift[..., None]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         gap = -np.log(np.where(p > 0, p, 1.0))  # LSE_i - S_ij >= 0
-        phi = U32 * (2 * np.abs(lse - gap) + 3 * gap) + EXP_REL
+        phi = ex2_weight_error(lse - gap, gap)
     return np.where(p > 0, phi, 0.0)
 
 
