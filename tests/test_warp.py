@@ -192,6 +192,20 @@ def test_conversions_and_ex2():
     assert exp2[x[:, 0] == np.inf][0] == np.inf and exp2[x[:, 0] == -np.inf][0] == 0
 
 
+
+@ONLY_EMULATION
+def test_the_ex2_emulation_at_its_edges():
+    """The emulation decides the ranges itself (no np.errstate): NaN, subnormal inputs, the flush and overflow."""
+    from fa_numba.warp import emulated_tc
+
+    assert np.isnan(emulated_tc.ex2(np.float32(np.nan)))
+    assert emulated_tc.ex2(np.float32(1e-40)) == 1 and emulated_tc.ex2(np.float32(-1e-40)) == 1
+    assert emulated_tc.ex2(np.float32(-126.0)) == np.float32(2.0**-126)
+    assert emulated_tc.ex2(np.float32(-126.001)) == 0 and emulated_tc.ex2(np.float32(-np.inf)) == 0
+    assert emulated_tc.ex2(np.float32(127.5)) == np.float32(2.0**127.5)
+    assert emulated_tc.ex2(np.float32(128.0)) == np.inf and emulated_tc.ex2(np.float32(np.inf)) == np.inf
+    assert all(type(emulated_tc.ex2(x)) is np.float32 for x in (0.5, np.nan, 1e-40, -200.0, 200.0))
+
 def test_shuffles():
     vals = (np.arange(32, dtype=np.int32) * 37 + 11) % 101
     outs = [np.zeros(32, np.int32) for _ in range(5)]
