@@ -86,11 +86,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     """Attention of q over the first cache_seqlens[b] keys of each request's cache (plus k, v if given).
 
     q (B, H, N_q, d), N_q small (1 for a token at a time); float32, float16 or bfloat16, the caches' dtype.
-    k_cache, v_cache: (B, H_kv, N_max, d), or with block_table (B, max_pages) int32 a paged cache (num_pages,
-    H_kv, page_size, d) whose page table[b, p] holds request b's positions p page_size .. (p + 1) page_size - 1;
-    page_size a multiple of block_k. H_kv divides H (GQA: query head h reads K/V head h // (H / H_kv)).
+    k_cache (B, H_kv, N_max, d) and v_cache (B, H_kv, N_max, d_v), or with block_table (B, max_pages) int32 a
+    paged cache (num_pages, H_kv, page_size, d) and (num_pages, H_kv, page_size, d_v) whose page table[b, p]
+    holds request b's positions p page_size .. (p + 1) page_size - 1; page_size a multiple of block_k. d_v, the
+    value head dim, may differ from d (MLA's 192 / 128): both kernels take it natively, reading the caches where
+    they are (the CUDA-core kernel stages its tiles max(d, d_v) wide, zero past each operand's own width).
+    H_kv divides H (GQA: query head h reads K/V head h // (H / H_kv)).
     cache_seqlens: (B,) ints, or one int for all, or None (a full cache); 0 is a dead row (O = 0, LSE = -inf).
-    k, v (B, H_kv, N_new, d): new keys and values, written into the caches in place at positions
+    k (B, H_kv, N_new, d), v (B, H_kv, N_new, d_v): new keys and values, written into the caches in place at positions
     cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before attending (cache_seqlens itself is not changed:
     advance it yourself, as with flash-attn). causal (default True, as a decoding step wants): query i sees the
     keys up to n_b - N_q + i, n_b = cache_seqlens[b] + N_new (bottom-right); causal=False: all n_b keys.
@@ -99,9 +102,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     bitwise the same whatever else is in its batch; num_splits asks for at most that many splits of the
     longest request (the split size then depends on the batch); neither: the wave-efficiency rule
     (`split_kv.heuristic_splits`: splits until the grid fills the GPU's SMs), which also depends on the batch.
-    Results are float32: O (B, H, N_q, d), and LSE (B, H, N_q) with return_lse=True, in q's array library.
+    Results are float32: O (B, H, N_q, d_v), and LSE (B, H, N_q) with return_lse=True, in q's array library.
     engine: "simt" (the CUDA-core split kernel), "mma" (the tensor-core one, kernels/mma/decode.py: float16 and
-    bfloat16, d a multiple of 8 up to 128, K and V streamed by a two-stage cp.async pipeline; P rounded to the
+    bfloat16, d and d_v multiples of 8 up to 128, K and V streamed by a two-stage cp.async pipeline; P rounded to the
     input type before P V, as every 16-bit tensor-core kernel), or "auto" (mma wherever it takes the call, else
     simt; `engines.decode`). block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
 
@@ -136,13 +139,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     paged = block_table is not None
     cache_text = "(num_pages, H_kv, page_size, d) with block_table" if paged else "(B, H_kv, N_max, d)"
     pages, heads_kv, page, d_k = _check_4d("k_cache", kc, cache_text)
-    if tuple(vc.shape) != tuple(kc.shape):
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(kc.shape)} (decoding takes no value head dim of "
-                         f"its own, d_v != d; fa_numba.attention does), got {tuple(vc.shape)}")
+    d_v = _check_4d("v_cache", vc, cache_text.replace(", d)", ", d_v)"))[3]
+    if tuple(vc.shape[:3]) != tuple(kc.shape[:3]):
+        raise ValueError(f"v_cache must have k_cache's first three axes {tuple(kc.shape[:3])} (its own head dim d_v "
+                         f"may differ), got {tuple(vc.shape)}")
     if d_k != d:
         raise ValueError(f"k_cache must have head dim d = {d} (q's last axis), got {d_k}")
     if d == 0 or d > MAX_HEAD_DIM:
         raise ValueError(f"q must have head dim 1 <= d <= {MAX_HEAD_DIM}, got {d}")
+    if d_v == 0 or d_v > MAX_HEAD_DIM:
+        raise ValueError(f"v_cache must have head dim 1 <= d_v <= {MAX_HEAD_DIM}, got {d_v}")
     if heads_kv == 0 or heads % heads_kv:
         raise ValueError(f"k_cache's heads ({heads_kv}) must divide q's heads ({heads}) for GQA/MQA")
     if not paged and pages != batch:
@@ -150,10 +156,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     n_new = 0
     if new_k is not None:
         n_new = _check_4d("k", new_k, "(B, H_kv, N_new, d)")[2]
-        want = (batch, heads_kv, n_new, d)
-        for name, x in (("k", new_k), ("v", new_v)):
+        for name, x, width, source in (("k", new_k, d, "d of q"), ("v", new_v, d_v, "d_v of v_cache")):
+            want = (batch, heads_kv, n_new, width)
             if tuple(x.shape) != want:
-                raise ValueError(f"{name} must have shape {want} (B and d of q, H_kv of the cache), got "
+                raise ValueError(f"{name} must have shape {want} (B of q, H_kv of the cache, {source}), got "
                                  f"{tuple(x.shape)}")
     if paged:
         table = _host_ints("block_table", block_table, "(B, max_pages)")
@@ -187,10 +193,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     block_k = None if block_k is None else shapes.check_block("block_k", block_k)
     kind = call.kind_of(q_)
     aligned = not call.on_device or all(aligned16(x) for x in (q_, kc, vc))  # host inputs: fresh device copies
-    if engines.decode(engine, kind=kind, head_dim=d, block_k=block_k, aligned=aligned) == "mma":
-        layout = mma_decode.decode_split(kind, rows, d, block_k)  # a DecodeSplit: q and the caches go as bits
+    if engines.decode(engine, kind=kind, head_dim=d, block_k=block_k, aligned=aligned, value_dim=d_v) == "mma":
+        layout = mma_decode.decode_split(kind, rows, d, block_k, d_v)  # a DecodeSplit: q and the caches as bits
     else:
-        layout = kernels.decode_layout(rows, d, block_k)
+        layout = kernels.decode_layout(rows, d, block_k, d_v)
     block_q, block_k = layout.block_q, layout.block_k
     if paged:
         if page % block_k:
@@ -209,9 +215,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     splits = _resolve_splits(num_splits, split_size, batch * heads_kv * -(-max(rows, 1) // block_q), key_tiles,
                              layout)
     if batch == 0 or n_q == 0:
-        out = _empty(call, (batch, heads, n_q, d))
+        out = _empty(call, (batch, heads, n_q, d_v))
         return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
-    backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), d)
+    backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
 
     lohi = split_kv.row_intervals(lengths, n_q, group, causal)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
@@ -228,15 +234,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
             k_dev, v_dev = (cuda.to_device(np.ascontiguousarray(x), stream=call.stream) for x in (kc, vc))
         if isinstance(layout, mma_decode.DecodeSplit) and not call.bfloat16:  # float16: the same 16 bits
             q_dev, k_dev, v_dev = (x.view(np.uint16) for x in (q_dev, k_dev, v_dev))
-        o_split = cuda.device_array((batch, heads_kv * splits.count, rows, d), np.float32, stream=call.stream)
+        o_split = cuda.device_array((batch, heads_kv * splits.count, rows, d_v), np.float32, stream=call.stream)
         lse_split = cuda.device_array((batch, heads_kv * splits.count, rows), np.float32, stream=call.stream)
-        out = call.empty((batch, heads_kv, rows, d))
+        out = call.empty((batch, heads_kv, rows, d_v))
         lse = call.empty((batch, heads_kv, rows))
         kernels.run(q_dev, k_dev, v_dev, o_split, lse_split, out, lse, scale,
                     cuda.to_device(lengths.astype(np.int32), stream=call.stream), table_dev,
                     cuda.to_device(lohi, stream=call.stream), layout=layout,
                     tiles_per_split=splits.tiles, stream=call.stream)
-        out = call.output(out, (batch, heads, n_q, d))
+        out = call.output(out, (batch, heads, n_q, d_v))
         return (out, call.output(lse, (batch, heads, n_q))) if return_lse else out
 
 

@@ -145,9 +145,10 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_di
 
 
 def decode(engine: str, *, kind: str | None = None, head_dim: int = 0, block_k: int | None = None,
-           aligned: bool = True) -> str:
+           aligned: bool = True, value_dim: int = 0) -> str:
     """"simt" or "mma" for a decoding call (`attention_with_kvcache`): the tensor-core split kernel
-    (kernels.mma.decode) takes float16 and bfloat16 inputs with d a multiple of 8 up to 128, rows 16-byte aligned
+    (kernels.mma.decode) takes float16 and bfloat16 inputs with d and d_v (value_dim; 0: d) multiples of 8 up to
+    128, rows 16-byte aligned
     (`aligned`) and block_k (if given) a multiple of 16 whose two pipeline stages fit 48 KB; `auto` takes it
     wherever it takes the call, the CUDA-core split kernel otherwise; `mma` asks for it outright (a ValueError
     says why it does not take the call). kind None checks the engine's name only."""
@@ -168,7 +169,7 @@ def decode(engine: str, *, kind: str | None = None, head_dim: int = 0, block_k: 
         if not aligned:
             raise ValueError("engine='mma' decodes from caches and q whose rows start on 16-byte boundaries (its "
                              "cp.async copies); these are not: use engine='simt'")
-        decode_split(kind, 1, head_dim, block_k)  # d and the tiles
+        decode_split(kind, 1, head_dim, block_k, value_dim)  # d, d_v and the tiles
 
     if engine == "auto":
         return "mma" if _takes(check) else "simt"

@@ -278,7 +278,7 @@ DECODE_TENSORS = ("Q", "K", "V", "O_split", "LSE_split", "O", "LSE")
 
 
 def traffic_decode(lengths, n_q: int, d: int, block_q: int, block_k: int, tiles_per_split: int, splits: int,
-                   causal: bool = True, heads: int = 1, heads_kv: int = 1) -> Ledger:
+                   causal: bool = True, heads: int = 1, heads_kv: int = 1, d_v: int | None = None) -> Ledger:
     """Elements read and written by one attention_with_kvcache call (kernels/decode.py), summed over the batch.
 
     Per request b (n_b = lengths[b] keys) and K/V head, the g N_q rows of its g = heads / heads_kv query heads
@@ -288,8 +288,10 @@ def traffic_decode(lengths, n_q: int, d: int, block_q: int, block_k: int, tiles_
     Q r_i d once if the split visits any tile; O_split and LSE_split are written r_i d and r_i always. The
     combine reads every LSE_split once per row and O_split's d features only for the splits the row sees a key
     of (an empty split is skipped), and writes O (d) and LSE (1) per row. K and V are read once per (request,
-    K/V head, query tile, split): with R <= block_q, once per K/V head, which GQA packing buys.
+    K/V head, query tile, split): with R <= block_q, once per K/V head, which GQA packing buys. With a value
+    head dim of its own (d_v; None: d), V, O_split and O count d_v features where the above says d.
     """
+    dv = _value_dim(d_v, d)
     lengths = np.asarray(lengths, dtype=np.int64)
     group = heads // heads_kv
     rows = n_q * group
@@ -308,13 +310,13 @@ def traffic_decode(lengths, n_q: int, d: int, block_q: int, block_k: int, tiles_
                     ledger.read("Q", r * d)
                     seen = min(n_k, stop * block_k) - start * block_k
                     ledger.read("K", seen * d)
-                    ledger.read("V", seen * d)
-                ledger.write("O_split", r * d)
+                    ledger.read("V", seen * dv)
+                ledger.write("O_split", r * dv)
                 ledger.write("LSE_split", r)
         alive_splits = sum(((np.maximum(lo, s * keys) < np.minimum(hi, (s + 1) * keys)).sum())
                            for s in range(splits))
         ledger.read("LSE_split", rows * splits)
-        ledger.read("O_split", int(alive_splits) * d)
-        ledger.write("O", rows * d)
+        ledger.read("O_split", int(alive_splits) * dv)
+        ledger.write("O", rows * dv)
         ledger.write("LSE", rows)
     return ledger.scaled(heads_kv)

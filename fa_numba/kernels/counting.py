@@ -158,11 +158,12 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
 
 def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, layout, tiles_per_split, splits):
     """Run the decode kernels (kernels.decode.run) on host arrays in the simulator, counting the HBM traffic
-    of every tensor of iomodel.DECODE_TENSORS: q (B, H_kv, R, d) packed rows, k, v (num_pages, H_kv, page, d);
+    of every tensor of iomodel.DECODE_TENSORS: q (B, H_kv, R, d) packed rows, k (num_pages, H_kv, page, d), v
+    (num_pages, H_kv, page, d_v);
     lengths, table and lohi (metadata) pass uncounted; layout: kernels.decode.decode_layout's, or a
     kernels.mma.decode.DecodeSplit (q, k, v then uint16 bits; its cp.async copies counted too). Outputs and
     partials start as NaN, so an element no kernel writes is caught. Returns (out, lse, ledger): out (B, H_kv,
-    R, d) and lse (B, H_kv, R) float32."""
+    R, d_v) and lse (B, H_kv, R) float32."""
     if backend.name() != "simulator":
         raise RuntimeError("counting traffic needs the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)")
     from numba import cuda
@@ -172,12 +173,13 @@ def run_counted_decode(q, k, v, lengths, table, lohi, scale, *, layout, tiles_pe
     from fa_numba.kernels import decode
 
     ledger = Ledger.empty(DECODE_TENSORS)
-    batch, heads_kv, rows, d = q.shape
+    batch, heads_kv, rows = q.shape[:3]
+    d_v = v.shape[3]
     arrays = {
         "Q": q, "K": k, "V": v,
-        "O_split": np.full((batch, heads_kv * splits, rows, d), np.nan, np.float32),
+        "O_split": np.full((batch, heads_kv * splits, rows, d_v), np.nan, np.float32),
         "LSE_split": np.full((batch, heads_kv * splits, rows), np.nan, np.float32),
-        "O": np.full((batch, heads_kv, rows, d), np.nan, np.float32),
+        "O": np.full((batch, heads_kv, rows, d_v), np.nan, np.float32),
         "LSE": np.full((batch, heads_kv, rows), np.nan, np.float32),
     }
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}

@@ -50,8 +50,9 @@ ROW_GROUPS = 4  # B_r / TM: four row groups of TM rows
 MAX_COLUMN_GROUP = 32  # B_c / TN: at most a warp's width of column groups
 
 
-def decode_layout(rows: int, head_dim: int, block_k: int | None = None) -> Layout:
-    """The split kernel's checked layout for R = g N_q rows per (request, K/V head).
+def decode_layout(rows: int, head_dim: int, block_k: int | None = None, value_dim: int = 0) -> Layout:
+    """The split kernel's checked layout for R = g N_q rows per (request, K/V head); value_dim: V's and O's
+    head dim d_v where it differs from d (0: d). The tiles are staged max(d, d_v) wide (`Layout.d_pad`).
 
     Decoding is a stream of K and V with a few rows, so the layout spends threads on columns, not rows: B_r
     the smallest of ROW_TILES that holds R (a query tile re-reads K and V, so R > 16 pays per tile of 16),
@@ -63,7 +64,8 @@ def decode_layout(rows: int, head_dim: int, block_k: int | None = None) -> Layou
     for bc in (TILE_CANDIDATES if block_k is None else (block_k,)):
         tn = next(t for t in range(1, bc + 1) if bc % t == 0 and bc // t <= MAX_COLUMN_GROUP)
         try:
-            return Layout("v2", block_q, bc, head_dim, block_q // ROW_GROUPS, tn).check()
+            return Layout("v2", block_q, bc, head_dim, block_q // ROW_GROUPS, tn,
+                          value_dim=0 if value_dim == head_dim else value_dim).check()
         except ValueError as error:
             errors.append(str(error))
     raise ValueError(f"no decode tile fits head dim d = {head_dim}: {'; '.join(errors)}")
@@ -92,7 +94,7 @@ def split_source(layout: Layout, partial_tiles: bool = True):
         ty, tx = owner(tid)
         heads_kv, n_rows, page = k.shape[1], q.shape[2], k.shape[2]
         splits = o.shape[1] // heads_kv
-        d = q.shape[3]
+        d_v = o.shape[3]
         i = x // splits
         split = x - i * splits
         b = bh // heads_kv
@@ -167,7 +169,7 @@ def split_source(layout: Layout, partial_tiles: bool = True):
                 alive = max(rows_lohi[r, 0], key_lo) < min(rows_lohi[r, 1], key_hi)
                 for e in range(TD):
                     col = column(tx, e)
-                    if col < d:
+                    if col < d_v:
                         o[b, h * splits + split, r, col] = output(acc[a, e], l[a], alive)
                 if tx == 0:
                     lse[b, h * splits + split, r] = log_sum_exp(m[a], l[a], alive)
@@ -275,20 +277,23 @@ def combine_threads(head_dim: int) -> int:
 
 def run(q, k, v, o_split, lse_split, out, lse, scale: float, seqlens, table, lohi, *, layout, tiles_per_split: int,
         stream=0) -> None:
-    """Both launches on device arrays: q (B, H_kv, R, d) packed rows; k, v (num_pages, H_kv, page, d); o_split
-    (B, H_kv S, R, d) and lse_split (B, H_kv S, R) float32 partials; out (B, H_kv, R, d) and lse (B, H_kv, R)
+    """Both launches on device arrays: q (B, H_kv, R, d) packed rows; k (num_pages, H_kv, page, d) and v
+    (num_pages, H_kv, page, d_v); o_split (B, H_kv S, R, d_v) and lse_split (B, H_kv S, R) float32 partials;
+    out (B, H_kv, R, d_v) and lse (B, H_kv, R)
     float32; seqlens (B,) and table (B, pages) int32; lohi (B, R, 2) int32. layout: the split kernel's, a
     `decode_layout` (this module's CUDA-core kernel, any input dtype) or a `kernels.mma.decode.DecodeSplit` (the
     tensor-core kernel, q and the caches as 16-bit bits); the combine is the same for both."""
     batch, heads_kv, n_rows, d = q.shape
+    d_v = v.shape[3]
     splits = o_split.shape[1] // heads_kv
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {splits}")
-    if layout.head_dim != d:
-        raise ValueError(f"q must have head dim {layout.head_dim} for this layout, got {d}")
+    if (layout.head_dim, layout.d_v) != (d, d_v):
+        raise ValueError(f"q and v must have head dims {layout.head_dim} and {layout.d_v} for this layout, got "
+                         f"{d} and {d_v}")
     grid = (-(-n_rows // layout.block_q) * splits, batch * heads_kv)
     check_grid(grid, ("ceil(R / block_q) * num_splits", "batch * heads_kv"), "decode split")
-    threads = combine_threads(d)
+    threads = combine_threads(d_v)
     check_grid((batch * heads_kv * n_rows,), ("batch * heads_kv * rows",), "decode combine")
     if isinstance(layout, Layout):
         with backend.serialised(layout.threads):

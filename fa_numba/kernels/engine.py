@@ -86,9 +86,11 @@ def make_engine(layout: Layout, kmod=None) -> SimpleNamespace:
     KSTEP = next((t for t in (8, 4, 2) if BC % t == 0 and t * (TM * TD + TM + TD) <= UNROLL_BUDGET), 1)
 
     HD = layout.head_dim  # the kernel's d: a launch with another is refused (Kernel.__call__)
+    HDV = layout.d_v  # V's head dim d_v (d unless the layout names its own)
 
-    def tile_loader(W, transposed):
-        """(fetch, put, STEPS, CHUNK) for a W-row tile of src (rows past `rows` and features past d read as zeros):
+    def tile_loader(W, transposed, HD):
+        """(fetch, put, STEPS, CHUNK) for a W-row tile of src (rows past `rows` and features past HD, the operand's
+        own head dim, read as zeros):
         the thread moves STEPS elements, in chunks of CHUNK <= in_flight(layout); fetch reads one chunk from HBM into
         registers, every load issued before any is used (one round trip to memory per chunk, not one per
         element), and put stores it into smem at off: transposed (Q_i^T, K_j^T) element (r, x) goes to
@@ -164,9 +166,9 @@ def make_engine(layout: Layout, kmod=None) -> SimpleNamespace:
 
         return fetch, put, STEPS, CHUNK
 
-    fetch_q, put_q, Q_STEPS, Q_CHUNK = tile_loader(BR, True)  # Q_i^T
-    fetch_k, put_k, K_STEPS, K_CHUNK = tile_loader(BC, True)  # K_j^T
-    fetch_v, put_v, V_STEPS, V_CHUNK = tile_loader(BC, False)  # V_j
+    fetch_q, put_q, Q_STEPS, Q_CHUNK = tile_loader(BR, True, HD)  # Q_i^T
+    fetch_k, put_k, K_STEPS, K_CHUNK = tile_loader(BC, True, HD)  # K_j^T
+    fetch_v, put_v, V_STEPS, V_CHUNK = tile_loader(BC, False, HDV)  # V_j
     KV_TOGETHER = K_STEPS + V_STEPS <= in_flight(layout)  # both tiles' loads in flight at once
 
     @cuda.jit(device=True, inline=True)

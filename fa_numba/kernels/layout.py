@@ -41,6 +41,11 @@ class Layout:
     tm: int  # rows of S (and O) per thread
     tn: int  # key columns of S per thread
     budget: int = SHARED_BYTES_LIMIT  # bytes of static shared memory (tests lower it to exercise aliasing)
+    value_dim: int = 0  # d_v, V's and O's head dim; 0: head_dim (the split decode kernel takes its own)
+
+    @property
+    def d_v(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def ry(self) -> int:
@@ -56,8 +61,10 @@ class Layout:
 
     @property
     def d_pad(self) -> int:
-        """D: d rounded up to a multiple of CX, so that every thread owns TD = D / CX columns of O."""
-        return -(-self.head_dim // self.cx) * self.cx
+        """D: max(d, d_v) rounded up to a multiple of CX, so that every thread owns TD = D / CX columns of O.
+        Q_i^T, K_j^T and V_j are all staged D wide, zero past their own head dim: with d_v != d the narrower
+        operand's zero columns cost products, never a read from HBM."""
+        return -(-max(self.head_dim, self.d_v) // self.cx) * self.cx
 
     @property
     def td(self) -> int:
@@ -169,6 +176,8 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.value_dim, bool) or not isinstance(self.value_dim, int) or self.value_dim < 0:
+            raise ValueError(f"value_dim must be an int >= 0 (0: head_dim), got {self.value_dim!r}")
         if self.block_q % self.tm or self.block_k % self.tn:
             raise ValueError(f"block_q = {self.block_q} must be a multiple of tm = {self.tm} and block_k = "
                              f"{self.block_k} of tn = {self.tn}")

@@ -83,14 +83,18 @@ class DecodeSplit:
         return self.engine.head_dim
 
     @property
+    def d_v(self) -> int:
+        return self.engine.d_v
+
+    @property
     def threads(self) -> int:
         return 32 * self.engine.warps
 
     @property
     def shared_bytes(self) -> int:
-        """Q_i once, K_j and V_j twice (16-bit elements, rows `row_stride` apart)."""
+        """Q_i once, K_j and V_j twice (16-bit elements, rows `row_stride` and V's `value_row_stride` apart)."""
         c = self.engine
-        return 2 * c.row_stride * (c.block_q + STAGES * 2 * c.block_k)
+        return 2 * (c.row_stride * (c.block_q + STAGES * c.block_k) + STAGES * c.value_row_stride * c.block_k)
 
     def check(self) -> "DecodeSplit":
         self.engine.check()
@@ -103,21 +107,26 @@ class DecodeSplit:
         return self
 
 
-def decode_split(kind: str, rows: int, head_dim: int, block_k: int | None = None) -> DecodeSplit:
+def decode_split(kind: str, rows: int, head_dim: int, block_k: int | None = None,
+                 value_dim: int = 0) -> DecodeSplit:
     """The checked configuration for R = g N_q packed rows: W warps, ceil(R / 16) rounded up to a power of two
     (at most MAX_WARPS: more rows take more query tiles), B_c the largest of TILE_CANDIDATES whose two stages
     fit 48 KB, or `block_k` (a ValueError names a tile that does not fit, or a head dim the kernel does not
-    take)."""
+    take). value_dim: V's and O's head dim d_v where it differs from d (0: d), natively (`MmaConfig.value_dim`:
+    V_j staged d_v wide, O's accumulator d_v wide)."""
     if kind not in KINDS:
         raise ValueError(f"the tensor-core decode kernel takes float16 or bfloat16 inputs, got {kind}")
-    if head_dim % 8 or not 1 <= head_dim <= MAX_DECODE_HEAD_DIM:
-        raise ValueError(f"the tensor-core decode kernel needs head dim d a multiple of 8 (16-byte rows for its "
-                         f"cp.async pipeline) in 8..{MAX_DECODE_HEAD_DIM}, got {head_dim}")
+    for name, dim in (("head dim d", head_dim), ("value head dim d_v", value_dim or head_dim)):
+        if dim % 8 or not 1 <= dim <= MAX_DECODE_HEAD_DIM:
+            raise ValueError(f"the tensor-core decode kernel needs {name} a multiple of 8 (16-byte rows for its "
+                             f"cp.async pipeline) in 8..{MAX_DECODE_HEAD_DIM}, got {dim}")
+    value_dim = 0 if value_dim == head_dim else value_dim
     warps = min(MAX_WARPS, 1 << max(0, -(-rows // 16) - 1).bit_length())  # a power of two (MmaConfig)
     errors = []
     for bc in (TILE_CANDIDATES if block_k is None else (block_k,)):
         try:
-            return DecodeSplit(MmaConfig(kind, warps, bc, head_dim, False, True, None, "intervals")).check()
+            return DecodeSplit(MmaConfig(kind, warps, bc, head_dim, False, True, None, "intervals",
+                                         value_dim)).check()
         except ValueError as error:
             errors.append(str(error))
     raise ValueError(f"no tensor-core decode tile fits head dim d = {head_dim}: {'; '.join(errors)}")
@@ -153,27 +162,37 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
     path out (masking, the exact path, and the general stager of a request's last tile), leaving what every
     FULL tile runs: what `fa_numba.decode_estimate` profiles, never what a launch runs."""
     E = make_ops(split.engine)
-    stage_q, stage_async, any_bad, fold, quad_sum = E.stage_q, E.stage_async, E.any_bad, E.fold, E.quad_sum
+    stage_q, stage_async, fold, quad_sum = E.stage_q, E.stage_async, E.fold, E.quad_sum
+    stage_v_async, any_bad_v = E.stage_v_async, E.any_bad_v
     Z = E.sizes
     BR, BC, KS, NT, DNV, DV = Z.BR, Z.BC, Z.KS, Z.NT, Z.DNV, Z.DV
-    Q_SIZE, KV_SIZE = Z.Q_SIZE, Z.KV_SIZE
+    Q_SIZE, KV_SIZE, V_SIZE = Z.Q_SIZE, Z.KV_SIZE, Z.V_SIZE
     ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF
-    BUFFERS = STAGES * KV_SIZE
+    K_BUFFERS, V_BUFFERS = STAGES * KV_SIZE, STAGES * V_SIZE
     PARTIAL_TILES = partial_tiles
-    lean, LEAN = streamer(Z.D, Z.DP, Z.SQ, 32 * Z.W, BC)
+    lean_k, LEAN_K = streamer(Z.D, Z.DP, Z.SQ, 32 * Z.W, BC)
+    lean_v, LEAN_V = streamer(Z.DV, Z.DPV, Z.SV, 32 * Z.W, BC)  # the same as K's where d_v = d
 
     @cuda.jit(device=True, inline=True)
-    def copy_tile(src, page, h, r0, n, tile):
-        """Issue the copies of one cache tile (rows r0 .. r0 + B_c - 1 of a page; past n zero-filled)."""
-        if LEAN and (not PARTIAL_TILES or r0 + BC <= n):  # LEAN a constant; every row of the tile holds a key
-            lean(src, page, h, r0, tile)
+    def copy_k(src, page, h, r0, n, tile):
+        """Issue the copies of one K tile (rows r0 .. r0 + B_c - 1 of a page; past n zero-filled)."""
+        if LEAN_K and (not PARTIAL_TILES or r0 + BC <= n):  # LEAN_K a constant; every row of the tile holds a key
+            lean_k(src, page, h, r0, tile)
         else:  # the general stager: rows past n zero-filled from a valid address
             stage_async(src, page, h, r0, n, tile, BC)
 
+    @cuda.jit(device=True, inline=True)
+    def copy_v(src, page, h, r0, n, tile):
+        """copy_k for a V tile, d_v wide."""
+        if LEAN_V and (not PARTIAL_TILES or r0 + BC <= n):
+            lean_v(src, page, h, r0, tile)
+        else:
+            stage_v_async(src, page, h, r0, n, tile, BC)
+
     def flash_decode_split_mma(q, k, v, o, lse, scale, seqlens, table, lohi, tiles_per_split, denses, captured):
         sq = cuda.shared.array(Q_SIZE, ELEMENT)
-        sk = cuda.shared.array(BUFFERS, ELEMENT)  # two stages of K_j
-        sv = cuda.shared.array(BUFFERS, ELEMENT)  # and of V_j
+        sk = cuda.shared.array(K_BUFFERS, ELEMENT)  # two stages of K_j
+        sv = cuda.shared.array(V_BUFFERS, ELEMENT)  # and of V_j
         qf = cuda.local.array((KS, QF), FRAGMENT)
         s = cuda.local.array((NT, 4), float32)
         acc = cuda.local.array((DNV, 4), float32)
@@ -211,8 +230,8 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
         if stop > start:  # block-uniform: a split its rows see nothing of reads neither Q nor the cache
             base = c0 - c0 % page  # the first key of the page that holds tile `start`
             frame = table[b, c0 // page]
-            copy_tile(k, frame, h, c0 - base, n_k - base, sk)
-            copy_tile(v, frame, h, c0 - base, n_k - base, sv)
+            copy_k(k, frame, h, c0 - base, n_k - base, sk)
+            copy_v(v, frame, h, c0 - base, n_k - base, sv)
             warp.cp_async_commit()
             frame = table[b, min(start + 1, stop - 1) * BC // page]  # tile start + 1's page (a used one)
             stage_q(q, b, h, r0, n_rows, sq, qf, wid, mrow, mat)  # waits for every group: tile `start` too
@@ -221,20 +240,20 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
             if j + 1 < stop:  # tile j + 1 into the other buffer, which every warp left at the last barrier
                 c1 = c0 + BC
                 base = c1 - c1 % page
-                other = (1 - u) * KV_SIZE
-                copy_tile(k, frame, h, c1 - base, n_k - base, sk[other:other + KV_SIZE])
-                copy_tile(v, frame, h, c1 - base, n_k - base, sv[other:other + KV_SIZE])
+                other_k, other_v = (1 - u) * KV_SIZE, (1 - u) * V_SIZE
+                copy_k(k, frame, h, c1 - base, n_k - base, sk[other_k:other_k + KV_SIZE])
+                copy_v(v, frame, h, c1 - base, n_k - base, sv[other_v:other_v + V_SIZE])
             # tile j + 2's page, read now and used an iteration later: no wait on the table in the loop
             frame = table[b, min(j + 2, stop - 1) * BC // page]
             warp.cp_async_commit()  # empty on the last tile: one wait_group 1 per iteration either way
             warp.cp_async_wait_1()  # this thread's copies of tile j have landed
             cuda.syncthreads()  # every thread's copies of tile j have landed
             kb = sk[u * KV_SIZE:(u + 1) * KV_SIZE]
-            vb = sv[u * KV_SIZE:(u + 1) * KV_SIZE]
+            vb = sv[u * V_SIZE:(u + 1) * V_SIZE]
             partial = PARTIAL_TILES and (c0 < lo_max or c0 + BC > hi_min)  # some row does not see the whole tile
             guard = False
             if partial:  # block-uniform: every thread reaches the barrier
-                guard = cuda.syncthreads_or(1 if any_bad(vb, BC) else 0) != 0
+                guard = cuda.syncthreads_or(1 if any_bad_v(vb, BC) else 0) != 0
             m0, m1, l0, l1 = fold(qf, s, acc, sq, kb, vb, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, 0, scale, t,
                                   mrow, mat, guard, partial, b, 0, n_rows, captured, lohi, denses, b, 0)
             cuda.syncthreads()  # every warp is done with buffer u: iteration j + 1 refills it

@@ -370,6 +370,6 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=pair_visible,
                            stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad,
-                           mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
+                           stage_v_async=stage_v_async, any_bad_v=any_bad_v, mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 
 
