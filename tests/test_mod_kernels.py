@@ -403,7 +403,7 @@ def test_autograd_with_a_mod_matches_the_rule_and_compiles_in_one_graph():
     tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
     out = fa.attention(tq, tk, tv, causal=True, score_mod=mod, block_q=TILE, block_k=TILE, backward_block=TILE)
     out.backward(torch.from_numpy(dout))
-    _, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, score_mod=mod)
+    _, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, score_mod=mod, block_q=TILE, block_k=TILE)
     tolerance.check_attention(out.detach().numpy(), lse, q, k, v, causal=True, score_mod=mod)
     tolerance_backward.check_attention_backward(tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy(), q, k, v, dout,
                                                 causal=True, score_mod=mod)

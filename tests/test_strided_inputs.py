@@ -83,16 +83,20 @@ def test_the_tensor_cores_read_a_transposed_view_where_it_is(order, dtype):
     for _, view in views:
         assert api._prepare("q", view, True) is view and not view.is_c_contiguous()
     contiguous = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x, _ in views]
-    out, lse = fa_numba.attention(*(v for _, v in views), causal=True, order=order, engine="mma", return_lse=True)
-    want, want_lse = fa_numba.attention(*contiguous, causal=True, order=order, engine="mma", return_lse=True)
+    tiles = dict(block_q=16, block_k=16)  # one warp a block: the simulator runs every lane as a thread
+    out, lse = fa_numba.attention(*(v for _, v in views), causal=True, order=order, engine="mma", return_lse=True,
+                                  **tiles)
+    want, want_lse = fa_numba.attention(*contiguous, causal=True, order=order, engine="mma", return_lse=True,
+                                        **tiles)
     np.testing.assert_array_equal(out.copy_to_host(), want)
     np.testing.assert_array_equal(lse.copy_to_host(), want_lse)
     if dtype == np.float16 and order == "v2":  # the backward's stages are the forward's: dO and O views too
         (xd, dout) = _bnhd(14, np.float16)
-        grads = fa_numba.attention_backward(*(v for _, v in views), out, lse, dout, causal=True, engine="mma")
+        grads = fa_numba.attention_backward(*(v for _, v in views), out, lse, dout, causal=True, engine="mma",
+                                            **tiles)
         want_grads = fa_numba.attention_backward(*contiguous, want, want_lse,
                                                  np.ascontiguousarray(xd.transpose(0, 2, 1, 3)), causal=True,
-                                                 engine="mma")
+                                                 engine="mma", **tiles)
         for got, w in zip(grads, want_grads):
             np.testing.assert_array_equal(got.copy_to_host(), w)
 

@@ -206,8 +206,9 @@ def test_backward_simt_and_mma_within_the_rule(d, d_v):
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
         tolerance_backward.check_attention_backward(*grads, q, k, v, dout, causal=True)
     h = [x.astype(np.float16) for x in (q, k, v, dout)]
-    out16, lse16 = fa_numba.attention(*h[:3], causal=True, return_lse=True, engine="mma")
-    grads = fa_numba.attention_backward(*h[:3], out16, lse16, h[3], causal=True, engine="mma")
+    tiles = dict(block_q=16, block_k=16)  # one warp a block: the simulator runs every lane as a thread
+    out16, lse16 = fa_numba.attention(*h[:3], causal=True, return_lse=True, engine="mma", **tiles)
+    grads = fa_numba.attention_backward(*h[:3], out16, lse16, h[3], causal=True, engine="mma", **tiles)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     tolerance_backward.check_attention_backward(*grads, *h, causal=True, p_dtype="float16",
                                                 contractions=("matmul",))
