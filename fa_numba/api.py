@@ -91,8 +91,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
 
     q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
     and H_kv heads dividing H (GQA/MQA), v's last axis d_v may differ from d (O then has d_v: the 16-bit
-    tensor-core forwards take it natively, the other kernels at max(d, d_v) on zero-padded operands, exact:
-    fa_numba.value_dims). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
+    tensor-core forwards and the tile engine's v1, v2 take it natively, the other kernels at max(d, d_v) on
+    zero-padded operands, exact: fa_numba.value_dims). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
     bfloat16, or float32: None) asks for O in another (NumPy, torch, CuPy and Numba device results, a Numba
     one cast by a kernel, its bfloat16 as uint16 bits; fa_numba.autograd and the drop-ins return the input
     dtype, as SDPA does). N_q = 0 or B = 0 gives empty results and N_k = 0
@@ -171,9 +171,11 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
     unit = engines.resolve(engine, kind=kind, order=order, head_dim=max(prob.d, prob.d_v), block_q=block_q,
                            block_k=block_k)
-    # d_v != d: the 16-bit tensor-core kernels stage V and accumulate O at d_v; the others take one head dim,
-    # so the narrower operands are padded with zeros (value_dims: exact) and O cut back
-    if prob.d_v != prob.d and not (unit == "mma" and kind in engines.MMA_KINDS):
+    # d_v != d: the 16-bit tensor-core kernels and the tile engine's (v1, v2) stage V and accumulate O at d_v;
+    # the others take one head dim, so the narrower operands are padded with zeros (value_dims: exact) and O cut
+    # back
+    native = unit == "mma" and kind in engines.MMA_KINDS or unit == "simt" and VARIANTS[order].engine
+    if prob.d_v != prob.d and not native:
         width = max(prob.d, prob.d_v)
         with call.context():  # on the inputs' GPU
             q, k, v = (value_dims.widened(call, name, x, width) for name, x in (("q", q), ("k", k), ("v", v)))
@@ -181,24 +183,27 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
     if unit == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
                                         engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape)
-    if prob.d > MAX_HEAD_DIM:
-        raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
-    default_q, default_k = default_tiles(prob.d)
+    width = max(prob.d, prob.d_v)  # the engine's tiles are staged this wide (Layout.d_pad)
+    if width > MAX_HEAD_DIM:
+        raise ValueError(f"q and v must have head dims d, d_v <= {MAX_HEAD_DIM}, got {prob.d} and {prob.d_v}")
+    default_q, default_k = default_tiles(width)
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
-    VARIANTS[order].config(block_q, block_k, prob.d, causal, form)  # threads, shared memory: before any allocation
-    kernel = VARIANTS[order].make(block_q, block_k, prob.d, causal, form, mod=kmod)
+    # threads, shared memory: checked before any allocation
+    VARIANTS[order].config(block_q, block_k, prob.d, causal, form, value_dim=prob.d_v)
+    value_dim = {} if prob.d_v == prob.d else {"value_dim": prob.d_v}
+    kernel = VARIANTS[order].make(block_q, block_k, prob.d, causal, form, mod=kmod, **value_dim)
     check_sequence(prob.n_q, prob.n_k)
     kernel.check_grid(prob.batch, prob.heads, prob.n_q)  # CUDA's grid limits, before any copy
 
-    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, width)
     _check_value_range(v, prob.n_k, call.bfloat16, call.on_device)
     layout = tuple(q.shape[:-1])  # the caller's (B, H, N_q), (H, N_q) or (N_q,)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         strided = reads_strided(kernel)
         dq, dk, dv = (_prepare(name, x, call.on_device, strided, call.stream)
                       for name, x in (("q", q), ("k", k), ("v", v)))
-        out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
+        out = call.empty((prob.batch, prob.heads, prob.n_q, prob.d_v))
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k, prob.batch, prob.heads)
                   if mask is not None else None)

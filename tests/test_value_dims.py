@@ -1,5 +1,6 @@
 """A value head dim of its own, d_v != d (MLA: d = 192, d_v = 128): the spec, the reference, the traffic model
-and every kernel path (by zero padding, fa_numba.value_dims), forward and backward, host and device, and the
+and every kernel path (natively in the tile engine's and the 16-bit tensor-core forwards, by zero padding in the
+others, fa_numba.value_dims), forward and backward, host and device, and the
 PyTorch entry points, each against an expected value computed apart from the code under test."""
 
 from __future__ import annotations
@@ -159,6 +160,44 @@ def test_the_tensor_core_v2_moves_v_and_o_at_d_v():
     assert out.shape == (1, 1, 20, 8) and np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("order, d, d_v", [("v2", 8, 5), ("v1", 5, 12), pytest.param("v2", 5, 12, marks=pytest.mark.slow),
+                                           pytest.param("v1", 8, 5, marks=pytest.mark.slow)])  # ~2 s each
+def test_the_tile_engine_moves_v_and_o_at_d_v(order, d, d_v):
+    """The CUDA-core engine kernels (v1, v2) take d_v natively (Layout.value_dim: tiles staged max(d, d_v) wide,
+    each operand zero past its own width): counted in the simulator, V read and O moved with d_v columns, Q and
+    K with d (iomodel's d_v; the padded path would move max(d, d_v) of each), and the bits of the same kernel
+    order on inputs the test pads itself."""
+    from fa_numba.kernels import VARIANTS
+    from fa_numba.kernels.counting import run_counted
+
+    q, k, v = _inputs(d, d_v, batch=1, heads=2, heads_kv=1, n_q=11, n_k=13)
+    kernel = VARIANTS[order].make(8, 8, d, True, value_dim=d_v)
+    assert kernel.config.d_v == d_v and kernel.config.layout.d_pad >= max(d, d_v)
+    out, lse, ledger = run_counted(kernel, q, k, v, 1 / np.sqrt(d))
+    model = iomodel.traffic(order, 11, 13, d, 8, 8, causal=True, heads=2, heads_kv=1, d_v=d_v)
+    assert (ledger.reads, ledger.writes) == (model.reads, model.writes)
+    width = max(d, d_v)
+    want, want_lse = fa_numba.attention(_padded(q, width), _padded(k, width), _padded(v, width), causal=True,
+                                        order=order, return_lse=True, block_q=8, block_k=8, scale=1 / np.sqrt(d))
+    np.testing.assert_array_equal(out, want[..., :d_v])
+    np.testing.assert_array_equal(lse, want_lse)
+    got = fa_numba.attention(q, k, v, causal=True, order=order, block_q=8, block_k=8)  # the api takes it too
+    np.testing.assert_array_equal(got, out)
+
+
+def test_a_kernel_built_for_one_value_dim_refuses_another():
+    from fa_numba.kernels import VARIANTS
+
+    kernel = VARIANTS["v2"].make(8, 8, 8, False, value_dim=5)
+    q, k, v = _inputs(8, 12, batch=1, heads=1)
+    o = cuda.device_array((1, 1, 11, 12), np.float32)
+    with pytest.raises(ValueError, match="v and o must have head dim d_v = 5 for this kernel, got 12 and 12"):
+        kernel(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), o, cuda.device_array((1, 1, 11), np.float32),
+               0.3)
+    with pytest.raises(ValueError, match="taken natively by the tile engine's kernels only"):
+        VARIANTS["v2-rowwise"].config(8, 8, 8, False, value_dim=5)
+
+
 def test_a_value_head_dim_the_tensor_cores_cannot_take_is_named():
     from fa_numba.kernels.mma.engine import MmaConfig
 
@@ -243,13 +282,6 @@ def test_resized_copy_pads_and_cuts_bits_as_they_are():
     np.testing.assert_array_equal(narrow.copy_to_host().view(np.uint16), x.astype(np.float16).view(np.uint16)[..., :2])
     with pytest.raises(ValueError, match="src and dst must share their first three axes and dtype"):
         cast.resized_copy(cuda.to_device(x), cuda.device_array((1, 1, 2, 5), dtype=np.float64))
-
-
-def test_decoding_refuses_a_value_head_dim_by_name():
-    q = np.zeros((1, 2, 1, 8), np.float32)
-    k_cache, v_cache = np.zeros((1, 1, 16, 8), np.float32), np.zeros((1, 1, 16, 4), np.float32)
-    with pytest.raises(ValueError, match=r"v_cache must have k_cache's shape .*d_v != d"):
-        fa_numba.attention_with_kvcache(q, k_cache, v_cache)
 
 
 def test_torch_sdpa_drop_in_autograd_and_compile():

@@ -50,17 +50,18 @@ class Variant:
     not_counted: str | None = None  # why counting.run_counted's element counts are not its HBM traffic (None: they are)
 
     def config(self, block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
-               dtype: str | None = None):
+               dtype: str | None = None, value_dim: int = 0):
         """The checked compile-time configuration of a launch, without compiling anything (errors name the
         argument): a Config for a CUDA-core variant, an MmaConfig for a tensor-core one (dtype None: its first
-        dtype). A dtype the variant does not take is a ValueError."""
+        dtype). A dtype the variant does not take is a ValueError. value_dim: V's and O's head dim where it
+        differs from d (the tile engine's variants; 0: d)."""
         if self.unit == "mma":  # its own messages: why 16-bit only, why tiles of 16
             return mma_variant.check(self.order, block_q, block_k, head_dim, causal, mask_form,
                                      dtype or self.dtypes[0])
         if dtype is not None and dtype not in self.dtypes:
             raise ValueError(f"dtype must be one of {self.dtypes} for {self.name}, got {dtype!r}")
         return Config(self.order, block_q, block_k, head_dim, bool(causal), engine=self.engine,
-                      mask_form=mask_form).check()
+                      mask_form=mask_form, value_dim=0 if value_dim == head_dim else value_dim).check()
 
     def refusal(self, block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
                 dtype: str = "float32") -> str | None:

@@ -72,6 +72,11 @@ class Config:
     mask_form: str = "none"  # "none", "causal", or a block mask's "intervals" / "dense" (KernelMask)
     micro: tuple | None = None  # the engine's (TM, TN); None: layout.micro_for's (v2 at a decode layout sets it)
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod); its arrays come at the launch
+    value_dim: int = 0  # d_v, V's and O's head dim where it differs from d (engine kernels only); 0: head_dim
+
+    @property
+    def d_v(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def form(self) -> str:
@@ -89,7 +94,8 @@ class Config:
         from fa_numba.kernels.layout import Layout, micro_for
 
         micro = self.micro or micro_for(self.block_q, self.block_k, self.head_dim)
-        return Layout(self.order, self.block_q, self.block_k, self.head_dim, *micro, budget=self.smem_budget)
+        return Layout(self.order, self.block_q, self.block_k, self.head_dim, *micro, budget=self.smem_budget,
+                      value_dim=self.value_dim)
 
     @property
     def threads(self) -> int:
@@ -107,6 +113,13 @@ class Config:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM}, got {self.head_dim}")
+        if self.value_dim:
+            if isinstance(self.value_dim, bool) or not isinstance(self.value_dim, (int, np.integer)) \
+                    or not 0 < self.value_dim <= MAX_HEAD_DIM:
+                raise ValueError(f"value head dim d_v must be an int in 1..{MAX_HEAD_DIM}, got {self.value_dim!r}")
+            if not self.engine:
+                raise ValueError("a value head dim of its own is taken natively by the tile engine's kernels only "
+                                 "(the one-thread-per-row kernels run at max(d, d_v): fa_numba.value_dims)")
         check_mask_form(self.mask_form, self.causal)
         if self.engine:
             self.layout.check()
@@ -160,6 +173,9 @@ class CompiledKernel:
         the device (`score_mod.device_arrays`) for a kernel compiled with one (config.mod), () otherwise."""
         if q.shape[3] != self.config.head_dim:
             raise ValueError(f"q must have head dim {self.config.head_dim} for this kernel, got {q.shape[3]}")
+        if v.shape[3] != self.config.d_v or o.shape[3] != self.config.d_v:
+            raise ValueError(f"v and o must have head dim d_v = {self.config.d_v} for this kernel, got "
+                             f"{v.shape[3]} and {o.shape[3]}")
         if self.config.lists != (mask is not None):
             raise ValueError(f"mask must be a KernelMask for mask_form {self.config.form!r}" if self.config.lists
                              else f"this kernel (mask_form {self.config.form!r}) takes no mask")

@@ -57,6 +57,7 @@ def kernel_source(config: Config):
     modded_tile = tile_mod(config.mod, TM, TN)
     OFF = layout.offsets
     SMEM, Q, K, V, RED, STAT = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"], OFF["stat"]
+    VALUE_DIM = config.value_dim != 0  # O's head dim its own (compile-time: else the code of d_v = d, unchanged)
 
     def flash_v1_engine(q, k, v, o, lse, l_hbm, m_hbm, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
                         row_kinds, lohis, denses, captured):
@@ -65,6 +66,7 @@ def kernel_source(config: Config):
         ty, tx = owner(tid)  # layout.owner: the row group and the column group of the thread
         # tx: keys tx TN + c of S, features layout.column(tx, e) of O; ty: rows ty TM .. ty TM + TM - 1
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        d_v = o.shape[3] if VALUE_DIM else d
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
@@ -91,9 +93,9 @@ def kernel_source(config: Config):
         limit = cuda.local.array(TM, float32)  # last visible key of each row, relative to the tile
 
         # Algorithm 1, line 2: O = 0, l = 0, m = -inf in HBM, every element written once.
-        for idx in range(tid, n_q * d, T):
-            row = idx // d
-            o[b, h, row, idx - row * d] = ZERO
+        for idx in range(tid, n_q * d_v, T):
+            row = idx // d_v
+            o[b, h, row, idx - row * d_v] = ZERO
         for row in range(tid, n_q, T):
             l_hbm[b, h, row] = ZERO
             m_hbm[b, h, row] = NEG_INF
@@ -134,7 +136,7 @@ def kernel_source(config: Config):
                     for e in range(TD):
                         x = column(tx, e)
                         value = ZERO
-                        if r < n_q and x < d:
+                        if r < n_q and x < d_v:
                             value = o[b, h, r, x]
                         acc[a, e] = value
                 load_q(q, b, h, r0, rows, smem, Q, tid)  # Q_i^T: reloaded on every visit
@@ -185,7 +187,7 @@ def kernel_source(config: Config):
                     if r < n_q:
                         for e in range(TD):
                             x = column(tx, e)
-                            if x < d:
+                            if x < d_v:
                                 o[b, h, r, x] = acc[a, e] / l_new if l_new > ZERO else acc[a, e]
                         if tx == 0:
                             l_hbm[b, h, r] = l_new
@@ -205,7 +207,7 @@ def kernel_source(config: Config):
                 alive = lohi[row, 0] < lohi[row, 1]
             lse[b, h, row] = log_sum_exp(m_row, l_row, alive)
             if alive and l_row == ZERO:
-                for x in range(d):
+                for x in range(d_v):
                     o[b, h, row, x] = NAN
 
     return flash_v1_engine
@@ -221,9 +223,11 @@ class FlashV1Engine(V1Kernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
-                   mod=None) -> FlashV1Engine:
+                   mod=None, value_dim: int = 0) -> FlashV1Engine:
     """Build (once per configuration) the register-tiled v1 kernel for these compile-time tile sizes (mod: a
-    score_mod.KernelMod compiled in, or None)."""
+    score_mod.KernelMod compiled in, or None; value_dim: V's and O's head dim d_v where it differs from d, the
+    tiles then staged max(d, d_v) wide, `Layout.d_pad`)."""
+    value_dim = 0 if value_dim == head_dim else value_dim
     return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
-                                mod=mod).check(),
+                                mod=mod, value_dim=value_dim).check(),
                          kernel_source)

@@ -48,6 +48,7 @@ def kernel_source(config: Config):
     PARTIAL_KIND = int(PARTIAL)
     MOD = has_scores(config.mod)  # a score mod compiled in (kernels.score_mod): applied after the mask
     modded_tile = tile_mod(config.mod, TM, TN)
+    VALUE_DIM = config.value_dim != 0  # O's head dim its own (compile-time: else the code of d_v = d, unchanged)
 
     def flash_v2_engine(q, k, v, o, lse, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds, lohis, denses,
                         captured):
@@ -57,6 +58,7 @@ def kernel_source(config: Config):
         ty, tx = owner(tid)  # layout.owner: the row group and the column group of the thread
         # tx: keys tx TN + c of S, features layout.column(tx, e) of O; ty: rows ty TM .. ty TM + TM - 1
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        d_v = o.shape[3] if VALUE_DIM else d
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])  # GQA: query head h reads K/V head h // group
@@ -139,7 +141,7 @@ def kernel_source(config: Config):
                     alive = lohi[r, 0] < lohi[r, 1]
                 for e in range(TD):
                     x = column(tx, e)
-                    if x < d:
+                    if x < d_v:
                         o[b, h, r, x] = output(acc[a, e], l[a], alive)
                 if tx == 0:
                     lse[b, h, r] = log_sum_exp(m[a], l[a], alive)
@@ -157,9 +159,11 @@ class FlashV2Engine(V2Kernel):
 
 @functools.lru_cache(maxsize=None)
 def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
-                   micro: tuple | None = None, mod=None) -> FlashV2Engine:
+                   micro: tuple | None = None, mod=None, value_dim: int = 0) -> FlashV2Engine:
     """Build (once per configuration) the register-tiled v2 kernel for these compile-time tile sizes (micro:
     the (TM, TN) micro-tile, by default layout.micro_for's; the decode kernels' layouts choose their own; mod:
-    a score_mod.KernelMod compiled in, or None)."""
+    a score_mod.KernelMod compiled in, or None; value_dim: V's and O's head dim d_v where it differs from d,
+    the tiles then staged max(d, d_v) wide, `Layout.d_pad`)."""
+    value_dim = 0 if value_dim == head_dim else value_dim
     return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
-                                micro=micro, mod=mod).check(), kernel_source)
+                                micro=micro, mod=mod, value_dim=value_dim).check(), kernel_source)
