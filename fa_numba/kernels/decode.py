@@ -86,6 +86,7 @@ def split_source(layout: Layout, partial_tiles: bool = True):
     OFF = layout.offsets
     SMEM, Q, K, V, RED = OFF["_total"], OFF["q"], OFF["k"], OFF["v"], OFF["red"]
     PARTIAL_TILES = partial_tiles
+    VALUE_DIM = layout.value_dim != 0  # O's head dim its own (compile-time: else the code of d_v = d, unchanged)
 
     def flash_decode_split(q, k, v, o, lse, scale, seqlens, table, lohi, tiles_per_split):
         x = cuda.blockIdx.x  # query tile * S + split
@@ -94,7 +95,7 @@ def split_source(layout: Layout, partial_tiles: bool = True):
         ty, tx = owner(tid)
         heads_kv, n_rows, page = k.shape[1], q.shape[2], k.shape[2]
         splits = o.shape[1] // heads_kv
-        d_v = o.shape[3]
+        d_v = o.shape[3] if VALUE_DIM else q.shape[3]
         i = x // splits
         split = x - i * splits
         b = bh // heads_kv
