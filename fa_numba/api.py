@@ -184,8 +184,9 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
                                         engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape)
     width = max(prob.d, prob.d_v)  # the engine's tiles are staged this wide (Layout.d_pad)
-    if width > MAX_HEAD_DIM:
-        raise ValueError(f"q and v must have head dims d, d_v <= {MAX_HEAD_DIM}, got {prob.d} and {prob.d_v}")
+    for name, dim, what in (("q", prob.d, "d"), ("v", prob.d_v, "d_v")):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name} must have head dim {what} <= {MAX_HEAD_DIM}, got {dim}")
     default_q, default_k = default_tiles(width)
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
