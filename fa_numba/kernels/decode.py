@@ -6,7 +6,9 @@ after any appended ones), read through a page table. GQA is packed: the g = H / 
 head and their N_q queries are the R = g N_q rows of one problem, row r = t N_q + i (query head h_kv g + t,
 query i): q viewed as (B, H_kv, R, d), a reshape without a copy. So K and V are read once per (request, K/V
 head, split), not once per query head. Row r sees the keys [lo_r, hi_r) of `lohi[b, r]` (0 and n_b, or
-with causal masking bottom-right aligned, hi_r = n_b - N_q + i + 1 clamped to [0, n_b]).
+with causal masking bottom-right aligned, hi_r = n_b - N_q + i + 1 clamped to [0, n_b]). The value cache
+may have a head dim d_v of its own (O, O_split then have it): the layout (`Layout.value_dim`) stages Q_i,
+K_j and V_j max(d, d_v) wide, each zero past its own width, so the caches are read where they are.
 
 Pages. The cache is (num_pages, H_kv, page, d) and key position c of request b lives in page table[b, c //
 page] at row c % page; `page` is a multiple of B_c, so a key tile never straddles two pages. A contiguous

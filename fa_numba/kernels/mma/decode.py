@@ -39,7 +39,11 @@ input type before P V: proofs/L6 part 7), O_s = acc / l and LSE_s = m + log l as
 writes them; the combine is kernels.decode's, unchanged. HBM traffic: that of kernels.decode
 (iomodel.traffic_decode), counted in the simulator (tests/test_decode_mma.py).
 
-Limits: 16-bit inputs (float16, bfloat16), d a multiple of 8 (16-byte rows for cp.async) up to 128 (at d = 192
+A value head dim of its own (d_v != d: the value cache (num_pages, H_kv, page, d_v), O d_v wide) is native: V_j
+is staged and streamed d_v wide (its own stager, lean streamer and buffer size, `MmaConfig.value_dim`), O's
+accumulator holds d_v columns.
+
+Limits: 16-bit inputs (float16, bfloat16), d and d_v multiples of 8 (16-byte rows for cp.async) up to 128 (at d = 192
 the one-warp kernel compiles to 255 registers with a spill: MAX_DECODE_HEAD_DIM), caches whose rows start 16
 bytes apart (`staging.aligned16`), B_c a multiple of 16 with both stages in 48 KB.
 """
