@@ -378,38 +378,44 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
                             zip(score_mod.captured, score_mod.captured_grad)),)
         return grads
     score_mod, kmod = _check_mod(score_mod, prob, backward=True, mask=mask)
-    if prob.d_v != prob.d:  # the kernels take one head dim: the narrower operands padded with zeros (value_dims)
-        width = max(prob.d, prob.d_v)
-        with call.context():  # on the inputs' GPU
-            q, k, v, out, dout = tuple(value_dims.widened(call, name, x, width)
-                                       for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
-        prob = dataclasses.replace(prob, d=width, d_v=width)
     dtype = call.kind_of(q)
     if captured_grads:
         kernel_mods.check_compiles(score_mod, captured=True)
     dout_kind = call.kind_of(dout)
-    if engines.backward(engine, kind=dtype, order=order, head_dim=prob.d, dout_kind=dout_kind,
-                        causal=causal, deterministic=bool(deterministic), block_q=block_q, block_k=block_k) == "mma":
+    width = max(prob.d, prob.d_v)
+    unit = engines.backward(engine, kind=dtype, order=order, head_dim=width, dout_kind=dout_kind, causal=causal,
+                            deterministic=bool(deterministic), block_q=block_q, block_k=block_k)
+    # d_v != d: the CUDA-core kernels take V, dO (and O) d_v wide; the tensor-core backward and the captured
+    # gradients' pair kernels take one head dim, so there the narrower operands are padded with zeros
+    # (value_dims: exact) and the gradients cut back
+    if prob.d_v != prob.d and (unit == "mma" or captured_grads):
+        with call.context():  # on the inputs' GPU
+            q, k, v, out, dout = tuple(value_dims.widened(call, name, x, width)
+                                       for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
+        prob = dataclasses.replace(prob, d=width, d_v=width)
+    if unit == "mma":
         grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
                                         block_q, block_k, dtype, score_mod, kmod, mask, form, grad_shapes)
         if captured_grads:  # the CUDA-core pair kernels, on the float32 view of the same inputs
             grads += (_captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask),)
         return grads
-    if prob.d > MAX_HEAD_DIM:
-        raise ValueError(f"q must have head dim d <= {MAX_HEAD_DIM}, got {prob.d}")
-    block = backward.default_backward_tiles(prob.d)[0]
+    for name, dim, what in (("q", prob.d, "d"), ("v", prob.d_v, "d_v")):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name} must have head dim {what} <= {MAX_HEAD_DIM}, got {dim}")
+    block = backward.default_backward_tiles(width)[0]
     block_q = block if block_q is None else shapes.check_block("block_q", block_q)
     block_k = block_q if block_k is None else shapes.check_block("block_k", block_k)
     if block_q != block_k:
         raise ValueError(f"block_q and block_k must be equal for the backward kernels (square tiles), got "
                          f"{block_q} and {block_k}")
+    value_dim = 0 if prob.d_v == prob.d else prob.d_v
     for kind in ("kv", "q"):  # threads and shared memory, before any allocation
-        backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form).check()
+        backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form, value_dim=value_dim).check()
     backward.check_launches(prob.batch, prob.heads, prob.heads_kv, prob.n_q, prob.n_k, block=block_q,
                             head_dim=prob.d, causal=causal, order=order, deterministic=bool(deterministic),
-                            mask_form=form, mod=kmod)  # CUDA's grid limits, before any copy
+                            mask_form=form, mod=kmod, value_dim=prob.d_v)  # CUDA's grid limits, before any copy
 
-    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, width, passes=3)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         dq_, dk_, dv_, do_ = (_prepare(name, x, call.on_device)
                               for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)))
@@ -417,7 +423,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
         grad_q = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
-        grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
+        grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d_v))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q, prob.batch, prob.heads)
                   if mask is not None else None)

@@ -185,6 +185,35 @@ def test_the_tile_engine_moves_v_and_o_at_d_v(order, d, d_v):
     np.testing.assert_array_equal(got, out)
 
 
+@pytest.mark.parametrize("order, deterministic", [("kv", False), ("q", False),
+                                                  pytest.param("kv", True, marks=pytest.mark.slow)])  # ~3 s each
+@pytest.mark.parametrize("d, d_v", [(8, 5), pytest.param(5, 12, marks=pytest.mark.slow)])
+def test_the_cuda_core_backward_moves_v_do_and_dv_at_d_v(order, deterministic, d, d_v):
+    """The CUDA-core backward kernels take d_v natively (BackwardConfig.value_dim: Q, dO, K, V staged max(d, d_v)
+    wide, each zero past its own width): counted in the simulator, V, O, dO and dV move d_v columns and Q, K, dQ,
+    dK d (iomodel.traffic_backward's d_v; the padded path would move max(d, d_v) of each), and the gradients
+    are the bits of the same kernels on operands the test pads itself."""
+    from fa_numba.kernels.counting import run_counted_backward
+
+    q, k, v = _inputs(d, d_v, batch=1, heads=2, heads_kv=1, n_q=11, n_k=13)
+    scale = 1 / np.sqrt(d)
+    out, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, block_q=8, block_k=8)
+    dout = RNG.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv, ledger = run_counted_backward(q, k, v, out, lse, dout, scale, causal=True, order=order,
+                                              deterministic=deterministic, block=8)
+    model = iomodel.traffic_backward(order, 11, 13, d, 8, 8, causal=True, heads=2, heads_kv=1,
+                                     deterministic=deterministic, d_v=d_v)
+    assert (ledger.reads, ledger.writes) == (model.reads, model.writes)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    width = max(d, d_v)
+    # the simulator runs blocks one after another, so even the atomic adds land in a fixed order: bitwise
+    want = fa_numba.attention_backward(_padded(q, width), _padded(k, width), _padded(v, width), _padded(out, width),
+                                       lse, _padded(dout, width), scale=scale, causal=True, order=order,
+                                       deterministic=deterministic, block_q=8)
+    for got, w, cut in zip((dq, dk, dv), want, (d, d, d_v)):
+        np.testing.assert_array_equal(got, w[..., :cut])
+
+
 def test_a_kernel_built_for_one_value_dim_refuses_another():
     from fa_numba.kernels import VARIANTS
 

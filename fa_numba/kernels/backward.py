@@ -30,6 +30,11 @@ iomodel.traffic_backward give the same counts, and the simulator's counted acces
 The deterministic mode recomputes S, P and dP a second time in the dq-only pass: 3 more matrix products
 per tile (7 in all, against 5) and K, V read once per query tile, for bitwise-repeatable dQ.
 
+A value head dim of its own (d_v != d, `BackwardConfig.value_dim`): V, O, dO and dV have d_v columns (each count
+of them above has d_v where it says d), Q, K, dQ and dK keep d; the tiles are staged D = max(d, d_v) wide (rounded
+up to the threads' side), each operand zero past its own width, so the zero columns add 0 x 0 terms to S and
+dP and give gradient columns that are never written. With value_dim = 0 the kernels compile the code of d_v = d.
+
 Thread layout: square tiles B_r = B_c = B; T = (B / t)^2 threads; thread (ty, tx) owns the t x t
 micro-tile of S and dP (query rows ty t.., key columns tx t..), and TD = D / (B / t) features of the
 B x D products: dV_j and dK_j (key rows ty t..), dQ_i (query rows ty t..). Shared memory holds Q, dO, K,
@@ -94,6 +99,11 @@ class BackwardConfig:
     flag: bool = False
     mask_form: str = "none"  # "none" / "causal" (closed forms) or a block mask's "intervals" / "dense" / "function"
     mod: KernelMod | None = None  # a score mod compiled into kv and q (kernels.score_mod), with its grad
+    value_dim: int = 0  # d_v, V's, O's, dO's and dV's head dim where it differs from d; 0: head_dim
+
+    @property
+    def d_v(self) -> int:
+        return self.value_dim or self.head_dim
 
     @property
     def lists(self) -> bool:
@@ -101,7 +111,7 @@ class BackwardConfig:
 
     @property
     def t(self) -> int:
-        return micro_for(self.block, self.head_dim)
+        return micro_for(self.block, max(self.head_dim, self.d_v))
 
     @property
     def side(self) -> int:  # threads per side of the block: RY = CX = B / t
@@ -113,7 +123,10 @@ class BackwardConfig:
 
     @property
     def d_pad(self) -> int:
-        return -(-self.head_dim // self.side) * self.side
+        """D: max(d, d_v) rounded up to a multiple of the side; Q, dO, K and V are staged D wide, each zero
+        past its own head dim (d_v != d: the zero columns add 0 x 0 terms to S and dP, and give dQ, dK, dV
+        columns that are never written)."""
+        return -(-max(self.head_dim, self.d_v) // self.side) * self.side
 
     @property
     def offsets(self) -> dict[str, int]:
@@ -134,6 +147,8 @@ class BackwardConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.value_dim, bool) or not isinstance(self.value_dim, int) or self.value_dim < 0:
+            raise ValueError(f"value_dim must be an int >= 0 (0: head_dim), got {self.value_dim!r}")
         check_mask_form(self.mask_form, self.causal)
         if self.threads > 1024:
             raise ValueError(f"block_q = block_k = {self.block} gives {self.threads} threads per block, over 1024")
@@ -340,6 +355,7 @@ def kv_source(config: BackwardConfig):
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
+    VALUE_DIM = config.value_dim != 0  # V's head dim its own (compile-time: else the code of d_v = d, unchanged)
 
     def flash_backward_kv(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs,
                           row_idxs, row_kinds, lohis, denses, captured):
@@ -349,6 +365,7 @@ def kv_source(config: BackwardConfig):
         ty = cuda.threadIdx.y
         tid = ty * side + tx
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        d_v = v.shape[3] if VALUE_DIM else d
         heads_kv = k.shape[1]
         group = heads // heads_kv
         b = bhk // heads_kv
@@ -387,7 +404,7 @@ def kv_source(config: BackwardConfig):
 
         if visited:  # a key tile no query tile sees is never read
             load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read once
-            load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read once
+            load_tile(v, b, h_kv, c0, cols, d_v, smem, V, tid)  # V_j: read once
         for hq in range(group):  # the query heads that read K/V head h_kv
             h = h_kv * group + hq
             if LISTS:  # this query head's mask slice
@@ -405,7 +422,7 @@ def kv_source(config: BackwardConfig):
                 # overwritten
                 cuda.syncthreads()
                 load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read per visit
-                load_tile(dout, b, h, r0, rows, d, smem, DO, tid)  # dO_i: read per visit
+                load_tile(dout, b, h, r0, rows, d_v, smem, DO, tid)  # dO_i: read per visit
                 load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read per visit
                 # Q_i, dO_i, LSE_i, D_i (and on the first visit K_j, V_j) are complete before any thread reads them
                 cuda.syncthreads()
@@ -444,6 +461,7 @@ def kv_source(config: BackwardConfig):
                     x = tx * TD + e
                     if x < d:
                         dk[b, h_kv, c0 + c, x] = scale * dk_acc[a, e]
+                    if x < d_v:
                         dv[b, h_kv, c0 + c, x] = dv_acc[a, e]
 
     return flash_backward_kv
@@ -460,6 +478,7 @@ def q_source(config: BackwardConfig):
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
+    VALUE_DIM = config.value_dim != 0  # V's head dim its own (compile-time: else the code of d_v = d, unchanged)
 
     def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs,
                          row_idxs, row_kinds, lohis, denses, captured):
@@ -469,6 +488,7 @@ def q_source(config: BackwardConfig):
         ty = cuda.threadIdx.y
         tid = ty * side + tx
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+        d_v = v.shape[3] if VALUE_DIM else d
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])
@@ -498,7 +518,7 @@ def q_source(config: BackwardConfig):
                 dq_acc[a, e] = ZERO
         if stop > start:  # a query tile that sees no key reads nothing and writes dQ_i = 0
             load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read once
-            load_tile(dout, b, h, r0, rows, d, smem, DO, tid)  # dO_i: read once
+            load_tile(dout, b, h, r0, rows, d_v, smem, DO, tid)  # dO_i: read once
             load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read once
         for idx in range(start, stop):  # invariant: dQ_i holds the terms of the visited key tiles so far (L7)
             j = col_idx[idx] if LISTS else idx
@@ -508,7 +528,7 @@ def q_source(config: BackwardConfig):
             # every thread has finished the last tile's products (reads of K, V, P, dS) before they are overwritten
             cuda.syncthreads()
             load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read per visit
-            load_tile(v, b, h_kv, c0, cols, d, smem, V, tid)  # V_j: read per visit
+            load_tile(v, b, h_kv, c0, cols, d_v, smem, V, tid)  # V_j: read per visit
             # K_j, V_j (and Q_i, dO_i, LSE_i, D_i) are complete before any thread reads them
             cuda.syncthreads()
             # a PARTIAL tile takes the guarded products (P is stored there even in dq-only mode: their
@@ -549,7 +569,7 @@ def q_source(config: BackwardConfig):
                     if c < cols:
                         for e in range(TD):
                             x = tx * TD + e
-                            if x < d:
+                            if x < d_v:
                                 cuda.atomic.add(dv, (b, h_kv, c0 + c, x), part[a, e])
         for a in range(t):  # dQ_i written once
             r = ty * t + a
@@ -566,6 +586,7 @@ def preprocess_source(config: BackwardConfig):
     """D = rowsum(dO o O), one query row per thread; with zero_dq (flag, kind preprocess) dQ = 0 too. The
     zeroing of dK, dV for order q is `zero_source`."""
     ZERO_DQ = config.flag
+    VALUE_DIM = config.value_dim != 0  # O's head dim d_v its own: dQ is zeroed over its own d
 
     def flash_backward_preprocess(out, dout, dvec, dq):
         r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -579,14 +600,15 @@ def preprocess_source(config: BackwardConfig):
                 total += to_f32(dout[b, h, r, x]) * to_f32(out[b, h, r, x])
             dvec[b, h, r] = total
             if ZERO_DQ:
-                for x in range(d):
+                for x in range(dq.shape[3] if VALUE_DIM else d):
                     dq[b, h, r, x] = ZERO
 
     return flash_backward_preprocess
 
 
 def zero_source(config: BackwardConfig):
-    """dK = dV = 0 before order q adds into them (writes N_k d each per K/V head)."""
+    """dK = dV = 0 before order q adds into them (writes N_k d and N_k d_v per K/V head)."""
+    VALUE_DIM = config.value_dim != 0
 
     def flash_backward_zero(dk, dv):
         r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -595,9 +617,15 @@ def zero_source(config: BackwardConfig):
         b = bh // heads_kv
         h = bh - b * heads_kv
         if r < n_k:
-            for x in range(d):
-                dk[b, h, r, x] = ZERO
-                dv[b, h, r, x] = ZERO
+            if VALUE_DIM:
+                for x in range(d):
+                    dk[b, h, r, x] = ZERO
+                for x in range(dv.shape[3]):
+                    dv[b, h, r, x] = ZERO
+            else:
+                for x in range(d):
+                    dk[b, h, r, x] = ZERO
+                    dv[b, h, r, x] = ZERO
 
     return flash_backward_zero
 
@@ -654,54 +682,59 @@ class CompiledBackward(CompiledKernel):
 
 @functools.lru_cache(maxsize=None)
 def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False, mask_form: str = "none",
-         mod: KernelMod | None = None) -> CompiledBackward:
-    """Build (once per configuration) one backward kernel (mod: a score mod with its grad, kv and q only)."""
-    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag), mask_form, mod).check())
+         mod: KernelMod | None = None, value_dim: int = 0) -> CompiledBackward:
+    """Build (once per configuration) one backward kernel (mod: a score mod with its grad, kv and q only;
+    value_dim: V's head dim d_v where it differs from d)."""
+    value_dim = 0 if value_dim == head_dim else value_dim
+    return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag), mask_form, mod,
+                                           value_dim).check())
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv", deterministic=False, block=None,
         stream=0, mask=None, mod: KernelMod | None = None, captured=NO_CAPTURED):
-    """Launch the backward of one call on (B, H, N, d) device arrays: dq (B, H, N_q, d), dk, dv (B, H_kv, N_k,
-    d) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q";
+    """Launch the backward of one call on (B, H, N, d) device arrays (v, out and dout d_v wide, d_v may differ
+    from d): dq (B, H, N_q, d), dk (B, H_kv, N_k, d), dv (B, H_kv, N_k, d_v) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q";
     mask: the KernelMask of a block mask (its tiles must be block x block), None for none or causal; mod and
     captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's."""
     batch, heads, n_q, d = q.shape
-    heads_kv, n_k = k.shape[1], k.shape[2]
-    block = block or default_backward_tiles(d)[0]
+    heads_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
+    block = block or default_backward_tiles(max(d, d_v))[0]
     scale = float32(scale)
 
     form = mask.form if mask is not None else "none"
     check_launches(batch, heads, heads_kv, n_q, n_k, block=block, head_dim=d, causal=causal, order=order,
-                   deterministic=deterministic, mask_form=form, mod=mod)
+                   deterministic=deterministic, mask_form=form, mod=mod, value_dim=d_v)
     wanted = 0 if mod is None else len(mod.captured) + len(mod.mask_captured)
     if len(captured) != wanted:
         raise ValueError(f"captured must hold the score mod's and the mask_mod's device arrays, {wanted}, got "
                          f"{len(captured)}")
     grads = (q, k, v, dout, lse, dvec, dq, dk, dv, scale, *mask_arrays(mask), tuple(captured))
     arguments = {"preprocess": (out, dout, dvec, dq), "zero": (dk, dv), "kv": grads, "q": grads}
-    for kernel, side in _launches(block, d, causal, order, deterministic, form, mod):
+    for kernel, side in _launches(block, d, causal, order, deterministic, form, mod, d_v):
         heads_, rows = (heads, n_q) if side == "q" else (heads_kv, n_k)
         grid, threads = kernel.launch_shape(batch, heads_, rows)
         with backend.serialised(math.prod(threads)):  # the simulator runs one launch at a time
             kernel.kernel[grid, threads, stream](*arguments[kernel.config.kind])
 
 
-def _launches(block, d, causal, order, deterministic, form, mod=None) -> list:
+def _launches(block, d, causal, order, deterministic, form, mod=None, d_v=0) -> list:
     """The kernels one backward call launches, in order, each with the side its grid spans ("q": heads and
-    N_q rows, "kv": K/V heads and N_k rows)."""
-    plan = [(make("preprocess", block, d, False, order == "kv" and not deterministic), "q")]
+    N_q rows, "kv": K/V heads and N_k rows); d_v: V's head dim (0: d)."""
+    dv = {"value_dim": d_v} if d_v and d_v != d else {}  # the configurations (and caches) of d_v = d unchanged
+    plan = [(make("preprocess", block, d, False, order == "kv" and not deterministic, **dv), "q")]
     if order == "q":
-        return plan + [(make("zero", block, d, False), "kv"), (make("q", block, d, causal, False, form, mod), "q")]
-    plan.append((make("kv", block, d, causal, deterministic, form, mod), "kv"))
+        return plan + [(make("zero", block, d, False, **dv), "kv"),
+                       (make("q", block, d, causal, False, form, mod, **dv), "q")]
+    plan.append((make("kv", block, d, causal, deterministic, form, mod, **dv), "kv"))
     if deterministic:
-        plan.append((make("q", block, d, causal, True, form, mod), "q"))
+        plan.append((make("q", block, d, causal, True, form, mod, **dv), "q"))
     return plan
 
 
 def check_launches(batch, heads, heads_kv, n_q, n_k, *, block, head_dim, causal, order="kv", deterministic=False,
-                   mask_form="none", mod=None) -> None:
+                   mask_form="none", mod=None, value_dim=0) -> None:
     """Every launch of one backward call fits CUDA's grid and the kernels' sizes, else a ValueError before
     any of them runs (api calls it before copying anything to the device)."""
     check_sequence(n_q, n_k)
-    for kernel, side in _launches(block, head_dim, causal, order, deterministic, mask_form, mod):
+    for kernel, side in _launches(block, head_dim, causal, order, deterministic, mask_form, mod, value_dim):
         kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))

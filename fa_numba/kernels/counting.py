@@ -140,7 +140,7 @@ def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order=
         "D": np.full(q.shape[:-1], np.nan, np.float32),
         "dQ": np.full(q.shape, np.nan, np.float32),
         "dK": np.full(k.shape, np.nan, np.float32),
-        "dV": np.full(k.shape, np.nan, np.float32),
+        "dV": np.full(v.shape, np.nan, np.float32),  # V's head dim d_v
     }
     dev = {name: FakeCUDAArray(CountingArray(a, ledger, name)) for name, a in arrays.items()}
     grads = (dev["Q"], dev["K"], dev["V"], dev["O"], dev["LSE"], dev["dO"], dev["dQ"], dev["dK"], dev["dV"], dev["D"])
