@@ -184,9 +184,7 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
                                         engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape)
     width = max(prob.d, prob.d_v)  # the engine's tiles are staged this wide (Layout.d_pad)
-    for name, dim, what in (("q", prob.d, "d"), ("v", prob.d_v, "d_v")):
-        if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name} must have head dim {what} <= {MAX_HEAD_DIM}, got {dim}")
+    _check_head_dims(prob)
     default_q, default_k = default_tiles(width)
     block_q = default_q if block_q is None else shapes.check_block("block_q", block_q)
     block_k = default_k if block_k is None else shapes.check_block("block_k", block_k)
@@ -211,6 +209,13 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
         kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks, captured=captured)
         return call, value_dims.result(call, out, out_shape), call.output(lse, layout)
+
+
+def _check_head_dims(prob) -> None:
+    """The CUDA-core kernels' limit on q's head dim d and v's d_v, named by operand."""
+    for name, dim, what in (("q", prob.d, "d"), ("v", prob.d_v, "d_v")):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name} must have head dim {what} <= {MAX_HEAD_DIM}, got {dim}")
 
 
 def _without_launch(call, shape, value: float):
@@ -399,18 +404,15 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         if captured_grads:  # the CUDA-core pair kernels, on the float32 view of the same inputs
             grads += (_captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask),)
         return grads
-    for name, dim, what in (("q", prob.d, "d"), ("v", prob.d_v, "d_v")):
-        if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name} must have head dim {what} <= {MAX_HEAD_DIM}, got {dim}")
+    _check_head_dims(prob)
     block = backward.default_backward_tiles(width)[0]
     block_q = block if block_q is None else shapes.check_block("block_q", block_q)
     block_k = block_q if block_k is None else shapes.check_block("block_k", block_k)
     if block_q != block_k:
         raise ValueError(f"block_q and block_k must be equal for the backward kernels (square tiles), got "
                          f"{block_q} and {block_k}")
-    value_dim = 0 if prob.d_v == prob.d else prob.d_v
     for kind in ("kv", "q"):  # threads and shared memory, before any allocation
-        backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form, value_dim=value_dim).check()
+        backward.BackwardConfig(kind, block_q, prob.d, causal, mask_form=form, value_dim=prob.d_v).check()
     backward.check_launches(prob.batch, prob.heads, prob.heads_kv, prob.n_q, prob.n_k, block=block_q,
                             head_dim=prob.d, causal=causal, order=order, deterministic=bool(deterministic),
                             mask_form=form, mod=kmod, value_dim=prob.d_v)  # CUDA's grid limits, before any copy

@@ -61,7 +61,7 @@ class Variant:
         if dtype is not None and dtype not in self.dtypes:
             raise ValueError(f"dtype must be one of {self.dtypes} for {self.name}, got {dtype!r}")
         return Config(self.order, block_q, block_k, head_dim, bool(causal), engine=self.engine,
-                      mask_form=mask_form, value_dim=0 if value_dim == head_dim else value_dim).check()
+                      mask_form=mask_form, value_dim=value_dim).check()
 
     def refusal(self, block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
                 dtype: str = "float32") -> str | None:

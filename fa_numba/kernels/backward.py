@@ -101,6 +101,11 @@ class BackwardConfig:
     mod: KernelMod | None = None  # a score mod compiled into kv and q (kernels.score_mod), with its grad
     value_dim: int = 0  # d_v, V's, O's, dO's and dV's head dim where it differs from d; 0: head_dim
 
+    def __post_init__(self):
+        # one spelling of "V has q's head dim": d_v == d is stored as 0, so equal configurations compare equal
+        if self.value_dim == self.head_dim:
+            object.__setattr__(self, "value_dim", 0)
+
     @property
     def d_v(self) -> int:
         return self.value_dim or self.head_dim
@@ -685,7 +690,6 @@ def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False,
          mod: KernelMod | None = None, value_dim: int = 0) -> CompiledBackward:
     """Build (once per configuration) one backward kernel (mod: a score mod with its grad, kv and q only;
     value_dim: V's head dim d_v where it differs from d)."""
-    value_dim = 0 if value_dim == head_dim else value_dim
     return CompiledBackward(BackwardConfig(kind, block, head_dim, bool(causal), bool(flag), mask_form, mod,
                                            value_dim).check())
 

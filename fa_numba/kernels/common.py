@@ -74,6 +74,11 @@ class Config:
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod); its arrays come at the launch
     value_dim: int = 0  # d_v, V's and O's head dim where it differs from d (engine kernels only); 0: head_dim
 
+    def __post_init__(self):
+        # one spelling of "V has q's head dim": d_v == d is stored as 0, so equal configurations compare equal
+        if self.value_dim == self.head_dim:
+            object.__setattr__(self, "value_dim", 0)
+
     @property
     def d_v(self) -> int:
         return self.value_dim or self.head_dim

@@ -67,7 +67,7 @@ def decode_layout(rows: int, head_dim: int, block_k: int | None = None, value_di
         tn = next(t for t in range(1, bc + 1) if bc % t == 0 and bc // t <= MAX_COLUMN_GROUP)
         try:
             return Layout("v2", block_q, bc, head_dim, block_q // ROW_GROUPS, tn,
-                          value_dim=0 if value_dim == head_dim else value_dim).check()
+                          value_dim=value_dim).check()
         except ValueError as error:
             errors.append(str(error))
     raise ValueError(f"no decode tile fits head dim d = {head_dim}: {'; '.join(errors)}")

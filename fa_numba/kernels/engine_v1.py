@@ -227,7 +227,6 @@ def make_v1_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask
     """Build (once per configuration) the register-tiled v1 kernel for these compile-time tile sizes (mod: a
     score_mod.KernelMod compiled in, or None; value_dim: V's and O's head dim d_v where it differs from d, the
     tiles then staged max(d, d_v) wide, `Layout.d_pad`)."""
-    value_dim = 0 if value_dim == head_dim else value_dim
     return FlashV1Engine(Config("v1", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
                                 mod=mod, value_dim=value_dim).check(),
                          kernel_source)

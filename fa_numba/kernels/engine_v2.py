@@ -164,6 +164,5 @@ def make_v2_engine(block_q: int, block_k: int, head_dim: int, causal: bool, mask
     the (TM, TN) micro-tile, by default layout.micro_for's; the decode kernels' layouts choose their own; mod:
     a score_mod.KernelMod compiled in, or None; value_dim: V's and O's head dim d_v where it differs from d,
     the tiles then staged max(d, d_v) wide, `Layout.d_pad`)."""
-    value_dim = 0 if value_dim == head_dim else value_dim
     return FlashV2Engine(Config("v2", block_q, block_k, head_dim, bool(causal), engine=True, mask_form=mask_form,
                                 micro=micro, mod=mod, value_dim=value_dim).check(), kernel_source)

@@ -43,6 +43,11 @@ class Layout:
     budget: int = SHARED_BYTES_LIMIT  # bytes of static shared memory (tests lower it to exercise aliasing)
     value_dim: int = 0  # d_v, V's and O's head dim; 0: head_dim (the split decode kernel takes its own)
 
+    def __post_init__(self):
+        # one spelling of "V has q's head dim": d_v == d is stored as 0, so equal configurations compare equal
+        if self.value_dim == self.head_dim:
+            object.__setattr__(self, "value_dim", 0)
+
     @property
     def d_v(self) -> int:
         return self.value_dim or self.head_dim
