@@ -85,6 +85,81 @@ def check_and_time(batch, heads, n, d, causal, repeats, backward=False, dtype="f
     return rows
 
 
+def value_dim_checks(smoke: bool) -> list[dict]:
+    """The paths that take a value head dim of their own natively (MLA's d = 192, d_v = 128; in smoke mode
+    d = 16, d_v = 8), each checked against the float64 reference with its rule on this device: the tile engine's
+    v1 and v2 forwards and the CUDA-core backward (float32), v2-mma (float16), and decoding on both split
+    kernels (float16; there d = 128, d_v = 64: the tensor-core split kernel takes d <= 128). Checked, not timed:
+    one row per path, with the error and the tolerance."""
+    import math
+
+    import numpy as np
+
+    import fa_numba
+    from fa_numba import split_kv, tolerance, tolerance_backward
+
+    d, d_v, n, n_k = (16, 8, 16, 40) if smoke else (192, 128, 512, 4096)
+    rng = np.random.default_rng(192)
+    q, k = (rng.standard_normal((1, 4, n, d)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 4, n, d_v)).astype(np.float32)
+    dout = rng.standard_normal((1, 4, n, d_v)).astype(np.float32)
+    from fa_numba.kernels import default_tiles
+
+    block_q, block_k = (8, 8) if smoke else default_tiles(max(d, d_v))
+    tiles = dict(block_q=block_q, block_k=block_k)  # what the rule of each order is built with, too
+    rows = []
+
+    def record(path, run, dims=(d, d_v)):
+        try:
+            err, atol = run()
+            rows.append(dict(path=path, d=dims[0], d_v=dims[1], passed=True, err=err, atol=atol))
+        except Exception as error:  # a failed check names what failed; the others still run
+            rows.append(dict(path=path, d=dims[0], d_v=dims[1], passed=False, failure=str(error)[:500]))
+        log(f"[d_v] {rows[-1]}")
+
+    for order in ("v1", "v2"):
+        def forward(order=order):
+            out, lse = fa_numba.attention(q, k, v, causal=True, order=order, return_lse=True, **tiles)
+            c = tolerance.check_attention(out, lse, q, k, v, causal=True, order=order, contractions=("matmul",),
+                                          **tiles)
+            return c.err_out, c.atol_out
+        record(f"{order} forward (float32)", forward)
+
+    def backward():
+        out, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, **tiles)
+        grads = fa_numba.attention_backward(q, k, v, out, lse, dout, causal=True, deterministic=True,
+                                            block_q=8 if smoke else None)
+        c = tolerance_backward.check_attention_backward(*grads, q, k, v, dout, causal=True, contractions=("matmul",))
+        return c.err_dv, c.atol_dv
+    record("CUDA-core backward, deterministic (float32)", backward)
+
+    half = [x.astype(np.float16) for x in (q, k, v)]
+
+    def mma_forward():
+        out, lse = fa_numba.attention(*half, causal=True, engine="mma", return_lse=True)
+        c = tolerance.check_attention(out, lse, *half, causal=True, p_dtype="float16", contractions=("matmul",))
+        return c.err_out, c.atol_out
+    record("v2-mma forward (float16)", mma_forward)
+
+    dd, dd_v = (d, d_v) if smoke else (128, 64)
+    k_cache = rng.standard_normal((1, 2, n_k, dd)).astype(np.float16)
+    v_cache = rng.standard_normal((1, 2, n_k, dd_v)).astype(np.float16)
+    qd = rng.standard_normal((1, 8, 1, dd)).astype(np.float16)
+    length = n_k - 3
+    for engine in ("simt", "mma"):
+        def decode(engine=engine):
+            out, lse = fa_numba.attention_with_kvcache(qd, k_cache, v_cache, [length], engine=engine, block_k=16,
+                                                       split_size=16 * max(1, length // 16 // 4), return_lse=True)
+            splits = split_kv.Splits(-(-length // (16 * max(1, length // 16 // 4))), max(1, length // 16 // 4), 16)
+            c = split_kv.check(out[0], lse[0], qd[0].astype(np.float32), k_cache[0, :, :length].astype(np.float32),
+                               v_cache[0, :, :length].astype(np.float32), causal=True, scale=1 / math.sqrt(dd),
+                               block_k=16, splits=splits, p_dtype="float16" if engine == "mma" else None,
+                               contractions=("matmul",))
+            return c.err_out, c.atol_out
+        record(f"decode {engine} (float16)", decode, (dd, dd_v))
+    return rows
+
+
 def racecheck() -> dict:
     tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(tool):
@@ -98,7 +173,7 @@ def racecheck() -> dict:
             "tail": (done.stdout + done.stderr)[-1500:]}
 
 
-def markdown(info, tests, rows, race) -> str:
+def markdown(info, tests, rows, race, value_dims=()) -> str:
     lines = [f"# gpu_check: {info['device']}, {info['date']}", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), ""]
     if tests:
@@ -114,6 +189,11 @@ def markdown(info, tests, rows, race) -> str:
             + (f"{r['median_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['tflops']:.2f} | "
                if timed and r.get("tflops") is not None else f"{'not timed' if not timed else r['clock']} | | | ")
             + (f"{r['v2_speedup_over_v1']:.1f}x |" if "v2_speedup_over_v1" in r else " |"))
+    if value_dims:
+        lines += ["", "| d_v path | d | d_v | check | err | atol |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['path']} | {r['d']} | {r['d_v']} | "
+                  + (f"pass | {r['err']:.2e} | {r['atol']:.2e} |" if r["passed"] else f"FAIL: {r['failure']} | | |")
+                  for r in value_dims]
     if race:
         lines += ["", f"racecheck: {race}"]
     return "\n".join(lines) + "\n"
@@ -135,16 +215,18 @@ def main() -> int:
     # float16: the tensor-core variants beside the CUDA-core ones (forward only: no tensor-core backward yet)
     shapes += [(1, 1, 16, 16, False, "float16")] if args.smoke else [
         (2, 8, 4096, d, c, "float16") for d in (64, 128) for c in (False, True)]
-    rows, race = [], None
+    rows, race, value_dims = [], None, []
 
     def save():  # after every step: a run stopped by the device's time limit keeps what it measured
         with open(os.path.join(args.out, "gpu_check.json"), "w") as fh:
-            json.dump({"machine": info, "tests": tests, "rows": rows, "racecheck": race}, fh, indent=1)
-        text = markdown(info, tests, rows, race)
+            json.dump({"machine": info, "tests": tests, "rows": rows, "racecheck": race, "value_dims": value_dims},
+                      fh, indent=1)
+        text = markdown(info, tests, rows, race, value_dims)
         with open(os.path.join(args.out, "gpu_check.md"), "w") as fh:
             fh.write(text)
         return text
 
+    value_dims = value_dim_checks(args.smoke)  # checked before the timings: seconds on a GPU
     save()
     for batch, heads, n, d, causal, dtype in shapes:
         rows += check_and_time(batch, heads, n, d, causal, repeats=3 if args.smoke else 20, dtype=dtype)
@@ -153,7 +235,7 @@ def main() -> int:
         save()
     race = None if args.smoke else racecheck()
     print(save())
-    ok = all(r["passed"] for r in rows) and (tests is None or tests["returncode"] == 0)
+    ok = all(r["passed"] for r in rows + value_dims) and (tests is None or tests["returncode"] == 0)
     return 0 if ok else 1
 
 
