@@ -57,7 +57,7 @@ from numba import cuda, float32, uint64 as u64
 
 from fa_numba import backend
 from fa_numba.kernels.block_lists import LIST_FORMS, PAIR_FORMS
-from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel,
+from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, ValueDim,
                                      check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
 from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET
@@ -88,7 +88,7 @@ def micro_for(block: int, head_dim: int) -> int:
 
 
 @dataclass(frozen=True)
-class BackwardConfig:
+class BackwardConfig(ValueDim):
     """One compiled backward specialisation: its kind ("preprocess", "kv", "q"), tile, head dim, masking
     and flags (kv: deterministic; q: dq_only; preprocess: zero_dq, zero_kv)."""
 
@@ -100,15 +100,6 @@ class BackwardConfig:
     mask_form: str = "none"  # "none" / "causal" (closed forms) or a block mask's "intervals" / "dense" / "function"
     mod: KernelMod | None = None  # a score mod compiled into kv and q (kernels.score_mod), with its grad
     value_dim: int = 0  # d_v, V's, O's, dO's and dV's head dim where it differs from d; 0: head_dim
-
-    def __post_init__(self):
-        # one spelling of "V has q's head dim": d_v == d is stored as 0, so equal configurations compare equal
-        if self.value_dim == self.head_dim:
-            object.__setattr__(self, "value_dim", 0)
-
-    @property
-    def d_v(self) -> int:
-        return self.value_dim or self.head_dim
 
     @property
     def lists(self) -> bool:

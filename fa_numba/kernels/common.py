@@ -54,8 +54,22 @@ def check_mask_form(mask_form, causal: bool) -> None:
         raise ValueError("mask_form 'causal' needs causal=True (the causal kernels are compiled from the flag)")
 
 
+class ValueDim:
+    """For a frozen configuration dataclass with fields head_dim and value_dim (d_v where V's head dim differs
+    from d; 0: d): d_v, and one spelling of "V has q's head dim" (d_v == d is stored as 0, so equal
+    configurations compare and hash equal wherever they are built)."""
+
+    def __post_init__(self):
+        if self.value_dim == self.head_dim:
+            object.__setattr__(self, "value_dim", 0)
+
+    @property
+    def d_v(self) -> int:
+        return self.value_dim or self.head_dim
+
+
 @dataclass(frozen=True)
-class Config:
+class Config(ValueDim):
     """One compiled specialisation: tile sizes, head dim and masking are compile-time constants.
 
     engine=False: a one-thread-per-row kernel (B_r threads, K_j and V_j in shared memory); engine=True: a
@@ -73,15 +87,6 @@ class Config:
     micro: tuple | None = None  # the engine's (TM, TN); None: layout.micro_for's (v2 at a decode layout sets it)
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod); its arrays come at the launch
     value_dim: int = 0  # d_v, V's and O's head dim where it differs from d (engine kernels only); 0: head_dim
-
-    def __post_init__(self):
-        # one spelling of "V has q's head dim": d_v == d is stored as 0, so equal configurations compare equal
-        if self.value_dim == self.head_dim:
-            object.__setattr__(self, "value_dim", 0)
-
-    @property
-    def d_v(self) -> int:
-        return self.value_dim or self.head_dim
 
     @property
     def form(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from fa_numba.kernels.common import SHARED_BYTES_LIMIT
+from fa_numba.kernels.common import SHARED_BYTES_LIMIT, ValueDim
 
 FLOAT_BYTES = 4
 MICRO_CHOICES = (4, 2, 1)
@@ -31,7 +31,7 @@ def in_flight(layout: "Layout") -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(ValueDim):
     """Compile-time shape of one engine kernel: tiles, micro-tiles, threads and shared-memory regions."""
 
     order: str
@@ -42,15 +42,6 @@ class Layout:
     tn: int  # key columns of S per thread
     budget: int = SHARED_BYTES_LIMIT  # bytes of static shared memory (tests lower it to exercise aliasing)
     value_dim: int = 0  # d_v, V's and O's head dim; 0: head_dim (the split decode kernel takes its own)
-
-    def __post_init__(self):
-        # one spelling of "V has q's head dim": d_v == d is stored as 0, so equal configurations compare equal
-        if self.value_dim == self.head_dim:
-            object.__setattr__(self, "value_dim", 0)
-
-    @property
-    def d_v(self) -> int:
-        return self.value_dim or self.head_dim
 
     @property
     def ry(self) -> int:
