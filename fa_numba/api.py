@@ -390,10 +390,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     width = max(prob.d, prob.d_v)
     unit = engines.backward(engine, kind=dtype, order=order, head_dim=width, dout_kind=dout_kind, causal=causal,
                             deterministic=bool(deterministic), block_q=block_q, block_k=block_k)
-    # d_v != d: the CUDA-core kernels take V, dO (and O) d_v wide; the tensor-core backward and the captured
-    # gradients' pair kernels take one head dim, so there the narrower operands are padded with zeros
-    # (value_dims: exact) and the gradients cut back
-    if prob.d_v != prob.d and (unit == "mma" or captured_grads):
+    # d_v != d: the backward kernels of both engines take V, dO (and O) d_v wide; the captured gradients' pair
+    # kernels take one head dim, so there the narrower operands are padded with zeros (value_dims: exact) and the
+    # gradients cut back
+    if prob.d_v != prob.d and captured_grads:
         with call.context():  # on the inputs' GPU
             q, k, v, out, dout = tuple(value_dims.widened(call, name, x, width)
                                        for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
@@ -472,17 +472,19 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
         if size is not None:
             shapes.check_block(name, size)
     form = form if mask is not None else "none"
-    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k, kmod, form)  # before copies
+    value_dim = prob.d_v if prob.d_v != prob.d else 0
+    plan = mma_backward.plan(kind, prob.d, causal, deterministic, block_q, block_k, kmod, form,
+                             value_dim)  # before copies
     for kernel, side in plan:
         kernel.check_grid(prob.batch, *((prob.heads, prob.n_q) if side == "q" else (prob.heads_kv, prob.n_k)))
-    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d, passes=3)
+    backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, max(prob.d, prob.d_v), passes=3)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         q_, k_, v_, do_, o_ = (_prepare(name, x, call.on_device, True, call.stream)  # views read where they are
                                for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)))
         lse_ = _prepare_stats("lse", lse, call.on_device, len(q.shape))
         grad_q = call.empty((prob.batch, prob.heads, prob.n_q, prob.d))
         grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
-        grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
+        grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d_v))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
         mma_backward.run(q_, k_, v_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, kind=kind, causal=causal,
                          deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream, mod=kmod,

@@ -25,8 +25,9 @@ into the CUDA-core kernels; their mod is built in eager Python from the tensors'
 under torch.compile, which fullgraph=True refuses) and cached by value, so repeated calls reuse one mod
 and one compiled graph; no gradient reaches the float mask or the slopes (a float attn_mask that requires
 grad is refused). A value head dim other than q's (d_v != d, MLA's 192 / 128) is taken: natively by the
-16-bit tensor-core forwards, the tile engine's CUDA-core forwards and the CUDA-core backward, by the other
-kernels (the tensor-core backward among them) at max(d, d_v) with the narrower operands padded with zeros, which is exact (fa_numba.value_dims). What is
+16-bit tensor-core forwards and backward, the tile engine's CUDA-core forwards and the CUDA-core backward, by
+the other kernels (rowwise, 3xTF32) at max(d, d_v) with the narrower operands padded with zeros, which is
+exact (fa_numba.value_dims). What is
 refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba is exact), float64.
 """
 

@@ -3,9 +3,10 @@
 The 16-bit tensor-core forwards take d_v natively (kernels/mma: V_j staged and O accumulated at d_v), and so do
 the tile engine's CUDA-core forwards (kernels/engine_v1.py, engine_v2.py: `Layout.value_dim`, tiles staged
 max(d, d_v) wide with each operand zero past its own width, V read and O written d_v wide), the CUDA-core
-backward (kernels/backward.py: `BackwardConfig.value_dim`, the same staging) and both decoding kernels. Every
-other kernel (the rowwise forwards, float32 on tensor cores, the tensor-core backward, the captured gradients'
-pair kernels) takes Q, K, V and O with one head dim: a call with d_v != d runs it at w = max(d, d_v): the
+backward (kernels/backward.py: `BackwardConfig.value_dim`, the same staging), the 16-bit tensor-core backward
+(kernels/mma/backward.py: `MmaBackwardConfig.value_dim`, V_j and dO_i staged d_v wide) and both decoding
+kernels. Every other kernel (the rowwise forwards, float32 on tensor cores, the captured gradients' pair
+kernels) takes Q, K, V and O with one head dim: a call with d_v != d runs it at w = max(d, d_v): the
 narrower operands get zero columns appended (Q and K when d < d_v; V, and in the backward O and dO, when
 d_v < d), and the results are cut back (O to d_v; dQ, dK to d; dV to d_v). This is exact: the values a kernel
 with two head dims would compute from the same sums, whatever the inputs hold (a zero may change sign):

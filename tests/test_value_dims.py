@@ -214,6 +214,42 @@ def test_the_cuda_core_backward_moves_v_do_and_dv_at_d_v(order, deterministic, d
         np.testing.assert_array_equal(got, w[..., :cut])
 
 
+@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("d, d_v, heads", [(8, 5, 1), pytest.param(5, 12, 2, marks=pytest.mark.slow),  # ~5 s each
+                                           pytest.param(24, 16, 2, marks=pytest.mark.slow)])  # 2: GQA's sums of dK, dV
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf in the simulator's NumPy
+def test_the_tensor_core_backward_moves_v_do_and_dv_at_d_v(deterministic, d, d_v, heads):
+    """The tensor-core backward takes d_v natively (MmaBackwardConfig.value_dim: V_j and dO_i staged d_v wide, dP
+    summed over d_v's k-steps, dV accumulated d_v wide): counted in the simulator (cp.async copies included), V,
+    O, dO and dV move d_v columns and Q, K, dQ, dK d (iomodel.traffic_backward's d_v), and the gradients are the
+    bits of the same kernels on operands the test pads itself (a padded k-step adds 0 x 0 products, a padded
+    column of dV is a sum of its own), an inf in a value row a causal PARTIAL tile holds (the exact paths, at
+    d_v too) included."""
+    from fa_numba.kernels.counting import run_counted_backward
+
+    q, k, v = (x.astype(np.float16) for x in _inputs(d, d_v, batch=1, heads=heads, heads_kv=1, n_q=19, n_k=21))
+    v[0, 0, 20, 1] = np.inf  # the last key: only the last query row sees it (causal, N_q < N_k by 2)
+    scale = 1 / np.sqrt(d)
+    tiles = dict(block_q=16, block_k=16)  # one warp a block
+    out, lse = fa_numba.attention(q, k, v, causal=True, return_lse=True, engine="mma", **tiles)
+    dout = RNG.standard_normal(out.shape).astype(np.float16)
+    dq, dk, dv, ledger = run_counted_backward(q, k, v, out, lse, dout, scale, causal=True,
+                                              deterministic=deterministic, block=16, engine="mma", kind="float16",
+                                              block_k=16)
+    model = iomodel.traffic_backward("kv", 19, 21, d, 16, 16, causal=True, heads=heads, heads_kv=1,
+                                     deterministic=deterministic, d_v=d_v)
+    assert (ledger.reads, ledger.writes) == (model.reads, model.writes)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    width = max(d, d_v)
+    # the simulator runs blocks one after another, so even the atomic adds land in a fixed order: bitwise
+    want = fa_numba.attention_backward(_padded(q, width), _padded(k, width), _padded(v, width), _padded(out, width),
+                                       lse, _padded(dout, width), scale=scale, causal=True, engine="mma",
+                                       deterministic=deterministic, **tiles)
+    for got, w, cut in zip((dq, dk, dv), want, (d, d, d_v)):
+        np.testing.assert_array_equal(got, w[..., :cut])
+    assert np.isnan(dq[0, 0, 18]).any() and np.isfinite(dq[0, :, :18]).all()  # the inf reaches row 18 alone
+
+
 def test_a_kernel_built_for_one_value_dim_refuses_another():
     from fa_numba.kernels import VARIANTS
 

@@ -51,7 +51,12 @@ Masks (kernels.mma.masking): causal in closed form, or a block mask's lists (eve
 (batch, head)): the kv kernel walks the query tiles of key tile j in its slice's column lists, per query head
 under GQA; the dq pass the key tiles of query tile i in the row lists, each built for the kernel's own tiles.
 
-Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); d <= 128; static shared memory
+A value head dim of its own (d_v != d, `MmaBackwardConfig.value_dim`): V_j and dO_i are staged d_v wide (the
+engine's value stagers), dP^T = V_j dO_i^T runs over d_v's k-steps and S^T over d's (one loop, each product
+where its k-step exists), dV is accumulated and written d_v wide; Q, K, dQ, dK keep d. The traffic above then
+counts V, O, dO and dV d_v wide (iomodel.traffic_backward's d_v).
+
+Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); d, d_v <= 128; static shared memory
 <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with B_r / 16 and W dividing one another;
 dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
 Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-det,bwd-dq-mma`).
@@ -73,8 +78,9 @@ from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_g
 from fa_numba.tiling import PARTIAL
 
 from fa_numba import backend, warp
-from fa_numba.kernels.common import ZERO, check_grid, check_sequence
-from fa_numba.kernels.mma.engine import KINDS, LOG2E, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, PaddedRows, make_ops
+from fa_numba.kernels.common import ZERO, ValueDim, check_grid, check_sequence
+from fa_numba.kernels.mma.engine import (KINDS, LOG2E, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, PaddedRows,
+                                         async_multiple, make_ops)
 
 ROLES = ("kv", "dq")
 # default (warps, block_q, block_k) per role and largest head dim: the largest tiles under 48 KB of static
@@ -93,8 +99,9 @@ def default_tiles(role: str, head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class MmaBackwardConfig(PaddedRows):
-    """A compile-time configuration of a tensor-core backward kernel."""
+class MmaBackwardConfig(ValueDim, PaddedRows):
+    """A compile-time configuration of a tensor-core backward kernel. V, dO and dV have V's head dim d_v
+    (value_dim; 0: d): staged, multiplied and written d_v wide, Q, K, dQ, dK d wide."""
 
     role: str  # "kv" (dK, dV on chip; dQ by atomics unless deterministic) or "dq" (the deterministic dQ pass)
     kind: str  # "float16" or "bfloat16"
@@ -107,10 +114,21 @@ class MmaBackwardConfig(PaddedRows):
     async_copy: bool = False
     mod: KernelMod | None = None  # a score mod with its grad (kernels.score_mod), on the S and dS fragments
     mask_form: str = "none"  # "none" / "causal" (by `causal`) or a block mask's list form (kernels.mma.masking)
+    value_dim: int = 0  # d_v, V's, dO's and dV's head dim where it differs from d; 0: head_dim
 
     @property
     def lists(self) -> bool:
         return self.mask_form in LIST_FORMS
+
+    @property
+    def padded_value_dim(self) -> int:
+        """d_v padded as d is: V_j's and dO_i's staged columns, dV's accumulator columns."""
+        return self.staging().padded_value_dim
+
+    @property
+    def value_row_stride(self) -> int:
+        """Elements between V_j's and dO_i's staged rows (row_stride's rule on d_v)."""
+        return self.staging().value_row_stride
 
     @property
     def ds_stride(self) -> int:
@@ -118,14 +136,15 @@ class MmaBackwardConfig(PaddedRows):
 
     @property
     def shared_bytes(self) -> int:
-        staged = 2 * self.row_stride * 2 * (self.block_q + self.block_k)
+        staged = 2 * (self.row_stride + self.value_row_stride) * (self.block_q + self.block_k)  # Q, K; dO, V
         ds = 2 * self.block_k * self.ds_stride if self.role == "kv" else 2 * self.block_q * (self.block_k + 8)
         stats = 8 * self.block_q
         return staged + ds + stats
 
     def staging(self) -> MmaConfig:
         """The forward engine's configuration whose staging helpers this kernel uses (threads, d, kind)."""
-        return MmaConfig(self.kind, self.warps, 16, self.head_dim, self.causal, self.async_copy)
+        return MmaConfig(self.kind, self.warps, 16, self.head_dim, self.causal, self.async_copy,
+                         value_dim=self.value_dim)
 
     def check(self) -> "MmaBackwardConfig":
         if self.role not in ROLES:
@@ -135,9 +154,9 @@ class MmaBackwardConfig(PaddedRows):
                              f"built yet), got {self.kind!r}")
         if self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
-        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim d must be in 1..{MAX_HEAD_DIM} for the tensor-core backward, got "
-                             f"{self.head_dim}")
+        for name, size in (("head dim d", self.head_dim), ("value head dim d_v", self.d_v)):
+            if not 1 <= size <= MAX_HEAD_DIM:
+                raise ValueError(f"{name} must be in 1..{MAX_HEAD_DIM} for the tensor-core backward, got {size}")
         for name, size in (("block_q", self.block_q), ("block_k", self.block_k)):
             if size <= 0 or size % 16:
                 raise ValueError(f"{name} must be a positive multiple of 16 (the mma's 16 rows and k-step), got "
@@ -156,10 +175,13 @@ class MmaBackwardConfig(PaddedRows):
         if self.role == "kv" and self.warps > slices and (self.padded_dim // 8) % (self.warps // slices):
             raise ValueError(f"head dim {self.head_dim}: its {self.padded_dim // 8} 8-column blocks do not split "
                              f"over {self.warps // slices} warps per dQ slice")
-        if self.async_copy and self.head_dim % 8:
-            raise ValueError(f"async_copy needs the head dim d to be a multiple of 8, got {self.head_dim}")
+        for name, size in (("head dim d", self.head_dim), ("value head dim d_v", self.d_v)):
+            if self.async_copy and size % async_multiple(self.kind):
+                raise ValueError(f"async_copy needs the {name} to be a multiple of {async_multiple(self.kind)} "
+                                 f"(16-byte rows), got {size}")
         if self.shared_bytes > SHARED_LIMIT:
-            raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, d {self.head_dim}: "
+            dims = f"d {self.head_dim}" + (f", d_v {self.value_dim}" if self.value_dim else "")
+            raise ValueError(f"block_q {self.block_q}, block_k {self.block_k}, {dims}: "
                              f"{self.shared_bytes} bytes of shared memory, over the {SHARED_LIMIT} static limit")
         masking.make(self.causal, self.mask_form, self.mod)
         return self
@@ -224,25 +246,30 @@ def kv_source(config: MmaBackwardConfig):
     """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
     sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale)."""
     E = make_ops(config.staging())
-    stage_two, any_bad, mma, pack, to_f32 = E.stage_two, E.any_bad, E.mma, E.pack, E.to_f32
+    stage_two, any_bad, any_bad_v, mma, pack, to_f32 = E.stage_two, E.any_bad, E.any_bad_v, E.mma, E.pack, E.to_f32
     W, BR, BC, D, DP, SQ, SDS = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
                                  config.row_stride, config.ds_stride)
     KS, NQ, DN, KQ, KK = DP // 16, BR // 8, DP // 8, BR // 16, BC // 16
+    # V_j, dO_i and dV at d_v: their k-steps (dP^T = V_j dO_i^T), column blocks (dV) and row stride
+    DV, SV = E.sizes.DV, E.sizes.SV
+    KSV, DNV, KSM = E.sizes.DPV // 16, E.sizes.DNV, max(DP, E.sizes.DPV) // 16
     SLICES = BR // 16
     SPLIT = W // SLICES if W > SLICES else 1  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
     DNS, UNITS = DN // SPLIT, SLICES * SPLIT
     CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
-    HOLD = DP <= 64  # K_j's and V_j's A fragments held in registers for the block's life (else read per use)
+    HOLD = max(DP, E.sizes.DPV) <= 64  # K_j's and V_j's A fragments held in registers for the block's life
     # Only a causal visit or a block mask can mask a pair between two rows that hold data: without them the
     # masked pairs are those of padded rows or keys (staged as zeros), whose products are 0 whatever the data
     # holds, so the exact path is compiled in for masked kernels only (the module docstring, non-finite inputs)
     M = masking.make(CAUSAL, config.mask_form, config.mod)
     GUARDED, LISTS, PARTIAL_KIND, slot = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot
     PER_WARP = UNITS // W if UNITS >= W else 1  # dQ units per warp, a constant: the loop unrolls
-    Q_SIZE, KV_SIZE, DS_SIZE, HELD = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1)
+    Q_SIZE, KV_SIZE, DS_SIZE, HELD, HELDV = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1), (KSV if HOLD else 1)
+    DO_SIZE, V_SIZE = BR * SV, BC * SV
     visible = M.visible
-    exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)
-    write_rows = _row_writer(D, DN)
+    exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)  # dK: over Q_i
+    exact_reduce_v = _exact_product(BR, SDS, DNV, SV, to_f32, visible, lane_owns_keys=True)  # dV: over dO_i
+    write_rows, write_rows_v = _row_writer(D, DN), _row_writer(DV, DNV)
     MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
 
@@ -258,6 +285,7 @@ def kv_source(config: MmaBackwardConfig):
     # acc += X^T src: X^T's A fragments the warp's own (x: 16 keys x B_r queries in the C layout, rounded to 16
     # bits), src (Q_i or dO_i, B_r x DP) B fragments by ldmatrix x4 .trans, two column blocks a load
     product = fragments_times_staged(KQ, DN, SQ, mma, pack)
+    product_v = fragments_times_staged(KQ, DNV, SV, mma, pack)  # dV += P^T dO_i, d_v wide
 
     @cuda.jit(device=True, inline=True)
     def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t, lohis, denses, sb, sh,
@@ -288,18 +316,18 @@ def kv_source(config: MmaBackwardConfig):
     def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
                    row_kinds, lohis, denses, captured):
         sk = cuda.shared.array(KV_SIZE, uint16)
-        sv = cuda.shared.array(KV_SIZE, uint16)
+        sv = cuda.shared.array(V_SIZE, uint16)
         sq = cuda.shared.array(Q_SIZE, uint16)
-        sdo = cuda.shared.array(Q_SIZE, uint16)
+        sdo = cuda.shared.array(DO_SIZE, uint16)
         sds = cuda.shared.array(DS_SIZE, uint16)  # P^T or dS^T of the block's keys, 16-bit, [key][query]
         slse = cuda.shared.array(BR, float32)
         sd = cuda.shared.array(BR, float32)
         kf = cuda.local.array((HELD, 4), uint32)  # K_j's and V_j's A fragments (HOLD)
-        vf = cuda.local.array((HELD, 4), uint32)
+        vf = cuda.local.array((HELDV, 4), uint32)
         s = cuda.local.array((NQ, 4), float32)  # P^T: the warp's 16 keys x B_r queries
         dp = cuda.local.array((NQ, 4), float32)  # dS^T
         dka = cuda.local.array((DN, 4), float32)  # dK's accumulator (without the scale): 16 keys x DP
-        dva = cuda.local.array((DN, 4), float32)
+        dva = cuda.local.array((DNV, 4), float32)  # dV's: 16 keys x d_v padded
         af = cuda.local.array((KK, 4), uint32)  # dS's A fragments of one dQ slice
         j, bh = cuda.blockIdx.x, cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -317,10 +345,12 @@ def kv_source(config: MmaBackwardConfig):
         first = 0
         if CAUSAL:  # the first row that sees key c0 is c0 - delta
             first = max(c0 - delta, 0) // BR
-        for dn in range(DN):
+        for dn in range(max(DN, DNV)):
             for e in range(4):
-                dka[dn, e] = ZERO
-                dva[dn, e] = ZERO
+                if dn < DN:
+                    dka[dn, e] = ZERO
+                if dn < DNV:
+                    dva[dn, e] = ZERO
         visited = first < n_row_tiles  # some query tile (of some query head of the group) sees key tile j
         if LISTS:
             visited = False
@@ -329,22 +359,24 @@ def kv_source(config: MmaBackwardConfig):
                 visited = visited or col_ptrs[sb, sh, j + 1] > col_ptrs[sb, sh, j]
         if not visited:  # a key tile no query tile sees is never read: dK_j = dV_j = 0 (the whole block returns)
             write_rows(dk, b, hk, key0, n_k, dka, scale, t)
-            write_rows(dv, b, hk, key0, n_k, dva, float32(1), t)
+            write_rows_v(dv, b, hk, key0, n_k, dva, float32(1), t)
             return
 
         stage_two(k, v, b, hk, c0, n_k, sk, sv, BC)
         cuda.syncthreads()  # K_j, V_j staged: every thread reaches this barrier
         kv_bad = False
         if GUARDED:
-            kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad(sv, BC)) else 0) != 0
+            kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad_v(sv, BC)) else 0) != 0
         if HOLD:
-            for ks in range(KS):
-                index = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
-                a = warp.ldmatrix_x4(sk, index)
-                c = warp.ldmatrix_x4(sv, index)
-                for e in range(4):
-                    kf[ks, e] = a[e]
-                    vf[ks, e] = c[e]
+            for ks in range(KSM):
+                if ks < KS:
+                    a = warp.ldmatrix_x4(sk, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
+                    for e in range(4):
+                        kf[ks, e] = a[e]
+                if ks < KSV:
+                    c = warp.ldmatrix_x4(sv, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks + 8 * (mat >> 1))
+                    for e in range(4):
+                        vf[ks, e] = c[e]
 
         for hh in range(group):
             h = hk * group + hh
@@ -371,7 +403,7 @@ def kv_source(config: MmaBackwardConfig):
                 masked = hidden or c0 + BC > n_k or r0 + BR > n_q
                 guard = False
                 if GUARDED and masked:  # the same for the whole block: every thread reaches this barrier
-                    bad = kv_bad or any_bad(sq, BR) or any_bad(sdo, BR)
+                    bad = kv_bad or any_bad(sq, BR) or any_bad_v(sdo, BR)
                     guard = cuda.syncthreads_or(1 if bad else 0) != 0
 
                 # S^T and dP^T in s and dp, two 8-query blocks at a time: K_j's and V_j's A fragments read once per
@@ -381,21 +413,31 @@ def kv_source(config: MmaBackwardConfig):
                 for np_ in range(NQ // 2):
                     d4, d5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # S^T: blocks 2 np_, 2 np_ + 1
                     e4, e5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # dP^T
-                    for ks in range(KS):
+                    for ks in range(KSM):  # S^T's k-steps run over d, dP^T's over d_v
                         if HOLD:
-                            ak = (kf[ks, 0], kf[ks, 1], kf[ks, 2], kf[ks, 3])
-                            av = (vf[ks, 0], vf[ks, 1], vf[ks, 2], vf[ks, 3])
+                            if ks < KS:
+                                ak = (kf[ks, 0], kf[ks, 1], kf[ks, 2], kf[ks, 3])
+                            if ks < KSV:
+                                av = (vf[ks, 0], vf[ks, 1], vf[ks, 2], vf[ks, 3])
                         else:
-                            index_a = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
-                            ak = warp.ldmatrix_x4(sk, index_a)
-                            av = warp.ldmatrix_x4(sv, index_a)
-                        index_b = (16 * np_ + 8 * (mat >> 1) + mrow) * SQ + 16 * ks + 8 * (mat & 1)
-                        bq = warp.ldmatrix_x4(sq, index_b)
-                        bo = warp.ldmatrix_x4(sdo, index_b)
-                        d4 = mma(d4, ak, (bq[0], bq[1]))
-                        d5 = mma(d5, ak, (bq[2], bq[3]))
-                        e4 = mma(e4, av, (bo[0], bo[1]))
-                        e5 = mma(e5, av, (bo[2], bo[3]))
+                            if ks < KS:
+                                ak = warp.ldmatrix_x4(sk, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks
+                                                      + 8 * (mat >> 1))
+                            if ks < KSV:
+                                av = warp.ldmatrix_x4(sv, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks
+                                                      + 8 * (mat >> 1))
+                        if ks < KS:
+                            bq = warp.ldmatrix_x4(sq, (16 * np_ + 8 * (mat >> 1) + mrow) * SQ + 16 * ks
+                                                  + 8 * (mat & 1))
+                        if ks < KSV:
+                            bo = warp.ldmatrix_x4(sdo, (16 * np_ + 8 * (mat >> 1) + mrow) * SV + 16 * ks
+                                                  + 8 * (mat & 1))
+                        if ks < KS:
+                            d4 = mma(d4, ak, (bq[0], bq[1]))
+                            d5 = mma(d5, ak, (bq[2], bq[3]))
+                        if ks < KSV:
+                            e4 = mma(e4, av, (bo[0], bo[1]))
+                            e5 = mma(e5, av, (bo[2], bo[3]))
                     for e in range(4):
                         s[2 * np_, e], s[2 * np_ + 1, e] = d4[e], d5[e]
                         dp[2 * np_, e], dp[2 * np_ + 1, e] = e4[e], e5[e]
@@ -420,15 +462,15 @@ def kv_source(config: MmaBackwardConfig):
                 if guard:  # the warp's own rows of sds: P^T for dV, then dS^T for dK (and dQ)
                     store_rows(sds, s, wid, g, t)
                     cuda.syncwarp()
-                    exact_reduce(dva, sds, sdo, key0, 16 * wid + g, r0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
-                                 captured)
+                    exact_reduce_v(dva, sds, sdo, key0, 16 * wid + g, r0, n_q, n_k, delta, t, lohis, denses, sb, sh, b,
+                                   h, captured)
                     cuda.syncwarp()
                     store_rows(sds, dp, wid, g, t)
                     cuda.syncwarp()
                     exact_reduce(dka, sds, sq, key0, 16 * wid + g, r0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
                                  captured)
                 else:
-                    product(dva, s, sdo, mrow, mat)
+                    product_v(dva, s, sdo, mrow, mat)
                     product(dka, dp, sq, mrow, mat)
                     if ATOMIC_DQ:
                         store_rows(sds, dp, wid, g, t)
@@ -458,7 +500,7 @@ def kv_source(config: MmaBackwardConfig):
                                 add_dq(dq, b, h, row0, dn, d4, scale, n_q, t)
 
         write_rows(dk, b, hk, key0, n_k, dka, scale, t)
-        write_rows(dv, b, hk, key0, n_k, dva, float32(1), t)
+        write_rows_v(dv, b, hk, key0, n_k, dva, float32(1), t)
 
     return bwd_kv_mma
 
@@ -466,30 +508,31 @@ def kv_source(config: MmaBackwardConfig):
 def dq_source(config: MmaBackwardConfig):
     """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale)."""
     E = make_ops(config.staging())
-    stage_two, any_bad, mma, pack, to_f32 = E.stage_two, E.any_bad, E.mma, E.pack, E.to_f32
+    stage_two, any_bad, any_bad_v, mma, pack, to_f32 = E.stage_two, E.any_bad, E.any_bad_v, E.mma, E.pack, E.to_f32
     BR, BC, D, DP, SQ = config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride
     KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
+    SV, KSV, KSM = E.sizes.SV, E.sizes.DPV // 16, max(DP, E.sizes.DPV) // 16  # dP = dO_i V_j^T runs over d_v
     CAUSAL = config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
     M = masking.make(CAUSAL, config.mask_form, config.mod)  # as in the kv kernel
     GUARDED, LISTS, PARTIAL_KIND, slot, visible = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot, M.visible
     exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
     write_rows = _row_writer(D, DN)
-    Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BR * SDK
+    Q_SIZE, KV_SIZE, DS_SIZE, DO_SIZE, V_SIZE = BR * SQ, BC * SQ, BR * SDK, BR * SV, BC * SV
     MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)
 
     def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds,
                    lohis, denses, captured):
         sq = cuda.shared.array(Q_SIZE, uint16)
-        sdo = cuda.shared.array(Q_SIZE, uint16)
+        sdo = cuda.shared.array(DO_SIZE, uint16)
         sk = cuda.shared.array(KV_SIZE, uint16)
-        sv = cuda.shared.array(KV_SIZE, uint16)
+        sv = cuda.shared.array(V_SIZE, uint16)
         sds = cuda.shared.array(DS_SIZE, uint16)  # the exact path's dS, each warp its own 16 rows
         slse = cuda.shared.array(BR, float32)  # LSE_i and D_i, read once per row (not once per lane of a quad)
         sd = cuda.shared.array(BR, float32)
         qf = cuda.local.array((KS, 4), uint32)  # this lane's A fragments of Q_i and dO_i
-        of = cuda.local.array((KS, 4), uint32)
+        of = cuda.local.array((KSV, 4), uint32)
         dp = cuda.local.array((NT, 4), float32)  # dS of the warp's 16 rows x B_c keys
         acc = cuda.local.array((DN, 4), float32)  # dQ without the scale
         i, bh = cuda.blockIdx.x, cuda.blockIdx.y
@@ -519,14 +562,16 @@ def dq_source(config: MmaBackwardConfig):
         cuda.syncthreads()
         q_bad = False
         if GUARDED:
-            q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad(sdo, BR)) else 0) != 0
-        for ks in range(KS):
-            index = (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1)
-            a = warp.ldmatrix_x4(sq, index)
-            o = warp.ldmatrix_x4(sdo, index)
-            for e in range(4):
-                qf[ks, e] = a[e]
-                of[ks, e] = o[e]
+            q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad_v(sdo, BR)) else 0) != 0
+        for ks in range(KSM):
+            if ks < KS:
+                a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
+                for e in range(4):
+                    qf[ks, e] = a[e]
+            if ks < KSV:
+                o = warp.ldmatrix_x4(sdo, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks + 8 * (mat >> 1))
+                for e in range(4):
+                    of[ks, e] = o[e]
         local = 16 * wid + g
         lse0, lse1, d0, d1 = slse[local], slse[local + 8], sd[local], sd[local + 8]
         for dn in range(DN):
@@ -542,15 +587,18 @@ def dq_source(config: MmaBackwardConfig):
             masked = hidden or c0 + BC > n_k or r0 + BR > n_q
             guard = False
             if GUARDED and masked:
-                bad = q_bad or any_bad(sk, BC) or any_bad(sv, BC)
+                bad = q_bad or any_bad(sk, BC) or any_bad_v(sv, BC)
                 guard = cuda.syncthreads_or(1 if bad else 0) != 0
             for nt in range(NT):
                 d4 = (ZERO, ZERO, ZERO, ZERO)
                 e4 = (ZERO, ZERO, ZERO, ZERO)
-                for ks in range(KS):
-                    index = (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)
-                    d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]), warp.ldmatrix_x2(sk, index))
-                    e4 = mma(e4, (of[ks, 0], of[ks, 1], of[ks, 2], of[ks, 3]), warp.ldmatrix_x2(sv, index))
+                for ks in range(KSM):  # S's k-steps run over d, dP's over d_v
+                    if ks < KS:
+                        d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]),
+                                 warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)))
+                    if ks < KSV:
+                        e4 = mma(e4, (of[ks, 0], of[ks, 1], of[ks, 2], of[ks, 3]),
+                                 warp.ldmatrix_x2(sv, (8 * nt + mrow) * SV + 16 * ks + 8 * (mat & 1)))
                 for e in range(4):
                     row = row0 + 8 * (e >> 1)
                     ds = ZERO
@@ -619,7 +667,7 @@ class MmaBackwardKernel:
         if dtype is not None and dtype != self.config.kind:
             raise ValueError(f"dtype must be {self.config.kind!r} for this kernel (compiled for it), got {dtype!r}")
         bits = types.Array(types.uint16, 4, "C")
-        grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+        grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")  # dV's d_v: a shape
         trailing = mask_types() + (tuple_type(self.config.mod),)
         if self.config.role == "kv":
             return (bits, bits, bits, bits, stat, stat, grad, grad, grad, float32) + trailing
@@ -639,25 +687,27 @@ class MmaBackwardKernel:
 @functools.lru_cache(maxsize=None)
 def make(role: str, kind: str, warps: int, block_q: int, block_k: int, head_dim: int, causal: bool,
          deterministic: bool = False, async_copy: bool | None = None, mod: KernelMod | None = None,
-         mask_form: str = "none") -> MmaBackwardKernel:
-    """One tensor-core backward kernel, built once per configuration. async_copy (default: where d % 8 == 0)
-    stages tiles by cp.async; `run` takes the plain-load kernel for inputs not 16-byte aligned. mod: a score
-    mod with its grad (and a mask_mod's fn for the "function" form), or None; mask_form: a block mask's list
-    form, or "none" / "causal"."""
+         mask_form: str = "none", value_dim: int = 0) -> MmaBackwardKernel:
+    """One tensor-core backward kernel, built once per configuration. async_copy (default: where d and d_v are
+    multiples of 8) stages tiles by cp.async; `run` takes the plain-load kernel for inputs not 16-byte aligned.
+    mod: a score mod with its grad (and a mask_mod's fn for the "function" form), or None; mask_form: a block
+    mask's list form, or "none" / "causal"; value_dim: V's head dim d_v (0: d)."""
     if async_copy is None:
-        async_copy = head_dim % 8 == 0
+        async_copy = head_dim % 8 == 0 and (value_dim or head_dim) % 8 == 0
     return MmaBackwardKernel(MmaBackwardConfig(role, kind, warps, block_q, block_k, head_dim, bool(causal),
                                                bool(deterministic) and role == "kv", bool(async_copy), mod,
-                                               mask_form))
+                                               mask_form, value_dim))
 
 
 def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=None, block_k=None,
-         mod: KernelMod | None = None, mask_form: str = "none") -> list:
+         mod: KernelMod | None = None, mask_form: str = "none", value_dim: int = 0) -> list:
     """The tensor-core kernels one backward call launches after `preprocess`, each with the side its grid
-    spans: [kv] or, deterministic, [kv without dQ, dq]. Tiles: both None, each kernel's DEFAULTS; otherwise
-    (the missing one from kv's defaults) kv takes B_r = block_q, B_c = block_k (block_k / 16 warps) and the dq
-    pass the same tiles (block_q / 16 warps), so that both passes visit the pairs iomodel counts."""
-    warps, bq, bk = default_tiles("kv", head_dim)
+    spans: [kv] or, deterministic, [kv without dQ, dq]. Tiles: both None, each kernel's DEFAULTS (by the wider
+    of d and d_v); otherwise (the missing one from kv's defaults) kv takes B_r = block_q, B_c = block_k
+    (block_k / 16 warps) and the dq pass the same tiles (block_q / 16 warps), so that both passes visit the
+    pairs iomodel counts."""
+    widest = max(head_dim, value_dim)
+    warps, bq, bk = default_tiles("kv", widest)
     chosen = block_q is not None or block_k is not None
     for name, size in (("block_k", block_k), ("block_q", block_q if deterministic else None)):
         if size is not None and (size <= 0 or size % 16 or size // 16 not in (1, 2, 4, 8)):
@@ -665,11 +715,12 @@ def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=No
                              f"got {size}")
     bk = bk if block_k is None else block_k
     bq = bq if block_q is None else block_q
-    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic, mod=mod, mask_form=mask_form),
-                "kv")]
+    kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic, mod=mod, mask_form=mask_form,
+                     value_dim=value_dim), "kv")]
     if deterministic:
-        w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", head_dim)
-        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal, mod=mod, mask_form=mask_form), "q"))
+        w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", widest)
+        kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal, mod=mod, mask_form=mask_form,
+                             value_dim=value_dim), "q"))
     return kernels
 
 
@@ -684,26 +735,28 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deter
         mask_form: str = "none") -> None:
     """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the uint16
     bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave
-    it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); dq (B, H, N_q, d), dk, dv (B, H_kv, N_k,
-    d) float32 outputs, dvec (B, H, N_q) float32 workspace for D; mod and captured: a score mod's KernelMod and its
-    device arrays (`score_mod.device_arrays`), the forward's; mask: a block mask (a fa_numba.masks mask fixed for
-    these sizes, or a slice_masks mask) of kernel form mask_form, its lists built for each kernel's own tiles
+    it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); v, out and dout with V's head dim d_v
+    (which may differ from d); dq (B, H, N_q, d), dk (B, H_kv, N_k, d), dv (B, H_kv, N_k, d_v) float32 outputs,
+    dvec (B, H, N_q) float32 workspace for D; mod and captured: a score mod's KernelMod and its device arrays
+    (`score_mod.device_arrays`), the forward's; mask: a block mask (a fa_numba.masks mask fixed for these sizes,
+    or a slice_masks mask) of kernel form mask_form, its lists built for each kernel's own tiles
     (kernels.block_lists.kernel_mask), or None."""
     from fa_numba.kernels import backward as simt
 
     batch, heads, n_q, d = q.shape
-    heads_kv, n_k = k.shape[1], k.shape[2]
+    heads_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
+    value_dim = d_v if d_v != d else 0
     check_sequence(n_q, n_k)
     if (mask is None) != (mask_form not in LIST_FORMS):
         raise ValueError(f"mask and mask_form disagree: a block mask needs a list form {LIST_FORMS}, got "
                          f"{mask_form!r}")
-    kernels = plan(kind, d, causal, deterministic, block_q, block_k, mod, mask_form)
+    kernels = plan(kind, d, causal, deterministic, block_q, block_k, mod, mask_form, value_dim)
     for kernel, side in kernels:
         kernel.check_grid(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
     bits = [x.view(np.uint16) if np.dtype(x.dtype) == np.float16 else x for x in (q, k, v, dout)]
     aligned = _aligned(*bits)
     scale = float32(scale)
-    pre = simt.make("preprocess", simt.default_backward_tiles(d)[0], d, False, not deterministic)
+    pre = simt.make("preprocess", simt.default_backward_tiles(d)[0], d, False, not deterministic, value_dim=value_dim)
     grid, threads = pre.launch_shape(batch, heads, n_q)
     with backend.serialised(threads[0]):
         pre.kernel[grid, threads, stream](out, dout, dvec, dq)  # D = rowsum(dO o O), and dQ = 0 for the atomics
@@ -711,7 +764,7 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deter
         c = kernel.config
         if c.async_copy and not aligned:  # cp.async needs 16-byte rows
             kernel = make(c.role, c.kind, c.warps, c.block_q, c.block_k, c.head_dim, c.causal, c.deterministic,
-                          async_copy=False, mod=c.mod, mask_form=c.mask_form)
+                          async_copy=False, mod=c.mod, mask_form=c.mask_form, value_dim=c.value_dim)
         grid, block = kernel.launch_shape(batch, *((heads, n_q) if side == "q" else (heads_kv, n_k)))
         args = (*bits, lse, dvec, dq, dk, dv, scale) if c.role == "kv" else (*bits, lse, dvec, dq, scale)
         blocks = kernel_mask(mask, n_q, n_k, c.block_q, c.block_k, batch, heads) if mask is not None else None

@@ -237,16 +237,17 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     @cuda.jit(device=True, inline=True)
     def stage_two(x, y, b, h, r0, n, tile_x, tile_y, rows):
-        """Stage two tiles of the same rows (K_j and V_j, or Q_i and dO_i) and wait for this thread's part:
-        on the cp.async path one commit and one wait for both. The caller's barrier makes them visible."""
+        """Stage two tiles of the same rows, x d wide (K_j or Q_i) and y d_v wide (V_j or dO_i: the value head
+        dim's stagers), and wait for this thread's part: on the cp.async path one commit and one wait for
+        both. The caller's barrier makes them visible."""
         if ASYNC:
             stage_async(x, b, h, r0, n, tile_x, rows)
-            stage_async(y, b, h, r0, n, tile_y, rows)
+            stage_v_async(y, b, h, r0, n, tile_y, rows)
             warp.cp_async_commit()
             warp.cp_async_wait_all()
         else:
             stage(x, b, h, r0, n, tile_x, rows)
-            stage(y, b, h, r0, n, tile_y, rows)
+            stage_v(y, b, h, r0, n, tile_y, rows)
 
     @cuda.jit(device=True, inline=True)
     def score(x, b, h, row, key, n_q, captured):
@@ -370,6 +371,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=pair_visible,
                            stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad,
-                           stage_v_async=stage_v_async, any_bad_v=any_bad_v, mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
+                           stage_v_async=stage_v_async, any_bad_v=any_bad_v, mma=getattr(X, "mma", None),
+                           pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 
 
