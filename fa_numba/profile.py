@@ -287,24 +287,42 @@ def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> t
     return 16 * warps, block_k
 
 
-def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True)):
+# The kernels that take a value head dim of its own natively (V, O, dO, dV d_v wide), the tensor-core ones at
+# 16-bit dtypes only; the others (the rowwise forwards, 3xTF32) run at max(d, d_v) on padded operands
+# (fa_numba.value_dims): profile that head dim for them.
+NATIVE_VALUE_DIM = ("v1", "v2", "bwd-kv", "bwd-kv-det", "bwd-q-dq", "bwd-q") + whole_kernel.MMA_KERNELS
+
+
+def takes_value_dim(name: str, dtype: str) -> bool:
+    """Whether kernel `name` at `dtype` takes d_v != d natively (NATIVE_VALUE_DIM)."""
+    return name in NATIVE_VALUE_DIM and not (name in whole_kernel.MMA_KERNELS and dtype in ("float32",)
+                                             + OPT_IN_DTYPES)
+
+
+def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True), value_dim=0):
     """The shipped configurations: every kernel at the default tiles of each head dim, each dtype (the
     backward kernels at float32 only: they read float16 through the same conversion; the tensor-core
     kernels at the head dims they take (16-bit forwards to 192, the rest to 128: none of the shipped 256),
     at their own default tiles, the forwards' float32 by 3xTF32 non-causal only (the
-    causal ones spill a few bytes: docs/profile.md), the backward's at 16-bit dtypes only) and causal or not."""
+    causal ones spill a few bytes: docs/profile.md), the backward's at 16-bit dtypes only) and causal or not.
+    value_dim: V's head dim d_v for every head dim other than it (cfg["value_dim"]), the kernels that take it
+    natively only (`takes_value_dim`), at the tiles of the wider of d and d_v, as the call takes them."""
     from fa_numba.kernels import backward, default_tiles
 
     for name in orders or kernel_names():
         is_backward = name in backward.VARIANTS
         is_mma = name in whole_kernel.MMA_KERNELS
         for head_dim in head_dims:
-            block_q, block_k = (_mma_tiles(head_dim, name) or (0, 0)) if is_mma else default_tiles(head_dim)
+            own = {"value_dim": value_dim} if value_dim and value_dim != head_dim else {}
+            width = max(head_dim, value_dim)  # the tiles the call takes (api: by the wider head dim)
+            block_q, block_k = (_mma_tiles(width, name) or (0, 0)) if is_mma else default_tiles(width)
             if is_backward:
-                block_q = block_k = backward.default_backward_tiles(head_dim)[0]
+                block_q = block_k = backward.default_backward_tiles(width)[0]
             if is_mma and not block_q:  # a head dim the tensor-core kernels refuse
                 continue
             for dtype in dtypes:
+                if own and not takes_value_dim(name, dtype):
+                    continue  # padded to max(d, d_v) by the call: not a kernel of its own
                 if dtype in OPT_IN_DTYPES and name not in whole_kernel.MMA_VARIANTS:
                     continue  # TF32 is a tensor-core forward's mode only
                 if is_backward and dtype != "float32" and "float32" in dtypes:
@@ -312,7 +330,7 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                 if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # no 3xTF32 backward yet
                     continue
                 if name in whole_kernel.MMA_VARIANTS:  # float32's tiles hold two tf32 parts: smaller defaults
-                    tiles = _mma_tiles(head_dim, name, dtype)
+                    tiles = _mma_tiles(width, name, dtype)
                     if tiles is None:  # float32 above d = 128
                         continue
                     block_q, block_k = tiles
@@ -320,7 +338,7 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                     if is_mma and dtype in ("float32",) + OPT_IN_DTYPES and causal:  # not in the table: the
                         continue  # causal 3xTF32 kernels spill 4 to 12 bytes (docs/profile.md), which its checks refuse
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
-                               causal=causal)
+                               causal=causal, **own)
 
 
 SCORE_MODS = ("alibi", "softcap", "relative_bias", "temperature")  # the built-ins a configuration may compile in
@@ -346,6 +364,7 @@ def _build(cfg: dict):
 
     form = cfg.get("mask_form", "none")  # a block mask's "intervals" / "dense" path, when asked for
     mod = kernel_mod(cfg.get("score_mod"))  # a built-in score mod compiled in (the CUDA-core kernels only)
+    own = {"value_dim": cfg["value_dim"]} if cfg.get("value_dim") else {}  # V's head dim d_v, where it has one
     if cfg["variant"] in whole_kernel.MMA_BACKWARD:
         from fa_numba.kernels.mma import backward as mma_backward
 
@@ -354,7 +373,7 @@ def _build(cfg: dict):
         role = "dq" if cfg["variant"] == "bwd-dq-mma" else "kv"
         warps = (cfg["block_k"] if role == "kv" else cfg["block_q"]) // 16
         return mma_backward.make(role, cfg["dtype"], warps, cfg["block_q"], cfg["block_k"], cfg["head_dim"],
-                                 cfg["causal"], cfg["variant"] == "bwd-kv-mma-det", mod=mod)
+                                 cfg["causal"], cfg["variant"] == "bwd-kv-mma-det", mod=mod, **own)
     if cfg["variant"] in whole_kernel.MMA_VARIANTS:
         from fa_numba.kernels.mma.engine_v1 import make_v1_mma
         from fa_numba.kernels.mma.engine_v2 import make_v2_mma
@@ -362,13 +381,14 @@ def _build(cfg: dict):
         if form != "none":
             raise ValueError(f"{cfg['variant']} has no block-mask path (mask_form {form!r})")
         make = make_v1_mma if cfg["variant"] == "v1-mma" else make_v2_mma
-        return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"], mod=mod)
+        return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"], mod=mod,
+                    **own)
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
-        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form, mod)
+        return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form, mod, **own)
     micro = {"micro": tuple(cfg["micro"])} if cfg.get("micro") else {}  # v2 at a decode layout (decode_estimate)
     return VARIANTS[cfg["variant"]].make(cfg["block_q"], cfg["block_k"], cfg["head_dim"], cfg["causal"], form,
-                                         mod=mod, **micro)
+                                         mod=mod, **micro, **own)
 
 
 def _strided(argtypes: tuple, count: int) -> tuple:
@@ -412,7 +432,8 @@ def table(profiles: list[Profile]) -> str:
         issued = sum(loop.issued for loop in hot)
         ffma = sum(loop.ffma for loop in hot)
         name = p.name + (f"+{c['score_mod']}" if c.get("score_mod") else "") + (" strided" if c.get("strided") else "")
-        rows.append([name, str(c["head_dim"]), c["dtype"], "on" if c["causal"] else "off",
+        dims = f"{c['head_dim']}/{c['value_dim']}" if c.get("value_dim") else str(c["head_dim"])  # d/d_v
+        rows.append([name, dims, c["dtype"], "on" if c["causal"] else "off",
                      f"{c['block_q']}x{c['block_k']}", str(p.threads), str(p.registers),
                      f"{p.spill_stores}/{p.spill_loads}", str(p.stack), str(p.smem), str(p.occupancy["warps_per_sm"]),
                      p.occupancy["limiter"], str(len(hot)), f"{issued / ffma:.1f}" if ffma else "-",
@@ -458,6 +479,9 @@ def parser() -> argparse.ArgumentParser:
                    help="compile in this many processes (default: the CPU count, %(default)s here)")
     p.add_argument("--score-mod", choices=SCORE_MODS, default=None,
                    help="compile this built-in score mod into every kernel profiled (default: none)")
+    p.add_argument("--value-dim", type=arguments.positive, default=0, metavar="D_V",
+                   help="V's head dim d_v (MLA: --head-dims 192 --value-dim 128), for the kernels that take it "
+                        "natively; the table's d column reads d/d_v (default: d_v = d)")
     p.add_argument("--strided", action="store_true",
                    help="compile the kernels for strided q, k, v (layout 'A': a (B, N, H, d) tensor's "
                         "(B, H, N, d) view, read where it is) instead of C-contiguous ones (default: off)")
@@ -493,7 +517,15 @@ def main(argv=None) -> int:
         return subprocess.run([sys.executable, "-m", "fa_numba.profile", *argv], env=env).returncode
     causals = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
     launch = dict(batch=args.batch, heads=args.heads, n=args.n)
-    configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals))
+    configs = list(configurations(args.orders, args.head_dims, args.dtypes, causals, args.value_dim))
+    if args.value_dim:
+        padded = [f"{name} {dtype}" for name in (args.orders or names) for dtype in args.dtypes
+                  if not takes_value_dim(name, dtype)]
+        if padded:
+            print(f"--value-dim: not profiled at d_v of their own (a call runs them at max(d, d_v) on padded "
+                  f"operands: profile that head dim): {', '.join(padded)}", file=sys.stderr)
+    if not configs:
+        parser().error("no configuration to profile: the orders, head dims, dtypes and d_v asked for select none")
     if args.score_mod:  # every kernel with the mod compiled in
         configs = [dict(c, score_mod=args.score_mod) for c in configs]
     if args.strided:  # every kernel's q, k, v as views (the tensor-core backward's dO and O stay C-contiguous)

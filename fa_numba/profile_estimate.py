@@ -19,7 +19,9 @@ from fa_numba.machine import H200, SM90
 def _traced_config(cfg: dict) -> dict:
     """The configuration whose wavefronts stand for cfg's: FULL tiles run the non-causal kernel's code."""
     micro = {"micro": list(cfg["micro"])} if cfg.get("micro") else {}  # a layout of its own (decode_estimate)
-    return {k: cfg[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype")} | {"causal": False} | micro
+    own = {"value_dim": cfg["value_dim"]} if cfg.get("value_dim") else {}  # V's head dim: other tiles, accesses
+    return ({k: cfg[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype")} | {"causal": False} | micro
+            | own)
 
 
 def wavefront_cache() -> pathlib.Path:
@@ -94,13 +96,13 @@ def _full_tile_counts(profiles: list) -> dict:
 def _prices_an_iteration(c: dict, counts: dict) -> bool:
     """Whether a tensor-core build's counts price one iteration: no loop without a trip-count rule inside the
     tile loop, and the products the kernel does (`whole_kernel.estimate_configuration`'s two checks)."""
-    return ("error" not in counts and not counts.get("unattributed")
-            and counts.get("products") == whole_kernel.PRODUCTS[c["variant"]])
+    return ("error" not in counts and not counts.get("unattributed") and "products" in counts
+            and abs(counts["products"] - whole_kernel.expected_products(c, counts.get("value_ratio", 1.0))) < 1e-9)
 
 
 def _sibling_key(c: dict) -> tuple:
     return (c["variant"], c["head_dim"], c["dtype"], c["block_q"], c["block_k"], bool(c.get("strided")),
-            c.get("score_mod"))
+            c.get("score_mod"), c.get("value_dim") or 0)
 
 
 def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
@@ -115,7 +117,9 @@ def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
     launch's."""
     siblings = _full_tile_counts(profiles)
     for prof in profiles:
-        cfg = {k: prof.config[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype", "causal")}
+        keys = ("variant", "block_q", "block_k", "head_dim", "dtype", "causal") + (
+            ("value_dim",) if prof.config.get("value_dim") else ())  # V's head dim, where it has one of its own
+        cfg = {k: prof.config[k] for k in keys}
         traced = wavefronts.get(json.dumps(_traced_config(cfg), sort_keys=True))
         if "error" in prof.counts or traced is None:
             prof.estimate = {"withheld": prof.counts.get("error", "no wavefronts traced")}

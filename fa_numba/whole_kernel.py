@@ -35,6 +35,11 @@ from fa_numba.timing import attention_flops
 PRODUCTS = {"v1": 2, "v2": 2, "v1-rowwise": 2, "v2-rowwise": 2,
             "bwd-kv": 5, "bwd-kv-det": 4, "bwd-q-dq": 3, "bwd-q": 5, "v1-mma": 2, "v2-mma": 2,
             "bwd-kv-mma": 5, "bwd-kv-mma-det": 4, "bwd-dq-mma": 3}
+# Of those, the products that run over V's head dim d_v (P V; the backward's dP = dO V^T and dV = P^T dO): with
+# a value head dim of its own (cfg["value_dim"]) they are B_r x B_c x d_v, the others B_r x B_c x d.
+VALUE_PRODUCTS = {"v1": 1, "v2": 1, "v1-rowwise": 1, "v2-rowwise": 1,
+                  "bwd-kv": 2, "bwd-kv-det": 2, "bwd-q-dq": 1, "bwd-q": 2, "v1-mma": 1, "v2-mma": 1,
+                  "bwd-kv-mma": 2, "bwd-kv-mma-det": 2, "bwd-dq-mma": 1}
 # FFMAs outside the products (the softmax's scale and rescaling) may add a little; more than this means a loop
 # was counted twice or missed (a remainder loop beside an unrolled one), so the counts are not trusted.
 PRODUCT_SLACK = 0.5
@@ -52,6 +57,28 @@ MMA_SHAPE = {"float16": "m16n8k16", "bfloat16": "m16n8k16", "float32": "m16n8k8"
 # the warps of a kernel's block own 16 rows each of the tile it keeps (query rows, or keys in the kv backward);
 # one product of an iteration is then 16 x (the other tile) x D multiply-adds per warp
 _WARP_OWNS_KEYS = ("bwd-kv-mma", "bwd-kv-mma-det")
+
+
+def value_dim(cfg: dict) -> int:
+    """V's head dim d_v of a configuration: cfg["value_dim"] where it has one, else its head dim d."""
+    return cfg.get("value_dim") or cfg["head_dim"]
+
+
+def expected_products(cfg: dict, value_ratio: float = 1.0) -> float:
+    """The kernel's products per tile-loop iteration in units of B_r B_c D (D: the padded head dim the counts
+    divide by): PRODUCTS, with each of the VALUE_PRODUCTS weighted by value_ratio, the padded d_v over that D
+    (1 where d_v = d, or where the kernel runs every product at one width: the tile engine's max(d, d_v))."""
+    value = VALUE_PRODUCTS[cfg["variant"]]
+    return PRODUCTS[cfg["variant"]] - value + value * value_ratio
+
+
+def useful_flops(cfg: dict, launch: dict) -> float:
+    """Useful flops of one call of the kernel, as flash-attn's benchmarks count them (timing.attention_flops: 4 B H
+    N_q N_k d forward, halved for causal, so 2 B H N_q N_k per column of each product): the d-wide products at d
+    and the VALUE_PRODUCTS at d_v, whatever width the kernel multiplies them at."""
+    per_column = attention_flops(launch["batch"], launch["heads"], launch["n"], launch["n"], 1, cfg["causal"]) / 2
+    value = VALUE_PRODUCTS[cfg["variant"]]
+    return per_column * ((PRODUCTS[cfg["variant"]] - value) * cfg["head_dim"] + value * value_dim(cfg))
 
 
 def _loop_axis_tile(cfg: dict) -> int:
@@ -190,33 +217,36 @@ def hbm_bytes(cfg: dict, launch: dict, concurrent_blocks: int, blocks_per_head: 
     """HBM bytes of one call: iomodel's element counts in bytes (`counted`), and the bytes if each tensor moves
     once (`once`); the call pays `once` when the operands its blocks re-read, for the heads in flight
     (concurrent blocks / blocks per head, plus one straddling), fit in L2, else `counted`."""
-    n, batch, heads, d = launch["n"], launch["batch"], launch["heads"], cfg["head_dim"]
+    n, batch, heads, d, d_v = launch["n"], launch["batch"], launch["heads"], cfg["head_dim"], value_dim(cfg)
     itemsize = 2 if cfg["dtype"] in ("float16", "bfloat16") else 4
     variant, block_q, block_k, causal = cfg["variant"], cfg["block_q"], cfg["block_k"], cfg["causal"]
     if variant.startswith("bwd"):  # the whole backward call of the kernel's order (det: its kv pass's atomics
         order = "kv" if variant in KV_OUTER else "q"  # included): an upper bound on one kernel's bytes
-        ledger = iomodel.traffic_backward(order, n, n, d, block_q, block_k, causal, batch, heads)
-        reread = n * d * (2 * itemsize + 4) + 8 * n if order == "kv" else 2 * n * d * itemsize  # Q dO dQ LSE D | K V
+        ledger = iomodel.traffic_backward(order, n, n, d, block_q, block_k, causal, batch, heads, d_v=d_v)
+        reread = (n * (d * itemsize + d_v * itemsize + 4 * d) + 8 * n if order == "kv"  # Q dO dQ LSE D
+                  else n * (d + d_v) * itemsize)  # K V
     else:
-        ledger = iomodel.traffic(variant[:2], n, n, d, block_q, block_k, causal, batch, heads)
-        reread = n * d * (itemsize + 4) + 8 * n if variant in KV_OUTER else 2 * n * d * itemsize  # Q O l m | K V
+        ledger = iomodel.traffic(variant[:2], n, n, d, block_q, block_k, causal, batch, heads, d_v=d_v)
+        reread = (n * (d * itemsize + d_v * 4) + 8 * n if variant in KV_OUTER  # Q O l m
+                  else n * (d + d_v) * itemsize)  # K V
     counted = iomodel.total_bytes(ledger, itemsize)
-    once = _once_bytes(ledger, itemsize, batch * heads, n, d)
+    once = _once_bytes(ledger, itemsize, batch * heads, n, d, d_v)
     in_flight = math.ceil(concurrent_blocks / blocks_per_head) + 1
     fits = in_flight * reread <= device.l2_bytes
     return {"counted": counted, "once": once, "fits_l2": fits, "paid": once if fits else counted}
 
 
-def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int) -> int:
-    """Every tensor the ledger touches, read and written at most once: N d per head for the (N, d) tensors,
-    N for the statistics."""
+def _once_bytes(ledger, itemsize: int, heads: int, n: int, d: int, d_v: int | None = None) -> int:
+    """Every tensor the ledger touches, read and written at most once: N d per head for the (N, d) tensors
+    (N d_v for V, O, dO, dV), N for the statistics."""
     sizes = iomodel.to_bytes(ledger, itemsize)
     total = 0
     for side in ("read", "write"):
         for tensor, nbytes in sizes[side].items():
             if nbytes:
                 per_element = nbytes / max(1, (ledger.reads if side == "read" else ledger.writes)[tensor])
-                elements = heads * n * (1 if tensor in ("l", "m", "LSE", "D") else d)
+                width = (d_v or d) if tensor in ("V", "O", "dO", "dV") else d
+                elements = heads * n * (1 if tensor in ("l", "m", "LSE", "D") else width)
                 total += elements * per_element
     return int(total)
 
@@ -225,9 +255,12 @@ def kernel_counts(cfg: dict, text: str, built) -> dict:
     """`iteration_counts` of a built kernel (its block shape, and the engine's padded D from its layout)."""
     config = built.config
     if cfg["variant"] in MMA_KERNELS:
-        return mma_iteration_counts(text, cfg, config.padded_dim, getattr(built, "inner_trips", None))
+        counts = mma_iteration_counts(text, cfg, config.padded_dim, getattr(built, "inner_trips", None))
+        # the tensor-core kernels multiply over d_v padded as d is (MmaConfig.padded_value_dim) where V has it
+        counts["value_ratio"] = config.padded_value_dim / config.padded_dim
+        return counts
     _, block = built.launch_shape(1, 1, cfg["block_q"])
-    d_pad = config.layout.d_pad if getattr(config, "engine", False) else None
+    d_pad = config.layout.d_pad if getattr(config, "engine", False) else None  # max(d, d_v): every product
     return iteration_counts(text, cfg, math.prod(block), d_pad)
 
 
@@ -237,10 +270,10 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     of one iteration (module docstring), and what it rests on; None, with the reason in "withheld", when the
     tile loop's FFMAs do not amount to the kernel's products."""
     mma = cfg["variant"] in MMA_KERNELS
-    expected = PRODUCTS[cfg["variant"]]
-    if abs(counts["products"] - expected) > (0 if mma else PRODUCT_SLACK):  # the loops are not the products
+    expected = expected_products(cfg, counts.get("value_ratio", 1.0))
+    if abs(counts["products"] - expected) > (1e-9 if mma else PRODUCT_SLACK):  # the loops are not the products
         return None, {"withheld": f"the SASS loops amount to {counts['products']:.2f} products of B_r B_c D, "
-                                  f"not the kernel's {expected}"}
+                                  f"not the kernel's {expected:g}"}
     if mma and counts["unattributed"]:  # a loop inside the tile loop: the static count is not one iteration's
         return None, {"withheld": f"loops inside the tile loop ({', '.join(counts['unattributed'])}) have no "
                                   f"trip-count rule for the tensor-core kernels"}
@@ -249,10 +282,8 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     blocks = math.prod(grid)
     blocks_per_head = blocks // (launch["batch"] * launch["heads"]) or 1
     iterations = iterations_per_block(cfg, blocks_per_head, launch["n"], launch["n"])
-    # Useful flops as flash-attn's benchmarks count them (timing.attention_flops: 4 B H N_q N_k d forward,
-    # halved for causal), times the products over the forward's two, spread evenly over the iterations.
-    useful = (attention_flops(launch["batch"], launch["heads"], launch["n"], launch["n"], cfg["head_dim"],
-                              cfg["causal"]) * expected / 2)
+    # Useful flops as flash-attn's benchmarks count them (useful_flops), spread evenly over the iterations.
+    useful = useful_flops(cfg, launch)
     tensor = counts.get("hmma", 0) * warps * (device.mma_cycles(MMA_SHAPE[cfg["dtype"]]) if mma else 0.0)
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],

@@ -294,6 +294,30 @@ def test_the_representatives_cover_every_kernel_and_setting():
         assert {c[key] for c in chosen} == {c[key] for c in configs}, f"no representative has every {key}"
 
 
+def test_a_value_head_dim_is_profiled_on_the_kernels_that_take_it_natively():
+    """--value-dim: the configurations of every head dim other than d_v carry it, for the kernels that take it
+    natively (the tile engine's forwards, every CUDA-core backward, the 16-bit tensor-core kernels) at the
+    tiles of the wider head dim; the rowwise forwards and 3xTF32 pad (a configuration of max(d, d_v) is theirs)."""
+    from fa_numba.kernels import backward, default_tiles
+    from fa_numba.kernels.mma.backward import default_tiles as mma_backward_tiles
+
+    configs = list(profile.configurations(head_dims=(64, 128), value_dim=128))
+    own = [c for c in configs if "value_dim" in c]
+    assert {c["head_dim"] for c in own} == {64} and {c["value_dim"] for c in own} == {128}
+    assert {c["variant"] for c in own} == set(profile.NATIVE_VALUE_DIM)
+    assert not any(c["dtype"] == "float32" for c in own if c["variant"] in whole_kernel.MMA_KERNELS)
+    assert not any(c["variant"].endswith("rowwise") and c["head_dim"] == 64 for c in configs)
+    for c in own:  # the tiles of d = 128, as the call takes them
+        if c["variant"] in ("v1", "v2"):
+            assert (c["block_q"], c["block_k"]) == default_tiles(128)
+        elif c["variant"] in backward.VARIANTS:
+            assert c["block_q"] == backward.default_backward_tiles(128)[0]
+        elif c["variant"] == "bwd-kv-mma":
+            assert (c["block_q"], c["block_k"]) == mma_backward_tiles("kv", 128)[1:]
+    plain = [c for c in configs if c["head_dim"] == 128]  # d = d_v: the shipped configurations, unchanged
+    assert plain == [c for c in profile.configurations(head_dims=(128,))]
+
+
 @pytest.mark.slow  # read from the shipped table's compiles (it compiled them in a process of its own before)
 @NEEDS_NVDISASM
 def test_representative_configurations_compile_without_spills_or_float64(shipped):
@@ -346,6 +370,30 @@ def test_the_whole_kernel_estimate_is_below_the_hot_loop_bound_and_names_its_lim
         assert p["counts"]["unattributed"] == [] and p["counts"]["load_round_trips"] >= 1
     v2 = next(p for p in json.loads(path.read_text())["profiles"] if p["name"] == "v2")
     assert v2["estimate"]["shared_accesses"]["agree"]  # the tracer's widths are the SASS's LDS/STS (1840 each)
+
+
+@pytest.mark.slow
+@NEEDS_NVDISASM
+def test_a_value_head_dim_is_estimated_from_its_own_build_and_trace(tmp_path, pytestconfig):
+    """`profile --value-dim 32` at d = 64 on tensor cores (float16, non-causal): the table reads d/d_v, the SASS
+    is the d_v build's (v2-mma's 64 x 64 tile per warp: S, B_c / 8 x d / 16 = 32 HMMA, and P V, B_c / 16 x d_v / 8
+    = 16: 48, i.e. 1 + 32 / 64 products of B_r B_c d; the kv backward's 3 + 2 x 32 / 64 = 4), the wavefronts traced
+    on a d_v build (their cache key carries it) and the estimate is there, under the dense peak."""
+    from fa_numba.machine import H200
+
+    path = tmp_path / "value_dim.json"
+    argv = ["-m", "fa_numba.profile", "--orders", "v2-mma,bwd-kv-mma", "--head-dims", "64", "--value-dim", "32",
+            "--dtypes", "float16", "--causal", "off", "--json", str(path)]
+    code, table, errors = _compile(pytestconfig, argv, timeout=1800)
+    assert code == 0, errors[-4000:]
+    assert table.count(" 64/32 ") == 2
+    v2, kv = sorted(json.loads(path.read_text())["profiles"], key=lambda p: p["name"] != "v2-mma")
+    assert v2["config"]["value_dim"] == kv["config"]["value_dim"] == 32
+    assert v2["counts"]["hmma"] == 48 and v2["counts"]["products"] == 1.5 and v2["counts"]["value_ratio"] == 0.5
+    assert kv["counts"]["products"] == 4.0 and kv["counts"]["unattributed"] == []
+    for p in (v2, kv):
+        assert p["spill_stores"] == p["spill_loads"] == 0
+        assert 0 < p["estimate"]["tflops"] < H200.peak_tensor_tflops, p["estimate"]
 
 
 def test_tf32_is_asked_for_by_name_and_builds_the_tensor_core_forwards_only():

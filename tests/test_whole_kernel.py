@@ -132,3 +132,34 @@ def test_a_tensor_core_estimate_charges_four_cycles_per_hmma():
                                                    dict(batch=1, heads=1, n=64))
     # 4 blocks on 132 SMs: one each, one warp: its 4 HMMA x 4 cycles on one tensor core, over 5 / 1 issue cycles
     assert found.cycles["tensor"] == 16 and found.cycles["issue"] == 5 / 4 and found.limiter == "tensor"
+
+
+def test_a_value_head_dim_weighs_the_products_over_d_v_and_counts_their_useful_flops():
+    """With d_v != d (cfg["value_dim"]), the products over V's head dim (P V; dP and dV in the backward) are
+    B_r B_c d_v: a forward whose HMMA do S at d = 32 and P V at d_v = 16 (16 rows, B_c = 16: 4 HMMA for S, 2
+    for P V over d_pad = 32) amounts to 1 + 16 / 32 products, which is what the estimate expects; the useful
+    flops, by hand: 2 B H N^2 per column of each product (flash-attn's 4 B H N^2 d forward at d_v = d)."""
+    cfg = dict(MMA_CFG, head_dim=32, value_dim=16)
+    counts = whole_kernel.mma_iteration_counts(_mma_kernel(*[HMMA] * 6), cfg, d_pad=32)
+    assert counts["products"] == 1.5
+    assert whole_kernel.expected_products(cfg, value_ratio=16 / 32) == 1.5
+    counts["value_ratio"] = 0.5
+    found, why = whole_kernel.estimate_configuration(cfg, counts, {"blocks_per_sm": 8}, (4, 1), (32, 1, 1), 0.0,
+                                                     dict(batch=1, heads=1, n=64))
+    assert found is not None, why
+    launch = dict(batch=2, heads=3, n=10)
+    assert whole_kernel.useful_flops(cfg, launch) == 2 * 2 * 3 * 100 * (32 + 16)
+    backward = dict(variant="bwd-kv", head_dim=192, value_dim=128, causal=True)  # S, dK, dQ at d; dP, dV at d_v
+    assert whole_kernel.useful_flops(backward, launch) == 2 * 2 * 3 * 100 * (3 * 192 + 2 * 128) / 2
+    assert whole_kernel.useful_flops(dict(backward, value_dim=0), launch) == 2.5 * 4 * 2 * 3 * 100 * 192 / 2
+
+
+def test_hbm_bytes_count_v_o_do_and_dv_at_d_v():
+    """The bytes each tensor moves once (the L2-resident case) with d_v: Q and K at d, V at d_v (2 bytes each,
+    float16), O at d_v in float32, LSE 4 bytes a row; by hand for one head of N = 128."""
+    cfg = dict(variant="v2-mma", block_q=64, block_k=64, head_dim=64, value_dim=32, dtype="float16", causal=False)
+    launch = dict(batch=1, heads=1, n=128)
+    got = whole_kernel.hbm_bytes(cfg, launch, concurrent_blocks=2, blocks_per_head=2)
+    assert got["fits_l2"] and got["once"] == 128 * (2 * 64 + 2 * 64 + 2 * 32 + 4 * 32 + 4)
+    # iomodel's count: v2 reads K and V once per query tile, two tiles of 64 rows here
+    assert got["counted"] == got["once"] + 128 * (2 * 64 + 2 * 32)

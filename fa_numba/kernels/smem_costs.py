@@ -108,7 +108,8 @@ def _inputs(cfg: dict, n_q: int, n_k: int):
     rng = np.random.default_rng(SEED)
     dtype = np.float16 if cfg.get("dtype") == "float16" else np.float32
     d = cfg["head_dim"]
-    drawn = tuple(rng.standard_normal((1, 1, n, d)).astype(dtype) for n in (n_q, n_k, n_k))
+    widths = (d, d, cfg.get("value_dim") or d)  # v with V's head dim d_v where the cfg has one
+    drawn = tuple(rng.standard_normal((1, 1, n, w)).astype(dtype) for n, w in zip((n_q, n_k, n_k), widths))
     if cfg["variant"] in MMA_VARIANTS and cfg.get("dtype") not in ("float32", "tf32"):  # bfloat16: top 16 bits
         drawn = tuple(x.view(np.uint16) if cfg["dtype"] == "float16" else
                       (x.view(np.uint32) >> 16).astype(np.uint16) for x in drawn)
@@ -182,7 +183,7 @@ def traced(cfg: dict, tiles: int, built=None):
         if cfg["variant"] in _BACKWARD_KINDS:
             return _traced_backward(cfg, built, q, k, v, scale, regions)
         args = [cuda.to_device(x) for x in (q, k, v)]
-        o = cuda.to_device(np.zeros((1, 1, n_q, cfg["head_dim"]), np.float32))
+        o = cuda.to_device(np.zeros((1, 1, n_q, v.shape[3]), np.float32))  # O has V's head dim
         lse = cuda.to_device(np.zeros((1, 1, n_q), np.float32))
         with smem_trace.trace_shared() as trace:
             if regions:
@@ -230,10 +231,10 @@ def _traced_backward(cfg, built, q, k, v, scale, regions):
     from fa_numba.kernels.block_lists import mask_arrays
     from fa_numba.kernels.score_mod import NO_CAPTURED
 
-    d = cfg["head_dim"]
+    d, d_v = cfg["head_dim"], v.shape[3]
     n_q, n_k = q.shape[2], k.shape[2]
     rng = np.random.default_rng(SEED + 1)
-    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    dout = rng.standard_normal(q.shape[:3] + (d_v,)).astype(q.dtype)
     s = scale * np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64))
     m = s.max(axis=-1, keepdims=True)
     w = np.exp(s - m)
@@ -245,7 +246,7 @@ def _traced_backward(cfg, built, q, k, v, scale, regions):
     dvec = np.einsum("bhqd,bhqd->bhq", dout.astype(np.float64), out.astype(np.float64)).astype(np.float32)
     dev = {name: cuda.to_device(x) for name, x in dict(
         q=q, k=k, v=v, dout=dout, lse=lse, dvec=dvec, dq=np.zeros((1, 1, n_q, d), np.float32),
-        dk=np.zeros((1, 1, n_k, d), np.float32), dv=np.zeros((1, 1, n_k, d), np.float32)).items()}
+        dk=np.zeros((1, 1, n_k, d), np.float32), dv=np.zeros((1, 1, n_k, d_v), np.float32)).items()}
     side = _BACKWARD_KINDS[cfg["variant"]]
     grid, threads = built.launch_shape(1, 1, n_q if side == "q" else n_k)
     grads = (dev["q"], dev["k"], dev["v"], dev["dout"], dev["lse"], dev["dvec"], dev["dq"], dev["dk"], dev["dv"],
