@@ -157,7 +157,8 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     and "hmma"). The tile loop is the smallest SASS loop holding every HMMA; its body is counted once, every
     path (the engine unrolls its fragment loops, so a FULL tile has no inner loop). An inner loop runs
     `inner_trips` times if it holds HMMA and the kernel says how often its layout runs it (the kv backward's
-    dQ column blocks, `MmaBackwardKernel.inner_trips`), else once, listed in `unattributed`; an inner loop of
+    dQ column blocks, `MmaBackwardKernel.inner_trips`; only where it is the one inner loop of HMMA), else once,
+    listed in `unattributed`; an inner loop of
     cp.async copies without HMMA (a tile's staging loop, where ptxas does not unroll it) runs `copies` / (its
     LDGSTS) times if the kernel says how many copies one thread issues per staged tile (`copies`), else once,
     listed in `unattributed`. Round trips: dependent global loads and cp.async waits (`sass.async_copy_waits`),
@@ -173,6 +174,13 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     tile = min(holding, key=lambda node: len(node.instructions))
     counts = {"instructions": 0.0, "by_category": dict.fromkeys(sass.CATEGORIES, 0.0), "load_round_trips": 0.0,
               "unattributed": [], "hmma": 0.0, "shared_accesses": {}, "pipelined_waits": 0.0}
+
+    # the kernel's trip count names one loop of HMMA: with two or more such inner loops it could be any of
+    # them, so none is counted by it (they are listed, and the estimate withheld)
+    inner_hmma = [node for node in tree if node is not tile and tile.start <= node.start and node.end <= tile.end
+                  and any(i.base == "HMMA" for i in node.instructions)]
+    if len(inner_hmma) > 1:
+        inner_trips = None
 
     def add(node, runs: int) -> None:
         for inst in node.own:

@@ -163,3 +163,14 @@ def test_hbm_bytes_count_v_o_do_and_dv_at_d_v():
     assert got["fits_l2"] and got["once"] == 128 * (2 * 64 + 2 * 64 + 2 * 32 + 4 * 32 + 4)
     # iomodel's count: v2 reads K and V once per query tile, two tiles of 64 rows here
     assert got["counted"] == got["once"] + 128 * (2 * 64 + 2 * 32)
+
+
+def test_the_kv_backward_trip_count_names_one_loop_so_two_inner_hmma_loops_are_not_counted_by_it():
+    """Two inner loops of HMMA (a rolled k-step loop beside the dQ loop): the kernel's trip count could be
+    either's, so neither is counted by it; both are listed and the estimate is withheld (a first d_v build
+    counted 4.5 products for 4 this way)."""
+    text = _listing(".L_x_0", *[HMMA] * 8, ".L_x_1", HMMA, HMMA, "@P1 BRA `(.L_x_1)",
+                    ".L_x_2", "LDSM.16.MT88.4 R8, [R4]", HMMA, "@P3 BRA `(.L_x_2)",
+                    "@P2 BRA `(.L_x_0)", "EXIT", ".L_x_9", "BRA `(.L_x_9)")
+    counts = whole_kernel.mma_iteration_counts(text, KV_CFG, d_pad=16, inner_trips=2)
+    assert counts["hmma"] == 11 and len(counts["unattributed"]) == 2
