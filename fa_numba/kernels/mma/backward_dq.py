@@ -1,0 +1,153 @@
+"""The tensor-core backward's deterministic dQ pass (Q outer, no atomics; kernels.mma.backward's docstring has
+its fragments and traffic): the second kernel of `deterministic=True`.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32, uint16, uint32
+
+from fa_numba import warp
+from fa_numba.kernels.common import ZERO
+from fa_numba.kernels.mma import masking
+from fa_numba.kernels.mma.backward_kv import _exact_product, _row_writer, store_pair
+from fa_numba.kernels.mma.engine import LOG2E, make_ops
+from fa_numba.kernels.score_mod import apply_fn, apply_grad, has_scores
+from fa_numba.tiling import PARTIAL
+
+
+def dq_source(config):
+    """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale)."""
+    E = make_ops(config.staging())
+    stage_two, any_bad, any_bad_v, mma, pack, to_f32 = E.stage_two, E.any_bad, E.any_bad_v, E.mma, E.pack, E.to_f32
+    BR, BC, D, DP, SQ = config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride
+    KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
+    SV, KSV, KSM = E.sizes.SV, E.sizes.DPV // 16, max(DP, E.sizes.DPV) // 16  # dP = dO_i V_j^T runs over d_v
+    CAUSAL = config.causal
+    SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
+    M = masking.make(CAUSAL, config.mask_form, config.mod)  # as in the kv kernel
+    GUARDED, LISTS, PARTIAL_KIND, slot, visible = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot, M.visible
+    exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
+    write_rows = _row_writer(D, DN)
+    Q_SIZE, KV_SIZE, DS_SIZE, DO_SIZE, V_SIZE = BR * SQ, BC * SQ, BR * SDK, BR * SV, BC * SV
+    MOD = has_scores(config.mod)
+    modded, slope = apply_fn(config.mod), apply_grad(config.mod)
+
+    def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds,
+                   lohis, denses, captured):
+        sq = cuda.shared.array(Q_SIZE, uint16)
+        sdo = cuda.shared.array(DO_SIZE, uint16)
+        sk = cuda.shared.array(KV_SIZE, uint16)
+        sv = cuda.shared.array(V_SIZE, uint16)
+        sds = cuda.shared.array(DS_SIZE, uint16)  # the exact path's dS, each warp its own 16 rows
+        slse = cuda.shared.array(BR, float32)  # LSE_i and D_i, read once per row (not once per lane of a quad)
+        sd = cuda.shared.array(BR, float32)
+        qf = cuda.local.array((KS, 4), uint32)  # this lane's A fragments of Q_i and dO_i
+        of = cuda.local.array((KSV, 4), uint32)
+        dp = cuda.local.array((NT, 4), float32)  # dS of the warp's 16 rows x B_c keys
+        acc = cuda.local.array((DN, 4), float32)  # dQ without the scale
+        i, bh = cuda.blockIdx.x, cuda.blockIdx.y
+        lane, wid = cuda.threadIdx.x & 31, cuda.threadIdx.x >> 5
+        g, t = lane >> 2, lane & 3
+        mrow, mat = lane & 7, lane >> 3
+        heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
+        b = bh // heads
+        h = bh - b * heads
+        h_kv = h // (heads // k.shape[1])
+        delta = n_k - n_q
+        r0 = i * BR
+        row0 = r0 + 16 * wid + g
+        last = min(r0 + BR, n_q) - 1 + delta
+        sb, sh = slot(lohis, b, h)
+        start, stop = 0, (n_k + BC - 1) // BC  # the key tiles as the forward's v2 walks them
+        if CAUSAL:
+            stop = min(stop, (last + BC) // BC) if last >= 0 else 0
+        if LISTS:
+            start, stop = row_ptrs[sb, sh, i], row_ptrs[sb, sh, i + 1]
+
+        stage_two(q, do, b, h, r0, n_q, sq, sdo, BR)
+        tid = cuda.threadIdx.x
+        if tid < BR:  # B_r = 16 W rows for 32 W threads: one row each
+            slse[tid] = lse[b, h, r0 + tid] * LOG2E if r0 + tid < n_q else ZERO  # LSE_i log2(e): P by ex2
+            sd[tid] = dvec[b, h, r0 + tid] if r0 + tid < n_q else ZERO
+        cuda.syncthreads()
+        q_bad = False
+        if GUARDED:
+            q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad_v(sdo, BR)) else 0) != 0
+        for ks in range(KSM):
+            if ks < KS:
+                a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
+                for e in range(4):
+                    qf[ks, e] = a[e]
+            if ks < KSV:
+                o = warp.ldmatrix_x4(sdo, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks + 8 * (mat >> 1))
+                for e in range(4):
+                    of[ks, e] = o[e]
+        local = 16 * wid + g
+        lse0, lse1, d0, d1 = slse[local], slse[local + 8], sd[local], sd[local + 8]
+        for dn in range(DN):
+            for e in range(4):
+                acc[dn, e] = ZERO
+        for idx in range(start, stop):
+            j = col_idxs[sb, sh, idx] if LISTS else idx
+            c0 = j * BC
+            cuda.syncthreads()  # the previous K_j, V_j are no longer read
+            stage_two(k, v, b, h_kv, c0, n_k, sk, sv, BC)
+            cuda.syncthreads()
+            hidden = col_kinds[sb, sh, idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + BC - 1 > r0 + delta
+            masked = hidden or c0 + BC > n_k or r0 + BR > n_q
+            guard = False
+            if GUARDED and masked:
+                bad = q_bad or any_bad(sk, BC) or any_bad_v(sv, BC)
+                guard = cuda.syncthreads_or(1 if bad else 0) != 0
+            for nt in range(NT):
+                d4 = (ZERO, ZERO, ZERO, ZERO)
+                e4 = (ZERO, ZERO, ZERO, ZERO)
+                for ks in range(KSM):  # S's k-steps run over d, dP's over d_v
+                    if ks < KS:
+                        d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]),
+                                 warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)))
+                    if ks < KSV:
+                        e4 = mma(e4, (of[ks, 0], of[ks, 1], of[ks, 2], of[ks, 3]),
+                                 warp.ldmatrix_x2(sv, (8 * nt + mrow) * SV + 16 * ks + 8 * (mat & 1)))
+                for e in range(4):
+                    row = row0 + 8 * (e >> 1)
+                    ds = ZERO
+                    if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta, lohis, denses, sb, sh,
+                                             b, h, captured):
+                        x = scale * d4[e]
+                        if MOD:  # as in the kv kernel (proofs/L13)
+                            key = c0 + 8 * nt + 2 * t + (e & 1)
+                            p = warp.ex2(modded(x, b, h, row, key, captured) * LOG2E - (lse0 if e < 2 else lse1))
+                            ds = p * (e4[e] - (d0 if e < 2 else d1)) * slope(x, b, h, row, key, captured)
+                        else:
+                            p = warp.ex2(x * LOG2E - (lse0 if e < 2 else lse1))
+                            ds = p * (e4[e] - (d0 if e < 2 else d1))
+                    dp[nt, e] = ds
+            if guard:  # the warp's own rows of sds
+                for nt in range(NT):
+                    base = (16 * wid + g) * SDK + 8 * nt + 2 * t
+                    store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
+                    store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
+                cuda.syncwarp()
+                exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
+                         captured)
+                cuda.syncwarp()
+            else:
+                for kk in range(PK):
+                    da = (pack(dp[2 * kk, 0], dp[2 * kk, 1]), pack(dp[2 * kk, 2], dp[2 * kk, 3]),
+                          pack(dp[2 * kk + 1, 0], dp[2 * kk + 1, 1]), pack(dp[2 * kk + 1, 2], dp[2 * kk + 1, 3]))
+                    for dp_ in range(DN // 2):  # two 8-column blocks of K_j per ldmatrix x4 .trans (DN is even)
+                        index = (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1))
+                        bk = warp.ldmatrix_x4_trans(sk, index)
+                        for half in range(2):
+                            dn = 2 * dp_ + half
+                            d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da,
+                                     (bk[2 * half], bk[2 * half + 1]))
+                            for e in range(4):
+                                acc[dn, e] = d4[e]
+        write_rows(dq, b, h, row0, n_q, acc, scale, t)
+
+    return bwd_dq_mma
+
+
+__all__ = ["dq_source"]
