@@ -88,8 +88,8 @@ def check_and_time(batch, heads, n, d, causal, repeats, backward=False, dtype="f
 def value_dim_checks(smoke: bool) -> list[dict]:
     """The paths that take a value head dim of their own natively (MLA's d = 192, d_v = 128; in smoke mode
     d = 16, d_v = 8), each checked against the float64 reference with its rule on this device: the tile engine's
-    v1 and v2 forwards and the CUDA-core backward (float32), v2-mma (float16), and decoding on both split
-    kernels (float16; there d = 128, d_v = 64: the tensor-core split kernel takes d <= 128). Checked, not timed:
+    v1 and v2 forwards and the CUDA-core backward (float32), v2-mma (float16), the tensor-core backward and
+    decoding on both split kernels (float16; there d = 128, d_v = 64: those kernels take d <= 128). Checked, not timed:
     one row per path, with the error and the tolerance."""
     import math
 
@@ -141,7 +141,19 @@ def value_dim_checks(smoke: bool) -> list[dict]:
         return c.err_out, c.atol_out
     record("v2-mma forward (float16)", mma_forward)
 
-    dd, dd_v = (d, d_v) if smoke else (128, 64)
+    dd, dd_v = (d, d_v) if smoke else (128, 64)  # the tensor-core backward and decoding take d <= 128
+
+    def mma_backward():
+        qb, kb = (rng.standard_normal((1, 4, n, dd)).astype(np.float16) for _ in range(2))
+        vb, ob = (rng.standard_normal((1, 4, n, dd_v)).astype(np.float16) for _ in range(2))
+        small = dict(block_q=16, block_k=16) if smoke else {}  # one warp a block in the simulator
+        out, lse = fa_numba.attention(qb, kb, vb, causal=True, engine="mma", return_lse=True, **small)
+        grads = fa_numba.attention_backward(qb, kb, vb, out, lse, ob, causal=True, engine="mma", **small)
+        c = tolerance_backward.check_attention_backward(*grads, qb, kb, vb, ob, causal=True, p_dtype="float16",
+                                                        contractions=("matmul",))
+        return c.err_dv, c.atol_dv
+    record("tensor-core backward, atomic dQ (float16)", mma_backward, (dd, dd_v))
+
     k_cache = rng.standard_normal((1, 2, n_k, dd)).astype(np.float16)
     v_cache = rng.standard_normal((1, 2, n_k, dd_v)).astype(np.float16)
     qd = rng.standard_normal((1, 8, 1, dd)).astype(np.float16)
