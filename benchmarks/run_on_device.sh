@@ -15,8 +15,7 @@
 #   3. gpu_check: the GPU test tier (kernels, engine, backward, API, array libraries), the paths that take a
 #      value head dim of their own natively checked (v1, v2, the CUDA-core backward and v2-mma at d = 192,
 #      d_v = 128; the tensor-core backward and both decode kernels at d = 128, d_v = 64), the checks and
-#      timings of every forward and
-#      backward variant at B=2, H=8, and racecheck, within what is left of 540 s.
+#      timings of every forward and backward variant at B=2, H=8, and racecheck, within what is left of 540 s.
 # Outputs land in $OUT (or benchmarks/results). Use:  bash benchmarks/run_on_device.sh   (timeout about 600 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
