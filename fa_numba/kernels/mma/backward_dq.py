@@ -9,7 +9,7 @@ from numba import cuda, float32, uint16, uint32
 from fa_numba import warp
 from fa_numba.kernels.common import ZERO
 from fa_numba.kernels.mma import masking
-from fa_numba.kernels.mma.backward_kv import _exact_product, _row_writer, store_pair
+from fa_numba.kernels.mma.backward_kv import _exact_product, _row_writer, row_fragments, store_pair
 from fa_numba.kernels.mma.engine import LOG2E, make_ops
 from fa_numba.kernels.score_mod import apply_fn, apply_grad, has_scores
 from fa_numba.tiling import PARTIAL
@@ -28,6 +28,7 @@ def dq_source(config):
     GUARDED, LISTS, PARTIAL_KIND, slot, visible = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot, M.visible
     exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
     write_rows = _row_writer(D, DN)
+    hold_rows = row_fragments(KS, KSV, SQ, SV)  # Q_i's and dO_i's A fragments, read once
     Q_SIZE, KV_SIZE, DS_SIZE, DO_SIZE, V_SIZE = BR * SQ, BC * SQ, BR * SDK, BR * SV, BC * SV
     MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)
@@ -73,15 +74,7 @@ def dq_source(config):
         q_bad = False
         if GUARDED:
             q_bad = cuda.syncthreads_or(1 if (any_bad(sq, BR) or any_bad_v(sdo, BR)) else 0) != 0
-        for ks in range(KSM):
-            if ks < KS:
-                a = warp.ldmatrix_x4(sq, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
-                for e in range(4):
-                    qf[ks, e] = a[e]
-            if ks < KSV:
-                o = warp.ldmatrix_x4(sdo, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks + 8 * (mat >> 1))
-                for e in range(4):
-                    of[ks, e] = o[e]
+        hold_rows(sq, qf, sdo, of, wid, mrow, mat)
         local = 16 * wid + g
         lse0, lse1, d0, d1 = slse[local], slse[local + 8], sd[local], sd[local + 8]
         for dn in range(DN):

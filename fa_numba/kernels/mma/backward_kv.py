@@ -72,6 +72,27 @@ def _exact_product(count: int, stride: int, DN: int, SQ: int, to_f32, visible, l
     return exact
 
 
+def row_fragments(KS: int, KSV: int, SQ: int, SV: int):
+    """hold(x, xf, y, yf, wid, mrow, mat): the A fragments of the warp's 16 rows of two staged tiles into
+    registers by ldmatrix x4, x's (d wide, rows SQ apart) into xf[:KS], y's (d_v wide, rows SV apart) into
+    yf[:KSV] (K_j and V_j in the kv kernel, Q_i and dO_i in the dq pass)."""
+    KSM = max(KS, KSV)
+
+    @cuda.jit(device=True, inline=True)
+    def hold(x, xf, y, yf, wid, mrow, mat):
+        for ks in range(KSM):
+            if ks < KS:
+                a = warp.ldmatrix_x4(x, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
+                for e in range(4):
+                    xf[ks, e] = a[e]
+            if ks < KSV:
+                c = warp.ldmatrix_x4(y, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks + 8 * (mat >> 1))
+                for e in range(4):
+                    yf[ks, e] = c[e]
+
+    return hold
+
+
 def kv_source(config):
     """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
     sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale)."""
@@ -82,7 +103,7 @@ def kv_source(config):
     KS, NQ, DN, KQ, KK = DP // 16, BR // 8, DP // 8, BR // 16, BC // 16
     # V_j, dO_i and dV at d_v: their k-steps (dP^T = V_j dO_i^T), column blocks (dV) and row stride
     DV, SV = E.sizes.DV, E.sizes.SV
-    KSV, DNV, KSM = E.sizes.DPV // 16, E.sizes.DNV, max(DP, E.sizes.DPV) // 16
+    KSV, DNV = E.sizes.DPV // 16, E.sizes.DNV
     KSC = min(KS, KSV)  # the k-steps S^T and dP^T share
     SLICES = BR // 16
     SPLIT = W // SLICES if W > SLICES else 1  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
@@ -115,6 +136,8 @@ def kv_source(config):
 
     # acc += X^T src: X^T's A fragments the warp's own (x: 16 keys x B_r queries in the C layout, rounded to 16
     # bits), src (Q_i or dO_i, B_r x DP) B fragments by ldmatrix x4 .trans, two column blocks a load
+    hold_rows = row_fragments(KS, KSV, SQ, SV)
+
     @cuda.jit(device=True, inline=True)
     def a_fragment(held, tile, stride, ks, wid, mrow, mat):
         """The warp's A fragment of X_j (K_j or V_j, rows `stride` apart) at k-step ks: held (HOLD) or read by
@@ -219,15 +242,7 @@ def kv_source(config):
         if GUARDED:
             kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad_v(sv, BC)) else 0) != 0
         if HOLD:
-            for ks in range(KSM):
-                if ks < KS:
-                    a = warp.ldmatrix_x4(sk, (16 * wid + mrow + 8 * (mat & 1)) * SQ + 16 * ks + 8 * (mat >> 1))
-                    for e in range(4):
-                        kf[ks, e] = a[e]
-                if ks < KSV:
-                    c = warp.ldmatrix_x4(sv, (16 * wid + mrow + 8 * (mat & 1)) * SV + 16 * ks + 8 * (mat >> 1))
-                    for e in range(4):
-                        vf[ks, e] = c[e]
+            hold_rows(sk, kf, sv, vf, wid, mrow, mat)
 
         for hh in range(group):
             h = hk * group + hh
@@ -346,4 +361,4 @@ def kv_source(config):
     return bwd_kv_mma
 
 
-__all__ = ["kv_source", "store_pair"]
+__all__ = ["kv_source", "row_fragments", "store_pair"]
