@@ -254,8 +254,11 @@ def profile_kernel(pyfunc, argtypes, threads: int, *, name: str = "kernel", arch
 SHIPPED_HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float32", "float16")
 # Asked for by name only, never in the shipped table: "tf32", float32 inputs by one TF32 product per product
-# (engine="mma-tf32", not float32-exact), for the tensor-core forwards, non-causal (as the table's float32 ones)
-OPT_IN_DTYPES = ("tf32",)
+# (engine="mma-tf32", not float32-exact), for the tensor-core forwards, non-causal (as the table's float32 ones);
+# "bfloat16", every tensor-core kernel on bfloat16 inputs (the float16 code with the bf16 mma and pack)
+OPT_IN_DTYPES = ("tf32", "bfloat16")
+OPT_IN_KERNELS = {"tf32": whole_kernel.MMA_VARIANTS, "bfloat16": whole_kernel.MMA_KERNELS}  # what each builds
+FLOAT32_MMA = ("float32", "tf32")  # the tensor-core kernels' float32 modes: non-causal in the table, no d_v
 
 
 def kernel_names() -> list[str]:
@@ -295,8 +298,7 @@ NATIVE_VALUE_DIM = ("v1", "v2", "bwd-kv", "bwd-kv-det", "bwd-q-dq", "bwd-q") + w
 
 def takes_value_dim(name: str, dtype: str) -> bool:
     """Whether kernel `name` at `dtype` takes d_v != d natively (NATIVE_VALUE_DIM)."""
-    return name in NATIVE_VALUE_DIM and not (name in whole_kernel.MMA_KERNELS and dtype in ("float32",)
-                                             + OPT_IN_DTYPES)
+    return name in NATIVE_VALUE_DIM and not (name in whole_kernel.MMA_KERNELS and dtype in FLOAT32_MMA)
 
 
 def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, causals=(False, True), value_dim=0):
@@ -323,8 +325,8 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
             for dtype in dtypes:
                 if own and not takes_value_dim(name, dtype):
                     continue  # padded to max(d, d_v) by the call: not a kernel of its own
-                if dtype in OPT_IN_DTYPES and name not in whole_kernel.MMA_VARIANTS:
-                    continue  # TF32 is a tensor-core forward's mode only
+                if dtype in OPT_IN_KERNELS and name not in OPT_IN_KERNELS[dtype]:
+                    continue  # TF32 is a tensor-core forward's mode only, bfloat16 a tensor-core kernel's
                 if is_backward and dtype != "float32" and "float32" in dtypes:
                     continue
                 if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # no 3xTF32 backward yet
@@ -335,7 +337,7 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                         continue
                     block_q, block_k = tiles
                 for causal in causals:
-                    if is_mma and dtype in ("float32",) + OPT_IN_DTYPES and causal:  # not in the table: the
+                    if is_mma and dtype in FLOAT32_MMA and causal:  # not in the table: the
                         continue  # causal 3xTF32 kernels spill 4 to 12 bytes (docs/profile.md), which its checks refuse
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
                                causal=causal, **own)
@@ -462,7 +464,8 @@ def parser() -> argparse.ArgumentParser:
                         f"{','.join(map(str, SHIPPED_HEAD_DIMS))})")
     p.add_argument("--dtypes", type=_csv, default=list(DTYPES),
                    help=f"comma list of {','.join(DTYPES + OPT_IN_DTYPES)} (default: {','.join(DTYPES)}; tf32: "
-                        f"the tensor-core forwards' engine='mma-tf32' build, non-causal)")
+                        f"the tensor-core forwards' engine='mma-tf32' build, non-causal; bfloat16: every "
+                        f"tensor-core kernel)")
     p.add_argument("--causal", choices=["off", "on", "both"], default="both",
                    help="profile the unmasked kernels, the causal ones, or both (default: %(default)s)")
     p.add_argument("--arch", default=ARCH,

@@ -411,6 +411,18 @@ def test_tf32_is_asked_for_by_name_and_builds_the_tensor_core_forwards_only():
     assert whole_kernel.MMA_SHAPE["tf32"] == whole_kernel.MMA_SHAPE["float32"] == "m16n8k8"
 
 
+def test_bfloat16_is_asked_for_by_name_and_builds_every_tensor_core_kernel_at_float16s_tiles():
+    """"bfloat16" is never in the shipped table; asked for, it is every tensor-core kernel (forwards and backward),
+    causal or not, at the head dims and tiles of its float16 build (the same code, the bf16 mma and pack)."""
+    assert all(c["dtype"] != "bfloat16" for c in profile.configurations())
+    asked = list(profile.configurations(dtypes=("bfloat16",)))
+    sixteen = list(profile.configurations(orders=whole_kernel.MMA_KERNELS, dtypes=("float16",)))
+    assert [dict(c, dtype="float16") for c in asked] == sixteen
+    assert {c["variant"] for c in asked} == set(whole_kernel.MMA_KERNELS) and {c["causal"] for c in asked} == {
+        False, True}
+    assert whole_kernel.USEFUL_MACS["bfloat16"] == whole_kernel.USEFUL_MACS["float16"]
+
+
 def test_cli_forwards_profile_and_names_bad_arguments(capsys):
     from fa_numba import cli
 
