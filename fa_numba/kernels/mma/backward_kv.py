@@ -6,6 +6,7 @@ row writer of the accumulator fragments and the exact path's CUDA-core reduction
 
 from __future__ import annotations
 
+import numpy as np
 from numba import cuda, float32, uint16, uint32
 
 from fa_numba import warp
@@ -70,6 +71,11 @@ def _exact_product(count: int, stride: int, DN: int, SQ: int, to_f32, visible, l
                             acc[dn, 2 + e] += x1 * y
 
     return exact
+
+
+# x & NONNEG: x with its sign bit cleared, so the compiler knows it is not negative; an int64 (a Python int this
+# large would overflow a simulated int32 index under NumPy's promotion rules)
+NONNEG = np.int64(2**63 - 1)
 
 
 def row_fragments(KS: int, KSV: int, SQ: int, SV: int):
@@ -181,14 +187,15 @@ def kv_source(config):
     @cuda.jit(device=True, inline=True)
     def add_dq(dq, b, h, row0, dn, d4, scale, n_q, t):
         """Atomically add scale x this lane's dQ fragment (rows row0, row0 + 8; 8-column block dn) into dQ. The
-        indices go in as uint32: an atomic's index is wrapped like a negative Python index unless the compiler
-        can prove it is not negative, which it cannot for these (the test and the select of each, per
-        element: 73 of a d = 64 visit's 1254 instructions, 69 of 1070 at d = 128, sm_90a)."""
+        indices go in with their sign bit cleared (& NONNEG; they are not negative): numba-cuda wraps an
+        atomic's index like a negative Python index unless the compiler can prove it is not negative, which it
+        could not for these (a test and a select per index and element: a d = 64 visit 1254 instructions
+        with them, 1165 without; 1070 and 985 at d = 128, sm_90a). The mask keeps them 64-bit (L9)."""
         for e in range(4):
             row = row0 + 8 * (e >> 1)
             x = 8 * dn + 2 * t + (e & 1)
             if row < n_q and x < D:
-                cuda.atomic.add(dq, (uint32(b), uint32(h), uint32(row), uint32(x)), scale * d4[e])
+                cuda.atomic.add(dq, (b & NONNEG, h & NONNEG, row & NONNEG, x & NONNEG), scale * d4[e])
 
     def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
                    row_kinds, lohis, denses, captured):
