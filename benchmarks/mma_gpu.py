@@ -3,14 +3,16 @@
     python benchmarks/mma_gpu.py [--out DIR] [--smoke]
 
 1. the warp-primitive and tensor-core tests with the simulator off (tests/test_warp.py, test_fragments.py,
-   test_mma_forward.py, test_mma_tf32.py, test_mma_backward.py, the slow ones included): the hardware against the host-side reading of the PTX ISA;
+   test_mma_forward.py, test_mma_tf32.py, test_mma_backward.py, test_mma_backward_tf32.py, the slow ones
+   included): the hardware against the host-side reading of the PTX ISA;
 2. v2-mma (float16, bfloat16, and float32 by 3xTF32) and v1-mma (float16) checked against the float64 reference
    with the derived rule (proofs/L6 parts 7 and 9) at B=1, H=2, N=1024, d in {64, 128}, causal and not;
 3. each configuration that passed timed at B=4, H=16, N=4096 (CUDA events, 3 warm-up calls, median of 20)
    beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal;
-4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16) checked with the
-   gradients' rule and its P and dS terms at B=1, H=2, N=1024, then timed at B=4, H=16, N=4096 beside SDPA's
-   backward (flash-attn's count: 2.5 x the forward's FLOPs);
+4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16; float32 by 3xTF32,
+   atomic dQ) checked with the gradients' rule and its P and dS terms (3xTF32's split terms) at B=1, H=2,
+   N=1024, then timed at B=4, H=16, N=4096 beside SDPA's backward in the same dtype (flash-attn's count: 2.5 x
+   the forward's FLOPs);
 5. v2-mma float16 at the widest head dims (d = 192 with d_v = 128, MLA's, native, and d_v = 192) and on a
    (B, N, H, d) tensor's strided (B, H, N, d) view at d = 128 (cp.async rows by the strides; checked bitwise
    against the contiguous call), each checked, then timed (TFLOP/s = 2 B H N^2 (d + d_v), halved for causal).
@@ -157,8 +159,9 @@ def sdpa_backward_ms(kind, b, h, n, d, causal):
 
 
 def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") -> dict:
-    """The tensor-core backward checked on (1, heads, n, d) with the gradients' rule and its 16-bit terms,
-    then (shape (B, H, N) given, the check passed) timed, beside torch SDPA's backward."""
+    """The tensor-core backward checked on (1, heads, n, d) with the gradients' rule and its 16-bit terms (float32:
+    3xTF32's split terms), then (shape (B, H, N) given, the check passed) timed, beside torch SDPA's backward in
+    the same dtype."""
     from numba import cuda
 
     from fa_numba import reference
@@ -166,21 +169,23 @@ def backward_row(d, causal, deterministic, n, shape, heads=2, kind="float16") ->
 
     row = {"order": "bwd-kv-mma", "kind": kind, "d": d, "causal": causal, "deterministic": deterministic}
     rng = np.random.default_rng(2)
-    values = [rng.standard_normal((1, heads, n, d)).astype(np.float16) for _ in range(4)]
+    dtype = np.float32 if kind == "float32" else np.float16  # bfloat16 is not timed here
+    values = [rng.standard_normal((1, heads, n, d)).astype(dtype) for _ in range(4)]
     exact = [x.astype(np.float64) for x in values]
     out, lse = reference.attention(*exact[:3], causal=causal)
     grads = fa_numba.attention_backward(*values[:3], out.astype(np.float32), lse.astype(np.float32), values[3],
                                         causal=causal, engine="mma", deterministic=deterministic)
     try:
-        c = tolerance_backward.check_attention_backward(*grads, *exact, causal=causal, p_dtype=kind,
-                                                        contractions=("matmul",))
+        terms = {"products": "3xtf32"} if kind == "float32" else {"p_dtype": kind}
+        c = tolerance_backward.check_attention_backward(*grads, *exact, causal=causal, contractions=("matmul",),
+                                                        **terms)
         row.update(passed=True, err=[c.err_dq, c.err_dk, c.err_dv], atol=[c.atol_dq, c.atol_dk, c.atol_dv])
     except AssertionError as err:
         return {**row, "passed": False, "error": str(err)[:400]}
     if shape is None:
         return row
     b, h, n = shape
-    q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float16)) for _ in range(4))
+    q, k, v, do = (cuda.to_device(rng.standard_normal((b, h, n, d)).astype(dtype)) for _ in range(4))
     o = cuda.to_device(rng.standard_normal((b, h, n, d)).astype(np.float32))
     lse_d = cuda.to_device(np.full((b, h, n), 4.0, np.float32))
     dq, dk, dv = (cuda.device_array((b, h, n, d), np.float32) for _ in range(3))
@@ -262,7 +267,8 @@ def main(argv=None) -> int:
     if not args.smoke:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "", "-p", "no:cacheprovider",
                                "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py",
-                               "tests/test_mma_tf32.py", "tests/test_mma_backward.py"],
+                               "tests/test_mma_tf32.py", "tests/test_mma_backward.py",
+                               "tests/test_mma_backward_tf32.py"],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
         results["tests"] = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
         log(f"[tests] {results['tests']}")
@@ -291,13 +297,13 @@ def main(argv=None) -> int:
                         row.update(model_tflops=model[0], model_limiter=model[1])
                 log(json.dumps(row))
                 results["rows"].append(row)
-    for d in ((16,) if args.smoke else (64, 128)):
-        for causal in (False, True):
-            for deterministic in (False, True):
-                row = backward_row(d, causal, deterministic, n_check, None if args.smoke else shape,
-                                   heads=1 if args.smoke else 2)
-                log(json.dumps(row))
-                results["rows"].append(row)
+    for kind, modes in (("float16", (False, True)), ("float32", (False,))):  # 3xTF32: atomic dQ only
+        for d, causal, deterministic in ((d, c, m) for d in ((16,) if args.smoke else (64, 128))
+                                         for c in (False, True) for m in modes):
+            row = backward_row(d, causal, deterministic, n_check, None if args.smoke else shape,
+                               heads=1 if args.smoke else 2, kind=kind)
+            log(json.dumps(row))
+            results["rows"].append(row)
     for d, d_v, strided in (((16, 8, False), (16, 16, True)) if args.smoke else
                             ((192, 128, False), (192, 192, False), (128, 128, True))):
         for causal in (False, True):

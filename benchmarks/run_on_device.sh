@@ -2,7 +2,8 @@
 # The whole device session in one command, for a lent GPU (about 15 minutes of device time in all):
 #   0. mma_gpu: the warp-primitive and tensor-core tests with the simulator off, then v2-mma checked and timed
 #      beside torch SDPA (float16, bfloat16, float32 by 3xTF32 and TF32), v1-mma, the tensor-core backward beside
-#      SDPA's, and v2-mma at d = 192 (MLA's d_v = 128, native) and on strided views, within 200 s;
+#      SDPA's (float16, and float32 by 3xTF32), and v2-mma at d = 192 (MLA's d_v = 128, native) and on strided
+#      views, within 200 s;
 #   0b. mods_gpu: score mods (ALiBi, softcap, a relative bias) on every kernel family checked with the rules,
 #      then v2 and v2-mma timed with and without them beside torch SDPA, within 90 s;
 #   0c. masks_gpu: a document mask_mod and strided (B, N, H, d) inputs on every CUDA-core kernel, checked, then

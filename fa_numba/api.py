@@ -333,8 +333,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     engine: "simt" (the CUDA-core backward), "mma" (tensor cores, kernels/mma/backward.py: float16
     or bfloat16 q, k, v and dout in q's dtype, order "kv" with or without deterministic, any mask,
     d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7; block_k = 16 x
-    warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim) or "auto" (the default:
-    "mma" where it takes the call as it is, else "simt", as the forward's; fa_numba.engines says when).
+    warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim; float32 inputs by
+    3xTF32, kernels/mma/backward_tf32.py, atomic dQ only, V padded to d where d_v differs) or "auto" (the
+    default: "mma" where it takes the call as it is for float16 / bfloat16, else "simt", as the forward's;
+    fa_numba.engines says when).
 
     score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13), the
     mod and its derivative compiled into the kernels (every order, both engines). The
@@ -391,9 +393,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     unit = engines.backward(engine, kind=dtype, order=order, head_dim=width, dout_kind=dout_kind, causal=causal,
                             deterministic=bool(deterministic), block_q=block_q, block_k=block_k)
     # d_v != d: the backward kernels of both engines take V, dO (and O) d_v wide; the captured gradients' pair
-    # kernels take one head dim, so there the narrower operands are padded with zeros (value_dims: exact) and the
-    # gradients cut back
-    if prob.d_v != prob.d and captured_grads:
+    # kernels and the float32 (3xTF32) tensor-core backward take one head dim, so there the narrower operands
+    # are padded with zeros (value_dims: exact) and the gradients cut back
+    if prob.d_v != prob.d and (captured_grads or (unit == "mma" and dtype == "float32")):
         with call.context():  # on the inputs' GPU
             q, k, v, out, dout = tuple(value_dims.widened(call, name, x, width)
                                        for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
@@ -460,13 +462,13 @@ def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mo
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
                             kind, score_mod, kmod, mask, form, grad_shapes):
     """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
-    16-bit bits; dout must be in q's dtype (the products read its 16 bits as they are). grad_shapes: those of
+    16-bit bits, or on float32 inputs by 3xTF32; dout must be in q's dtype (the products read it as they are). grad_shapes: those of
     (dq, dk, dv) in the caller's layout, their last axes at most the kernels' head dim (value_dims.result)."""
     from fa_numba.kernels.mma import backward as mma_backward
 
     dout_kind = call.kind_of(dout)
     if dout_kind != kind:
-        raise TypeError(f"dout must have q's dtype {kind} for engine='mma' (the tensor cores read its 16 bits), "
+        raise TypeError(f"dout must have q's dtype {kind} for engine='mma' (the tensor cores read it as q's), "
                         f"got {dout_kind}; cast it, or use engine='simt'")
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if size is not None:

@@ -10,13 +10,16 @@ it is, and the CUDA cores otherwise:
 - backward: the same dtype for dout as for q, order "kv" (deterministic or not), d <= 128, tiles the
   tensor-core backward takes (`kernels.mma.backward.plan`).
 Decoding (`decode`): auto takes the tensor-core split kernel for float16 and bfloat16 inputs with d a multiple of
-8 up to 128 and rows 16-byte aligned, the CUDA-core one otherwise. float32 inputs take the CUDA cores under `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by
-3xTF32 (kernels.mma.tf32: three TF32 products per product, within the float32 rule with the term of proofs/L6
-part 9), `engine="mma-tf32"` by one (about 2^-10 relative per product: for speed where that is acceptable, as
-torch's allow_tf32); neither has a backward yet (a ValueError says so). The 16-bit tensor-core results carry the
-rounding of P (and, backward, dS) to the inputs' 16-bit type before their products (proofs/L6 part 7, L7), as
-FlashAttention's own 16-bit kernels do; `engine="simt"` keeps P in float32. `engine="mma"` asks for the tensor
-cores outright: a call they do not take is a ValueError that says why, never a quiet fallback.
+8 up to 128 and rows 16-byte aligned, the CUDA-core one otherwise. float32 inputs take the CUDA cores under
+`auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by 3xTF32 (kernels.mma.tf32: three TF32
+products per product, within the float32 rule with the term of proofs/L6 part 9) and their backward too
+(kernels.mma.backward_tf32: the K/V-outer kernel with atomic dQ, within the gradients' rule with the term of
+proofs/L7's 3xTF32 part; deterministic=True is not built there, a ValueError says so), `engine="mma-tf32"` by one
+(about 2^-10 relative per product: for speed where that is acceptable, as torch's allow_tf32), forward only (a
+ValueError says so). The 16-bit tensor-core results carry the rounding of P (and, backward, dS) to the inputs'
+16-bit type before their products (proofs/L6 part 7, L7), as FlashAttention's own 16-bit kernels do; `engine="simt"`
+keeps P in float32. `engine="mma"` asks for the tensor cores outright: a call they do not take is a ValueError that
+says why, never a quiet fallback.
 """
 
 from __future__ import annotations
@@ -82,9 +85,9 @@ def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
     """What every tensor-core kernel needs of a call: a kind it multiplies (the kernel's: 16-bit, or forward
     "float32" / "tf32"), d <= 192 (the 16-bit forward) or 128 (the backward, the float32 forward); every mask
     form is taken."""
-    if backward and kind not in MMA_KINDS:
-        raise ValueError(f"engine='mma' runs the backward for float16 or bfloat16 inputs (the 3xTF32 backward for "
-                         f"float32 is not built yet), got {kind}; use engine='simt' for its backward")
+    if backward and kind not in MMA_KINDS + ("float32",):
+        raise ValueError(f"engine='mma' runs the backward for float16, bfloat16 or float32 (3xTF32) inputs, got "
+                         f"{kind}; use engine='simt' for its backward")
     if kind not in MMA_KINDS + ("float32", "tf32"):  # the 16-bit kinds, 3xTF32, plain TF32
         raise ValueError(f"engine='mma' takes float16, bfloat16 or float32 inputs, got {kind}; use engine='simt' "
                          f"for {kind}")
@@ -127,16 +130,16 @@ def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_di
         def fits():
             from fa_numba.kernels.mma.backward import plan
 
-            if order != "kv" or dout_kind not in (None, kind):
-                raise ValueError(order)
+            if order != "kv" or dout_kind not in (None, kind) or kind not in MMA_KINDS:
+                raise ValueError(order)  # float32 inputs: the CUDA cores under auto, as the forward's
             _check_mma(kind, head_dim, backward=True)
             plan(kind, head_dim, causal, deterministic, block_q, block_k)
         return "mma" if _takes(fits) else "simt"
     if engine == "simt":
         return "simt"
     if engine == "mma-tf32":
-        raise ValueError("engine='mma-tf32' has no backward yet (the tensor-core backward takes float16 and "
-                         "bfloat16); use engine='simt' for the float32 backward")
+        raise ValueError("engine='mma-tf32' has no backward (one TF32 product per product is not float32-grade): "
+                         "engine='mma' runs the float32 backward by 3xTF32, engine='simt' on the CUDA cores")
     if order != "kv":
         raise ValueError(f"engine='mma' runs the K/V-outer backward (order='kv', deterministic or not), got "
                          f"order={order!r}")

@@ -285,7 +285,7 @@ def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> t
     if name in whole_kernel.MMA_BACKWARD:
         from fa_numba.kernels.mma.backward import default_tiles
 
-        return default_tiles("dq" if name == "bwd-dq-mma" else "kv", head_dim)[1:]
+        return default_tiles("dq" if name == "bwd-dq-mma" else "kv", head_dim, dtype)[1:]
     warps, block_k = engines.mma_tiles(head_dim, None, None, dtype)
     return 16 * warps, block_k
 
@@ -329,16 +329,18 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                     continue  # TF32 is a tensor-core forward's mode only, bfloat16 a tensor-core kernel's
                 if is_backward and dtype != "float32" and "float32" in dtypes:
                     continue
-                if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # no 3xTF32 backward yet
-                    continue
+                if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # 3xTF32: the atomic kv kernel
+                    if name != "bwd-kv-mma":
+                        continue
+                    block_q, block_k = _mma_tiles(width, name, dtype)
                 if name in whole_kernel.MMA_VARIANTS:  # float32's tiles hold two tf32 parts: smaller defaults
                     tiles = _mma_tiles(width, name, dtype)
                     if tiles is None:  # float32 above d = 128
                         continue
                     block_q, block_k = tiles
                 for causal in causals:
-                    if is_mma and dtype in FLOAT32_MMA and causal:  # not in the table: the
-                        continue  # causal 3xTF32 kernels spill 4 to 12 bytes (docs/profile.md), which its checks refuse
+                    if name in whole_kernel.MMA_VARIANTS and dtype in FLOAT32_MMA and causal:  # not in the
+                        continue  # table: the causal 3xTF32 forwards spill 4 to 12 bytes (docs/profile.md)
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
                                causal=causal, **own)
 

@@ -7,14 +7,16 @@ err <= 3 err(naive float32) + floor, err(naive) from `reference.attention_backwa
 one float32 ulp of what the backward recomputes (dP - D where it cancels, and LSE; `_recompute_floors`) to
 `rounding_floor`. Each takes `mask=` as the forward does. A tensor-core backward rounds P (before dV = P^T dO)
 and dS (before dK = scale dS^T Q and dQ = scale dS K) to the 16-bit type: `p_dtype=` adds
-`grad_rounding_terms`' u16 sum |a| |b| + eta16 sum |b| per gradient. With a score mod (`score_mod=`,
+`grad_rounding_terms`' u16 sum |a| |b| + eta16 sum |b| per gradient; one that takes float32 inputs' products
+by tf32 parts (3xTF32) adds `grad_split_terms` with `products=`. With a score mod (`score_mod=`,
 proofs/L13) the floors carry |mod'(S)|, and `baseline_captured` / `check_captured_gradients` judge the
 gradients of the mod's captured arrays by the same 3x rule, entry by entry (L13, claim 4).
 
 From `fa_numba.tolerance` it takes the forward rule's pieces as they are: `max_error`, `rounding_floor` and
-`assert_close` (the error, the floor, the entrywise check with its non-finite cases), and three private helpers,
-`_p_rounding` (a 16-bit type's (u16, eta16), P_ROUNDING), `_rounded_operand_bound` (how far rounding one operand
-of a product to 16 bits moves it) and `_finite_max` (the max over the finite entries); and the ex2 weights'
+`assert_close` (the error, the floor, the entrywise check with its non-finite cases), and four private helpers,
+`_p_rounding` (a 16-bit type's (u16, eta16), P_ROUNDING), `_products` (the tf32 products' (eps, eta),
+SPLIT_ROUNDING), `_rounded_operand_bound` (how far rounding one operand of a product to 16 bits moves it) and
+`_finite_max` (the max over the finite entries); and the ex2 weights'
 error, `ex2_weight_error` and FLUSH, which the tensor-core backward's recomputed P shares with the forward's
 weights. `fa_numba.tolerance` does not import this module.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fa_numba import mods, reference
-from fa_numba.tolerance import (FLUSH, _finite_max, _p_rounding, _rounded_operand_bound, assert_close,
+from fa_numba.tolerance import (FLUSH, _finite_max, _p_rounding, _products, _rounded_operand_bound, assert_close,
                                 ex2_weight_error, max_error, rounding_floor)
 
 
@@ -165,6 +167,60 @@ def grad_exp2_terms(grads: reference.DenseBackward) -> tuple[float, float, float
     return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
 
 
+def grad_split_terms(grads: reference.DenseBackward, products: str = "3xtf32") -> tuple[float, float, float]:
+    """(term_dq, term_dk, term_dv): how far taking every product of the backward by tf32 parts (3xTF32, the
+    tensor-core backward of float32 inputs) can move dq, dk, dv (proofs/L7, the 3xTF32 backward). Each product a b
+    errs by at most eps |a| |b| + eta (|a| + |b|) (`tolerance.SPLIT_ROUNDING[products]`), so, over the visible
+    pairs, with M = |mod'(S)| (1 without a score mod):
+    - a score by sigma_ij = |scale| sum_x (eps |Q_ix| |K_jx| + eta (|Q_ix| + |K_jx|)), so P_ij by the relative
+      phi_ij = expm1(M sigma_ij), and dP_ij by delta_ij = sum_x (eps |dO_ix| |V_jx| + eta (|dO_ix| + |V_jx|));
+    - dS_ij = P_ij (dP_ij - D_i) M by err_ij = (phi_ij |P_ij (dP_ij - D_i)| + (1 + phi_ij) P_ij delta_ij) M;
+    - the gradients' own products, on operands already that far off:
+
+        term_dv = max_{j,x} sum_{h in group} sum_i (phi_ij P_ij |dO_ix| + eps P'_ij |dO_ix| + eta (P'_ij + |dO_ix|)),
+        term_dk = |scale| max_{j,x} sum_{h in group} sum_i (err_ij |Q_ix| + eps |dS'_ij| |Q_ix|
+                  + eta (|dS'_ij| + |Q_ix|)),
+        term_dq = |scale| max_{i,x} sum_j (err_ij |K_jx| + eps |dS'_ij| |K_jx| + eta (|dS'_ij| + |K_jx|)),
+
+      P' = (1 + phi) P and |dS'| = |dS| + err the perturbed operands' magnitudes. First order in the products' errors
+    as the forward's split term (L6 part 9); the float32 roundings are the 3x rule's, the ex2 weights
+    `grad_exp2_terms`'."""
+    eps, eta = _products(products)
+    q4, k4, v4, do4, p, dp, d_row = grads.q, grads.k, grads.v, grads.dout, grads.p, grads.dp, grads.d_row
+    visible, prob, zero = grads.visible, grads.problem, grads.p.dtype.type(0)
+    grouped = (prob.batch, prob.heads_kv, prob.group, prob.n_k, -1)
+    visible_t = np.swapaxes(visible, -1, -2)
+
+    def product_error(a, b):  # sum_j |a_ij| |b_jx| eps + eta (|a_ij| + |b_jx|) over the visible j
+        exact = _rounded_operand_bound(a, b, visible, None, rounding=(eps, eta))
+        return exact + eta * np.abs(a).sum(axis=-1)[..., None]
+
+    with np.errstate(invalid="ignore", over="ignore"):  # rows the inputs make NaN stay NaN and are skipped
+        aq, ak, av, ado = np.abs(q4), np.abs(k4), np.abs(v4), np.abs(do4)
+        sigma = abs(grads.scale) * (eps * (aq @ np.swapaxes(ak, -1, -2))
+                                    + eta * (aq.sum(axis=-1)[..., :, None] + ak.sum(axis=-1)[..., None, :]))
+        delta = eps * (ado @ np.swapaxes(av, -1, -2)) + eta * (ado.sum(axis=-1)[..., :, None]
+                                                              + av.sum(axis=-1)[..., None, :])
+        slope = np.abs(grads.mod_grad) if grads.mod_grad is not None else 1.0
+        phi = np.where(visible & (p > 0), np.expm1(sigma * slope), zero)
+        ds = np.where(visible, p * (dp - d_row[..., None]) * slope, zero)  # |dS| with the mod's factor
+        err = np.where(visible, (phi * np.abs(ds) + (1 + phi) * p * delta * slope), zero)
+        ds_mag = np.abs(ds) + err
+        exact = (1.0, 0.0)
+        term_dq = abs(grads.scale) * (_rounded_operand_bound(err, k4, visible, None, rounding=exact)
+                                      + product_error(ds_mag, k4))
+        err_t, ds_t = np.swapaxes(err, -1, -2), np.swapaxes(ds_mag, -1, -2)
+        term_dk = abs(grads.scale) * (
+            _rounded_operand_bound(err_t, q4, visible_t, None, rounding=exact)
+            + _rounded_operand_bound(ds_t, q4, visible_t, None, rounding=(eps, eta))
+            + eta * ds_t.sum(axis=-1)[..., None]).reshape(grouped).sum(axis=2)
+        p_t, phi_p_t = np.swapaxes((1 + phi) * p, -1, -2), np.swapaxes(phi * p, -1, -2)
+        term_dv = (_rounded_operand_bound(phi_p_t, do4, visible_t, None, rounding=exact)
+                   + _rounded_operand_bound(p_t, do4, visible_t, None, rounding=(eps, eta))
+                   + eta * p_t.sum(axis=-1)[..., None]).reshape(grouped).sum(axis=2)
+    return _finite_max(term_dq), _finite_max(term_dk), _finite_max(term_dv)
+
+
 def tolerance_backward(expected: np.ndarray, naive, recompute: float = 0.0) -> float:
     """atol = 3 * err(naive float32) + floor for one gradient (dq, dk or dv): `tolerance` with 3x.
 
@@ -207,12 +263,14 @@ class BaselineBackward:
 
 def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
                       contractions=reference.CONTRACTIONS, mask=None, p_dtype: str | None = None,
-                      score_mod=None) -> BaselineBackward:
+                      score_mod=None, products: str | None = None) -> BaselineBackward:
     """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward).
 
     p_dtype ("float16" or "bfloat16"): the implementation rounds P (before dV) and dS (before dK and dQ) to
     that type (a tensor-core backward); each gradient's atol gets `grad_rounding_terms`' term, and
     `grad_exp2_terms`' (such a backward recomputes P by ex2). None: float32.
+    products ("3xtf32"): the implementation takes every product by tf32 parts (the tensor-core backward of
+    float32 inputs): each gradient's atol gets `grad_split_terms`' term and `grad_exp2_terms`'. Not with p_dtype.
     score_mod (a `fa_numba.mods.ScoreMod` with its grad): the reference and the naive evaluations apply it
     (the mod and its derivative on float32 scalars, each rounded to float32 once, as the kernels evaluate
     them), and the recomputation floors carry |mod'(S)| (`_recompute_floors`; proofs/L13, the kernels).
@@ -221,11 +279,18 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
     """
     if p_dtype is not None:
         _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
+    if products is not None:
+        _products(products)  # a bad products fails before the reference is computed
+        if p_dtype is not None:
+            raise ValueError("p_dtype (16-bit products) and products (tf32 parts of float32) name two different "
+                             "tensor-core backwards: give one")
     grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
     ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
     terms = (0.0, 0.0, 0.0)
     if p_dtype is not None:  # a tensor-core backward: P and dS rounded to 16 bits, P recomputed by ex2
         terms = tuple(a + b for a, b in zip(grad_rounding_terms(grads, p_dtype), grad_exp2_terms(grads)))
+    elif products is not None:  # the float32 inputs' tensor-core backward: tf32 parts, P recomputed by ex2
+        terms = tuple(a + b for a, b in zip(grad_split_terms(grads, products), grad_exp2_terms(grads)))
     del grads  # its P and dP (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask,
                                                     score_mod=score_mod)
@@ -244,12 +309,14 @@ def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") 
 
 def check_attention_backward(dq, dk, dv, q, k, v, dout, *, causal: bool = False, scale: float | None = None,
                              name: str = "kernel", contractions=reference.CONTRACTIONS, mask=None,
-                             p_dtype: str | None = None, score_mod=None) -> CheckBackward:
+                             p_dtype: str | None = None, score_mod=None, products: str | None = None
+                             ) -> CheckBackward:
     """Check gradients from any implementation against the float64 reference with the 3x rule (mask as
     in `attention_backward`; p_dtype for a tensor-core backward, the 16-bit type P and dS are rounded to;
-    score_mod for one that applies a score mod, `baseline_backward`)."""
+    products="3xtf32" for the tensor-core backward of float32 inputs; score_mod for one that applies a score
+    mod, `baseline_backward`)."""
     base = baseline_backward(q, k, v, dout, causal=causal, scale=scale, contractions=contractions, mask=mask,
-                             p_dtype=p_dtype, score_mod=score_mod)
+                             p_dtype=p_dtype, score_mod=score_mod, products=products)
     return judge_backward(dq, dk, dv, base, name=name)
 
 

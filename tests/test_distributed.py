@@ -169,8 +169,8 @@ def test_bad_layouts_and_shapes_are_refused_by_name():
         fd.ring_attention(x[0], x, x)
     with pytest.raises(ValueError, match="engine must be one of"):
         fd.ring_attention(x, x, x, engine="tensor")
-    with pytest.raises(ValueError, match=r"engine='mma' runs float32 inputs' forward only"):
-        fd.ring_attention(x.requires_grad_(), x, x, engine="mma")
+    with pytest.raises(ValueError, match=r"engine='mma-tf32' runs float32 inputs' forward only"):
+        fd.ring_attention(x.requires_grad_(), x, x, engine="mma-tf32")
     x = x.detach()
     with pytest.raises(ValueError, match=r"q, k, v must be shards of one sequence"):
         fd.ring_attention(x, x, torch.zeros(1, 1, 6, 2))

@@ -119,8 +119,8 @@ def run_counted(kernel, q, k, v, scale, mask=None):
 
 def run_counted_backward(q, k, v, out, lse, dout, scale, *, causal=False, order="kv", deterministic=False,
                          block, mask=None, engine="simt", kind=None, block_k=None):
-    """Run the backward kernels (kernels.backward.run; engine "mma": kernels.mma.backward.run for 16-bit `kind`
-    inputs with tiles block_q = block, block_k, their cp.async copies counted too) on host arrays in the
+    """Run the backward kernels (kernels.backward.run; engine "mma": kernels.mma.backward.run for `kind` inputs,
+    16-bit or float32, with tiles block_q = block, block_k, their cp.async copies counted too) on host arrays in the
     simulator, counting the HBM traffic of every tensor of tiled.BACKWARD_TENSORS. mask: a KernelMask for the
     CUDA-core kernels; for engine "mma" the block mask itself (fixed for these sizes), whose lists the run builds
     for each of its kernels' tiles; passed through uncounted.

@@ -57,8 +57,11 @@ engine's value stagers), dP^T = V_j dO_i^T runs over d_v's k-steps and S^T over 
 where its k-step exists), dV is accumulated and written d_v wide; Q, K, dQ, dK keep d. The traffic above then
 counts V, O, dO and dV d_v wide (iomodel.traffic_backward's d_v).
 
-Limits: float16 and bfloat16 (float32 on tensor cores, 3xTF32, is not built); d, d_v <= 128; static shared memory
-<= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with B_r / 16 and W dividing one another;
+float32 inputs (kind "float32"): the kv kernel's products by 3xTF32 (kernels.mma.backward_tf32: its fragments,
+tiles staged raw and split where read, the same visits, masks, exact path and traffic), atomic dQ only (no dq
+pass), d_v = d (the API pads V), tiles DEFAULTS_FLOAT32.
+
+Limits: d, d_v <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with B_r / 16 and W dividing one another;
 dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
 Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-det,bwd-dq-mma`).
 """
@@ -75,7 +78,8 @@ from numba import cuda, float32
 from fa_numba.kernels.block_lists import LIST_FORMS, kernel_mask, mask_arrays, mask_types
 from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.backward_dq import dq_source
-from fa_numba.kernels.mma.backward_kv import kv_source
+from fa_numba.kernels.mma.backward_kv import kv_products16, kv_source
+from fa_numba.kernels.mma.backward_tf32 import kv_products as kv_products_tf32
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, tuple_type
 
 from fa_numba import backend
@@ -88,12 +92,24 @@ ROLES = ("kv", "dq")
 # (the kv kernel's B_r is small because its registers hold dK, dV, P^T and dS^T: B_r = 32 at d = 64 compiles to
 # 234 registers, 64 to 255 and spills; 16 at d = 128 to 254 without spills, sm_90a, 2026-12-02)
 DEFAULTS = {"kv": ((64, (4, 32, 64)), (128, (4, 16, 64))), "dq": ((64, (4, 64, 64)), (128, (2, 32, 32)))}
+# float32 inputs (3xTF32, kernels.mma.backward_tf32): four raw float32 tiles and dS^T under 48 KB (d = 64:
+# 2 x 48 rows of 68 words and 32 x 20 of dS^T, 28.6 KB; d = 128: 2 x 32 rows of 132, 35 KB); registers: B_r = 32
+# at d = 64 compiles to 255 registers and spills 100 bytes, B_r = 16 at d = 128 to 246 without (sm_90a, 2026-12-04)
+DEFAULTS_FLOAT32 = {"kv": ((64, (2, 16, 32)), (128, (1, 16, 16)))}
+KINDS_BACKWARD = KINDS + ("float32",)  # the 16-bit kinds, and float32 inputs by 3xTF32 (kv kernel, atomic dQ)
 
 
-def default_tiles(role: str, head_dim: int) -> tuple[int, int, int]:
-    """(warps, block_q, block_k) of `role` for head dim d (DEFAULTS)."""
-    for bound, tiles in DEFAULTS[role]:
+def default_tiles(role: str, head_dim: int, kind: str = "float16") -> tuple[int, int, int]:
+    """(warps, block_q, block_k) of `role` for head dim d (DEFAULTS; DEFAULTS_FLOAT32 for float32 inputs)."""
+    table = DEFAULTS_FLOAT32 if kind == "float32" else DEFAULTS
+    if role not in table:
+        raise ValueError(f"the {role} kernel of the tensor-core backward takes {KINDS} inputs, got {kind}")
+    for bound, tiles in table[role]:
         if head_dim <= bound:
+            warps, block_q, _ = tiles
+            split = warps // (block_q // 16) if warps > block_q // 16 else 1  # warps sharing a dQ slice
+            if kind == "float32" and (-(-head_dim // 8)) % split:  # d's 8-column blocks do not split over them
+                return 1, 16, 16
             return tiles
     raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM} for the tensor-core backward, got {head_dim}")
 
@@ -104,7 +120,7 @@ class MmaBackwardConfig(ValueDim, PaddedRows):
     (value_dim; 0: d): staged, multiplied and written d_v wide, Q, K, dQ, dK d wide."""
 
     role: str  # "kv" (dK, dV on chip; dQ by atomics unless deterministic) or "dq" (the deterministic dQ pass)
-    kind: str  # "float16" or "bfloat16"
+    kind: str  # "float16" or "bfloat16", or "float32" (3xTF32: kernels.mma.backward_tf32)
     warps: int
     block_q: int
     block_k: int
@@ -121,6 +137,22 @@ class MmaBackwardConfig(ValueDim, PaddedRows):
         return self.mask_form in LIST_FORMS
 
     @property
+    def float32(self) -> bool:
+        """float32 inputs, multiplied by 3xTF32 (kernels.mma.backward_tf32)."""
+        return self.kind == "float32"
+
+    @property
+    def padded_dim(self) -> int:
+        """d padded to whole k-steps: 16 (m16n8k16), 8 for float32 inputs (m16n8k8)."""
+        return self.staging().padded_dim
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between staged rows (the forward engine's rule: ldmatrix's 16 bytes of pad, 4 words for
+        float32)."""
+        return self.staging().row_stride
+
+    @property
     def padded_value_dim(self) -> int:
         """d_v padded as d is: V_j's and dO_i's staged columns, dV's accumulator columns."""
         return self.staging().padded_value_dim
@@ -132,12 +164,15 @@ class MmaBackwardConfig(ValueDim, PaddedRows):
 
     @property
     def ds_stride(self) -> int:
-        return self.block_q + 8
+        """Elements between the rows of dS^T in shared memory: 16 bytes of pad (ldmatrix), 4 words for float32
+        (the dQ product's reads of rows 2t on 32 distinct banks)."""
+        return self.block_q + (4 if self.float32 else 8)
 
     @property
     def shared_bytes(self) -> int:
-        staged = 2 * (self.row_stride + self.value_row_stride) * (self.block_q + self.block_k)  # Q, K; dO, V
-        ds = 2 * self.block_k * self.ds_stride if self.role == "kv" else 2 * self.block_q * (self.block_k + 8)
+        item = 4 if self.float32 else 2
+        staged = item * (self.row_stride + self.value_row_stride) * (self.block_q + self.block_k)  # Q, K; dO, V
+        ds = item * self.block_k * self.ds_stride if self.role == "kv" else 2 * self.block_q * (self.block_k + 8)
         stats = 8 * self.block_q
         return staged + ds + stats
 
@@ -149,9 +184,17 @@ class MmaBackwardConfig(ValueDim, PaddedRows):
     def check(self) -> "MmaBackwardConfig":
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"dtype must be one of {KINDS} for the tensor-core backward (float32 by 3xTF32 is not "
-                             f"built yet), got {self.kind!r}")
+        if self.kind not in KINDS_BACKWARD:
+            raise ValueError(f"dtype must be one of {KINDS_BACKWARD} for the tensor-core backward, got "
+                             f"{self.kind!r}")
+        if self.float32 and (self.role != "kv" or self.deterministic):
+            raise ValueError("the tensor-core backward of float32 inputs (3xTF32) is the K/V-outer kernel with "
+                             "atomic dQ: its deterministic mode is not built (use engine='simt' for "
+                             "deterministic=True)")
+        if self.float32 and self.value_dim and self.value_dim != self.head_dim:
+            raise ValueError(f"a value head dim of its own (d_v = {self.value_dim} != d = {self.head_dim}) is taken "
+                             "by the 16-bit tensor-core backward; float32 inputs are padded to d "
+                             "(fa_numba.value_dims)")
         if self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
         for name, size in (("head dim d", self.head_dim), ("value head dim d_v", self.d_v)):
@@ -193,7 +236,10 @@ class MmaBackwardKernel:
 
     def __init__(self, config: MmaBackwardConfig):
         self.config = config.check()
-        self.source = (kv_source if config.role == "kv" else dq_source)(config)
+        if config.role == "dq":
+            self.source = dq_source(config)
+        else:
+            self.source = kv_source(config, (kv_products_tf32 if config.float32 else kv_products16)(config))
         self.kernel = cuda.jit(self.source)
         self.GRID_AXES = (("ceil(N_k / block_k)", "batch * heads_kv") if config.role == "kv"
                           else ("ceil(N_q / block_q)", "batch * heads"))
@@ -213,7 +259,7 @@ class MmaBackwardKernel:
 
         if dtype is not None and dtype != self.config.kind:
             raise ValueError(f"dtype must be {self.config.kind!r} for this kernel (compiled for it), got {dtype!r}")
-        bits = types.Array(types.uint16, 4, "C")
+        bits = types.Array(types.float32 if self.config.float32 else types.uint16, 4, "C")
         grad, stat = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")  # dV's d_v: a shape
         trailing = mask_types() + (tuple_type(self.config.mod),)
         if self.config.role == "kv":
@@ -254,7 +300,7 @@ def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=No
     (block_k / 16 warps) and the dq pass the same tiles (block_q / 16 warps), so that both passes visit the
     pairs iomodel counts."""
     widest = max(head_dim, value_dim)
-    warps, bq, bk = default_tiles("kv", widest)
+    warps, bq, bk = default_tiles("kv", widest, kind)
     chosen = block_q is not None or block_k is not None
     for name, size in (("block_k", block_k), ("block_q", block_q if deterministic else None)):
         if size is not None and (size <= 0 or size % 16 or size // 16 not in (1, 2, 4, 8)):

@@ -7,6 +7,8 @@ row writer of the accumulator fragments and the exact path's CUDA-core reduction
 from __future__ import annotations
 
 import numpy as np
+from types import SimpleNamespace
+
 from numba import cuda, float32, uint16, uint32
 
 from fa_numba import warp
@@ -99,37 +101,22 @@ def row_fragments(KS: int, KSV: int, SQ: int, SV: int):
     return hold
 
 
-def kv_source(config):
-    """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
-    sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale)."""
+def kv_products16(config):
+    """The 16-bit pieces of the K/V-outer kernel (kernels.mma.backward's docstring: each product's fragments),
+    for `kv_source`: staging (the forward engine's), K_j's and V_j's A fragments held or read by ldmatrix, S^T
+    and dP^T (`scores`), dV += P^T dO_i and dK += dS^T Q_i (`grads`), the warp's rows of P^T or dS^T into shared
+    memory rounded to 16 bits (`store_rows`) and one unit of dQ_i by ldmatrix .trans (`dq_unit`). The float32
+    inputs' pieces are kernels.mma.backward_tf32's."""
     E = make_ops(config.staging())
-    stage_two, any_bad, any_bad_v, mma, pack, to_f32 = E.stage_two, E.any_bad, E.any_bad_v, E.mma, E.pack, E.to_f32
-    W, BR, BC, D, DP, SQ, SDS = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
-                                 config.row_stride, config.ds_stride)
+    mma, pack = E.mma, E.pack
+    BR, BC, D, DP, SQ, SDS = (config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride,
+                              config.ds_stride)
     KS, NQ, DN, KQ, KK = DP // 16, BR // 8, DP // 8, BR // 16, BC // 16
-    # V_j, dO_i and dV at d_v: their k-steps (dP^T = V_j dO_i^T), column blocks (dV) and row stride
-    DV, SV = E.sizes.DV, E.sizes.SV
-    KSV, DNV = E.sizes.DPV // 16, E.sizes.DNV
+    SV, KSV, DNV = E.sizes.SV, E.sizes.DPV // 16, E.sizes.DNV
     KSC = min(KS, KSV)  # the k-steps S^T and dP^T share
-    SLICES = BR // 16
-    SPLIT = W // SLICES if W > SLICES else 1  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
-    DNS, UNITS = DN // SPLIT, SLICES * SPLIT
-    CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
+    DNS = dq_split(config)[1]
     HOLD = max(DP, E.sizes.DPV) <= 64  # K_j's and V_j's A fragments held in registers for the block's life
-    # Only a causal visit or a block mask can mask a pair between two rows that hold data: without them the
-    # masked pairs are those of padded rows or keys (staged as zeros), whose products are 0 whatever the data
-    # holds, so the exact path is compiled in for masked kernels only (kernels.mma.backward, non-finite inputs)
-    M = masking.make(CAUSAL, config.mask_form, config.mod)
-    GUARDED, LISTS, PARTIAL_KIND, slot = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot
-    PER_WARP = UNITS // W if UNITS >= W else 1  # dQ units per warp, a constant: the loop unrolls
-    Q_SIZE, KV_SIZE, DS_SIZE, HELD, HELDV = BR * SQ, BC * SQ, BC * SDS, (KS if HOLD else 1), (KSV if HOLD else 1)
-    DO_SIZE, V_SIZE = BR * SV, BC * SV
-    visible = M.visible
-    exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)  # dK: over Q_i
-    exact_reduce_v = _exact_product(BR, SDS, DNV, SV, to_f32, visible, lane_owns_keys=True)  # dV: over dO_i
-    write_rows, write_rows_v = _row_writer(D, DN), _row_writer(DV, DNV)
-    MOD = has_scores(config.mod)
-    modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
+    add_dq = dq_adder(D)
 
     @cuda.jit(device=True, inline=True)
     def store_rows(sds, x, wid, g, t):
@@ -143,6 +130,11 @@ def kv_source(config):
     # acc += X^T src: X^T's A fragments the warp's own (x: 16 keys x B_r queries in the C layout, rounded to 16
     # bits), src (Q_i or dO_i, B_r x DP) B fragments by ldmatrix x4 .trans, two column blocks a load
     hold_rows = row_fragments(KS, KSV, SQ, SV)
+
+    @cuda.jit(device=True, inline=True)
+    def hold(sk, kf, sv, vf, wid, mrow, mat):
+        if HOLD:
+            hold_rows(sk, kf, sv, vf, wid, mrow, mat)
 
     @cuda.jit(device=True, inline=True)
     def a_fragment(held, tile, stride, ks, wid, mrow, mat):
@@ -164,14 +156,127 @@ def kv_source(config):
         b = b_fragments(sb_, stride, ks, np_, mrow, mat)
         return mma(c4, a, (b[0], b[1])), mma(c5, a, (b[2], b[3]))
 
+    @cuda.jit(device=True, inline=True)
+    def scores(s, dp, kf, vf, sk, sv, sq, sdo, wid, mrow, mat):
+        """S^T and dP^T in s and dp, two 8-query blocks at a time: K_j's and V_j's A fragments read once per
+        k-step for both (at d = 128, B_r = 16, once per visit), Q_i's and dO_i's B fragments of the two blocks
+        by one ldmatrix x4 each (NQ = B_r / 8 is even); each block's sum runs over the k-steps in order."""
+        for np_ in range(NQ // 2):
+            d4, d5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # S^T: blocks 2 np_, 2 np_ + 1
+            e4, e5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # dP^T
+            # S^T's k-steps run over d, dP^T's over d_v: both where both have one, then the longer's own
+            # (separate loops with constant trips, so each unrolls: no k-step tested in a loop)
+            for ks in range(KSC):
+                ak = a_fragment(kf, sk, SQ, ks, wid, mrow, mat)
+                av = a_fragment(vf, sv, SV, ks, wid, mrow, mat)
+                bq = b_fragments(sq, SQ, ks, np_, mrow, mat)
+                bo = b_fragments(sdo, SV, ks, np_, mrow, mat)
+                d4 = mma(d4, ak, (bq[0], bq[1]))
+                d5 = mma(d5, ak, (bq[2], bq[3]))
+                e4 = mma(e4, av, (bo[0], bo[1]))
+                e5 = mma(e5, av, (bo[2], bo[3]))
+            for ks in range(KSC, KS):
+                d4, d5 = a_times_b(d4, d5, ks, np_, kf, sk, sq, SQ, wid, mrow, mat)
+            for ks in range(KSC, KSV):
+                e4, e5 = a_times_b(e4, e5, ks, np_, vf, sv, sdo, SV, wid, mrow, mat)
+            for e in range(4):
+                s[2 * np_, e], s[2 * np_ + 1, e] = d4[e], d5[e]
+                dp[2 * np_, e], dp[2 * np_ + 1, e] = e4[e], e5[e]
+
     product = fragments_times_staged(KQ, DN, SQ, mma, pack)
     product_v = fragments_times_staged(KQ, DNV, SV, mma, pack)  # dV += P^T dO_i, d_v wide
+
+    @cuda.jit(device=True, inline=True)
+    def grads(dva, dka, s, dp, sdo, sq, mrow, mat):
+        """dV += P^T dO_i and dK += dS^T Q_i (without the scale) from the warp's own fragments."""
+        product_v(dva, s, sdo, mrow, mat)
+        product(dka, dp, sq, mrow, mat)
+
+    @cuda.jit(device=True, inline=True)
+    def dq_unit(af, sds, sk, dq, b, h, row0, mi, part, scale, n_q, g, t, mrow, mat):
+        """dQ_i's 16-row slice mi, its column blocks `part`, += scale dS K_j by atomic adds: dS's A fragments by
+        ldmatrix x4 .trans of sds, K_j's B fragments by ldmatrix x2 .trans."""
+        for kk in range(KK):
+            a = warp.ldmatrix_x4_trans(sds, (16 * kk + mrow + 8 * (mat >> 1)) * SDS + 16 * mi + 8 * (mat & 1))
+            for e in range(4):
+                af[kk, e] = a[e]
+        for dd in range(DNS):
+            dn = part * DNS + dd
+            d4 = (ZERO, ZERO, ZERO, ZERO)
+            for kk in range(KK):
+                bk = warp.ldmatrix_x2_trans(sk, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
+                d4 = mma(d4, (af[kk, 0], af[kk, 1], af[kk, 2], af[kk, 3]), bk)
+            add_dq(dq, b, h, row0, dn, d4, scale, n_q, t)
+
+    HELD, HELDV = (KS if HOLD else 1), (KSV if HOLD else 1)
+    return SimpleNamespace(stage_two=E.stage_two, any_bad=E.any_bad, any_bad_v=E.any_bad_v, to_f32=E.to_f32,
+                           element=uint16, fragment=uint32, held=(HELD, 4), held_v=(HELDV, 4), af=(KK, 4),
+                           DV=E.sizes.DV, SV=SV, DNV=DNV, hold=hold, scores=scores, grads=grads,
+                           store_rows=store_rows, dq_unit=dq_unit)
+
+
+def dq_split(config) -> tuple[int, int]:
+    """(SPLIT, DNS): the warps sharing one 16-row slice of dQ_i, and the 8-column blocks each takes."""
+    slices, warps = config.block_q // 16, config.warps
+    split = warps // slices if warps > slices else 1
+    return split, (config.padded_dim // 8) // split
+
+
+def dq_adder(D: int):
+    """add_dq(dq, b, h, row0, dn, d4, scale, n_q, t): atomically add scale x a lane's dQ fragment (rows row0,
+    row0 + 8; 8-column block dn) into dQ. The indices go in with their sign bit cleared (& NONNEG; they are not
+    negative): numba-cuda wraps an atomic's index like a negative Python index unless the compiler can prove it
+    is not negative, which it could not for these (a test and a select per index and element: a d = 64 visit
+    1254 instructions with them, 1165 without; 1070 and 985 at d = 128, sm_90a). The mask keeps them 64-bit
+    (L9)."""
+
+    @cuda.jit(device=True, inline=True)
+    def add_dq(dq, b, h, row0, dn, d4, scale, n_q, t):
+        for e in range(4):
+            row = row0 + 8 * (e >> 1)
+            x = 8 * dn + 2 * t + (e & 1)
+            if row < n_q and x < D:
+                cuda.atomic.add(dq, (b & NONNEG, h & NONNEG, row & NONNEG, x & NONNEG), scale * d4[e])
+
+    return add_dq
+
+
+def kv_source(config, P):
+    """The Python function of the K/V-outer kernel (cuda.jit compiles it for a launch, fa_numba.profile for
+    sm_90a): bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale); P its products' pieces (`kv_products16`, or
+    kernels.mma.backward_tf32's for float32 inputs)."""
+    stage_two, any_bad, any_bad_v, to_f32 = P.stage_two, P.any_bad, P.any_bad_v, P.to_f32
+    hold, scores, grads, store_rows, dq_unit = P.hold, P.scores, P.grads, P.store_rows, P.dq_unit
+    ELEM, FRAG, HELD, HELDV, AF = P.element, P.fragment, P.held, P.held_v, P.af
+    W, BR, BC, D, DP, SQ, SDS = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
+                                 config.row_stride, config.ds_stride)
+    NQ, DN = BR // 8, DP // 8
+    # V_j, dO_i and dV at d_v: their column blocks (dV) and row stride
+    DV, SV, DNV = P.DV, P.SV, P.DNV
+    SLICES = BR // 16
+    SPLIT, DNS = dq_split(config)  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
+    UNITS = SLICES * SPLIT
+    CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
+    # Only a causal visit or a block mask can mask a pair between two rows that hold data: without them the
+    # masked pairs are those of padded rows or keys (staged as zeros), whose products are 0 whatever the data
+    # holds, so the exact path is compiled in for masked kernels only (kernels.mma.backward, non-finite inputs)
+    M = masking.make(CAUSAL, config.mask_form, config.mod)
+    GUARDED, LISTS, PARTIAL_KIND, slot = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot
+    PER_WARP = UNITS // W if UNITS >= W else 1  # dQ units per warp, a constant: the loop unrolls
+    Q_SIZE, KV_SIZE, DS_SIZE = BR * SQ, BC * SQ, BC * SDS
+    DO_SIZE, V_SIZE = BR * SV, BC * SV
+    visible = M.visible
+    exact_reduce = _exact_product(BR, SDS, DN, SQ, to_f32, visible, lane_owns_keys=True)  # dK: over Q_i
+    exact_reduce_v = _exact_product(BR, SDS, DNV, SV, to_f32, visible, lane_owns_keys=True)  # dV: over dO_i
+    write_rows, write_rows_v = _row_writer(D, DN), _row_writer(DV, DNV)
+    MOD = has_scores(config.mod)
+    modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
 
     @cuda.jit(device=True, inline=True)
     def exact_dq(sds, sk, dq, b, h, row0, local0, c0, part, scale, n_q, n_k, delta, t, lohis, denses, sb, sh,
                  captured):
         """dQ_i += scale dS K_j over the visible pairs only, on the CUDA cores in float32, for this lane's entries
-        of the slice's column blocks `part` (dS from shared memory, 16-bit as the mma path reads it)."""
+        of the slice's column blocks `part` (dS from shared memory, as the mma path reads it)."""
         for dd in range(DNS):
             dn = part * DNS + dd
             for e in range(4):
@@ -184,35 +289,22 @@ def kv_source(config):
                 if row < n_q and x < D:
                     cuda.atomic.add(dq, (b, h, row, x), scale * total)
 
-    @cuda.jit(device=True, inline=True)
-    def add_dq(dq, b, h, row0, dn, d4, scale, n_q, t):
-        """Atomically add scale x this lane's dQ fragment (rows row0, row0 + 8; 8-column block dn) into dQ. The
-        indices go in with their sign bit cleared (& NONNEG; they are not negative): numba-cuda wraps an
-        atomic's index like a negative Python index unless the compiler can prove it is not negative, which it
-        could not for these (a test and a select per index and element: a d = 64 visit 1254 instructions
-        with them, 1165 without; 1070 and 985 at d = 128, sm_90a). The mask keeps them 64-bit (L9)."""
-        for e in range(4):
-            row = row0 + 8 * (e >> 1)
-            x = 8 * dn + 2 * t + (e & 1)
-            if row < n_q and x < D:
-                cuda.atomic.add(dq, (b & NONNEG, h & NONNEG, row & NONNEG, x & NONNEG), scale * d4[e])
-
     def bwd_kv_mma(q, k, v, do, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs,
                    row_kinds, lohis, denses, captured):
-        sk = cuda.shared.array(KV_SIZE, uint16)
-        sv = cuda.shared.array(V_SIZE, uint16)
-        sq = cuda.shared.array(Q_SIZE, uint16)
-        sdo = cuda.shared.array(DO_SIZE, uint16)
-        sds = cuda.shared.array(DS_SIZE, uint16)  # P^T or dS^T of the block's keys, 16-bit, [key][query]
+        sk = cuda.shared.array(KV_SIZE, ELEM)
+        sv = cuda.shared.array(V_SIZE, ELEM)
+        sq = cuda.shared.array(Q_SIZE, ELEM)
+        sdo = cuda.shared.array(DO_SIZE, ELEM)
+        sds = cuda.shared.array(DS_SIZE, ELEM)  # P^T or dS^T of the block's keys, [key][query]
         slse = cuda.shared.array(BR, float32)
         sd = cuda.shared.array(BR, float32)
-        kf = cuda.local.array((HELD, 4), uint32)  # K_j's and V_j's A fragments (HOLD)
-        vf = cuda.local.array((HELDV, 4), uint32)
+        kf = cuda.local.array(HELD, FRAG)  # K_j's and V_j's A fragments, where P holds them
+        vf = cuda.local.array(HELDV, FRAG)
         s = cuda.local.array((NQ, 4), float32)  # P^T: the warp's 16 keys x B_r queries
         dp = cuda.local.array((NQ, 4), float32)  # dS^T
         dka = cuda.local.array((DN, 4), float32)  # dK's accumulator (without the scale): 16 keys x DP
         dva = cuda.local.array((DNV, 4), float32)  # dV's: 16 keys x d_v padded
-        af = cuda.local.array((KK, 4), uint32)  # dS's A fragments of one dQ slice
+        af = cuda.local.array(AF, FRAG)  # dS's A fragments of one dQ slice
         j, bh = cuda.blockIdx.x, cuda.blockIdx.y
         tid = cuda.threadIdx.x
         lane, wid = tid & 31, tid >> 5
@@ -251,8 +343,7 @@ def kv_source(config):
         kv_bad = False
         if GUARDED:
             kv_bad = cuda.syncthreads_or(1 if (any_bad(sk, BC) or any_bad_v(sv, BC)) else 0) != 0
-        if HOLD:
-            hold_rows(sk, kf, sv, vf, wid, mrow, mat)
+        hold(sk, kf, sv, vf, wid, mrow, mat)
 
         for hh in range(group):
             h = hk * group + hh
@@ -282,31 +373,7 @@ def kv_source(config):
                     bad = kv_bad or any_bad(sq, BR) or any_bad_v(sdo, BR)
                     guard = cuda.syncthreads_or(1 if bad else 0) != 0
 
-                # S^T and dP^T in s and dp, two 8-query blocks at a time: K_j's and V_j's A fragments read once per
-                # k-step for both (at d = 128, B_r = 16, once per visit), Q_i's and dO_i's B fragments of the two
-                # blocks by one ldmatrix x4 each (NQ = B_r / 8 is even); each block's sum runs over the k-steps in
-                # order, as before
-                for np_ in range(NQ // 2):
-                    d4, d5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # S^T: blocks 2 np_, 2 np_ + 1
-                    e4, e5 = (ZERO, ZERO, ZERO, ZERO), (ZERO, ZERO, ZERO, ZERO)  # dP^T
-                    # S^T's k-steps run over d, dP^T's over d_v: both where both have one, then the longer's
-                    # own (separate loops with constant trips, so each unrolls: no k-step tested in a loop)
-                    for ks in range(KSC):
-                        ak = a_fragment(kf, sk, SQ, ks, wid, mrow, mat)
-                        av = a_fragment(vf, sv, SV, ks, wid, mrow, mat)
-                        bq = b_fragments(sq, SQ, ks, np_, mrow, mat)
-                        bo = b_fragments(sdo, SV, ks, np_, mrow, mat)
-                        d4 = mma(d4, ak, (bq[0], bq[1]))
-                        d5 = mma(d5, ak, (bq[2], bq[3]))
-                        e4 = mma(e4, av, (bo[0], bo[1]))
-                        e5 = mma(e5, av, (bo[2], bo[3]))
-                    for ks in range(KSC, KS):
-                        d4, d5 = a_times_b(d4, d5, ks, np_, kf, sk, sq, SQ, wid, mrow, mat)
-                    for ks in range(KSC, KSV):
-                        e4, e5 = a_times_b(e4, e5, ks, np_, vf, sv, sdo, SV, wid, mrow, mat)
-                    for e in range(4):
-                        s[2 * np_, e], s[2 * np_ + 1, e] = d4[e], d5[e]
-                        dp[2 * np_, e], dp[2 * np_ + 1, e] = e4[e], e5[e]
+                scores(s, dp, kf, vf, sk, sv, sq, sdo, wid, mrow, mat)  # S^T and dP^T
                 for nt in range(NQ):  # P^T and dS^T in place, 0 at masked pairs
                     for e in range(4):
                         d4e, e4e = s[nt, e], dp[nt, e]
@@ -336,8 +403,7 @@ def kv_source(config):
                     exact_reduce(dka, sds, sq, key0, 16 * wid + g, r0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
                                  captured)
                 else:
-                    product_v(dva, s, sdo, mrow, mat)
-                    product(dka, dp, sq, mrow, mat)
+                    grads(dva, dka, s, dp, sdo, sq, mrow, mat)
                     if ATOMIC_DQ:
                         store_rows(sds, dp, wid, g, t)
 
@@ -352,18 +418,7 @@ def kv_source(config):
                             exact_dq(sds, sk, dq, b, h, row0, 16 * mi + g, c0, part, scale, n_q, n_k, delta, t, lohis,
                                      denses, sb, sh, captured)
                         else:
-                            for kk in range(KK):
-                                a = warp.ldmatrix_x4_trans(sds, (16 * kk + mrow + 8 * (mat >> 1)) * SDS + 16 * mi
-                                                           + 8 * (mat & 1))
-                                for e in range(4):
-                                    af[kk, e] = a[e]
-                            for dd in range(DNS):
-                                dn = part * DNS + dd
-                                d4 = (ZERO, ZERO, ZERO, ZERO)
-                                for kk in range(KK):
-                                    bk = warp.ldmatrix_x2_trans(sk, (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * dn)
-                                    d4 = mma(d4, (af[kk, 0], af[kk, 1], af[kk, 2], af[kk, 3]), bk)
-                                add_dq(dq, b, h, row0, dn, d4, scale, n_q, t)
+                            dq_unit(af, sds, sk, dq, b, h, row0, mi, part, scale, n_q, g, t, mrow, mat)
 
         write_rows(dk, b, hk, key0, n_k, dka, scale, t)
         write_rows_v(dv, b, hk, key0, n_k, dva, float32(1), t)
@@ -371,4 +426,4 @@ def kv_source(config):
     return bwd_kv_mma
 
 
-__all__ = ["kv_source", "row_fragments", "store_pair"]
+__all__ = ["dq_adder", "dq_split", "kv_products16", "kv_source", "row_fragments", "store_pair"]
