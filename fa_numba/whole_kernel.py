@@ -263,7 +263,8 @@ def kernel_counts(cfg: dict, text: str, built) -> dict:
     """`iteration_counts` of a built kernel (its block shape, and the engine's padded D from its layout)."""
     config = built.config
     if cfg["variant"] in MMA_KERNELS:
-        counts = mma_iteration_counts(text, cfg, config.padded_dim, getattr(built, "inner_trips", None))
+        counts = mma_iteration_counts(text, cfg, config.padded_dim, getattr(built, "inner_trips", None),
+                                      getattr(built, "staged_copies", None))
         # the tensor-core kernels multiply over d_v padded as d is (MmaConfig.padded_value_dim) where V has it
         counts["value_ratio"] = config.padded_value_dim / config.padded_dim
         return counts

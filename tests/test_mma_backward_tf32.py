@@ -196,3 +196,13 @@ def test_autograd_on_tensor_cores_in_float32_matches_sdpa_in_float64():
         assert leaf.grad.dtype == torch.float32
         err = np.abs(leaf.grad.double().numpy() - sdpa).max()
         assert err <= atol, (name, err, atol)
+
+
+def test_the_model_counts_the_one_warp_staging_loop_by_its_copies():
+    """MmaBackwardKernel.staged_copies (what whole_kernel.mma_iteration_counts divides a rolled staging loop's
+    copies by): B_r rows of d / 4 16-byte copies over the block's threads, float32 cp.async kv kernels only."""
+    one_warp = mma_backward.make("kv", "float32", 1, 16, 16, 128, False)
+    assert one_warp.staged_copies == 16 * (128 // 4) // 32
+    assert mma_backward.make("kv", "float32", 2, 16, 32, 64, False).staged_copies == 16 * (64 // 4) // 64
+    assert mma_backward.make("kv", "float32", 1, 16, 16, 20, False).staged_copies is None  # plain loads (d % 4)
+    assert mma_backward.make("kv", "float16", 1, 16, 16, 64, False).staged_copies is None

@@ -333,10 +333,11 @@ def test_every_shipped_configuration_is_profiled(shipped):
     configs = list(profile.configurations())
     heads = len(profile.SHIPPED_HEAD_DIMS)
     # CUDA-core forwards at both dtypes, tensor-core ones at d <= 128 only (the forwards at float16, and float32 by
-    # 3xTF32 non-causal only, the backward's at float16), the CUDA-core backward at float32; each causal or not
+    # 3xTF32 non-causal only, the backward's at float16, and its atomic kv kernel at float32 by 3xTF32), the
+    # CUDA-core backward at float32; each causal or not
     mma_heads = sum(d <= 128 for d in profile.SHIPPED_HEAD_DIMS)
     expected = ((len(SIMT_VARIANTS) * 2 * heads + len(whole_kernel.MMA_KERNELS) * mma_heads
-                 + len(backward.VARIANTS) * heads) * 2
+                 + len(backward.VARIANTS) * heads + mma_heads) * 2
                 + len(whole_kernel.MMA_VARIANTS) * mma_heads)  # float32 tensor-core forwards: non-causal only
     assert len(shipped["profiles"]) == len(configs) == expected
     assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs

@@ -6,7 +6,9 @@ float32 inputs by 3xTF32 (or plain TF32, an opt-in).
 `launch`: the checks and launch both orders share (`MmaKernel`); `products16`: the 16-bit products; `tf32`:
 the float32 inputs' products (the split into tf32 parts, three m16n8k8 per product); `masking`: causal closed forms and block-mask lists; `engine_v2`: the Q-outer forward
 (FlashAttention-2's order); `engine_v1`: the K/V-outer forward (Algorithm 1, O, l and m through HBM);
-`backward`: the K/V-outer backward (16-bit). `fa_numba.attention(..., engine="mma")` runs them; the registry
+`backward`: the backward's configuration and launches, its kernels in `backward_kv` (K/V outer) and `backward_dq`
+(the deterministic dQ pass), `backward_tf32` the K/V-outer kernel's products on float32 inputs (3xTF32).
+`fa_numba.attention(..., engine="mma")` runs them; the registry
 holds them as v1-mma and v2-mma (`kernels.mma_variant` gives them the registry's call shape), so `compare` runs
 them beside the CUDA-core kernels; tests/test_mma_forward.py and test_mma_tf32.py check them on their own cases
 and tests/test_registry_mma.py through the registry.

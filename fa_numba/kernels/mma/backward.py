@@ -267,6 +267,17 @@ class MmaBackwardKernel:
         return (bits, bits, bits, bits, stat, stat, grad, float32) + trailing
 
     @property
+    def staged_copies(self) -> int | None:
+        """The cp.async copies (16 bytes) one thread issues per tile staged inside a visit (Q_i or dO_i: B_r rows d
+        wide) of the float32 kv kernel, whose one-warp blocks stage a tile in a loop ptxas keeps rolled
+        (whole_kernel.mma_iteration_counts counts it by this); None for the 16-bit kernels (their staging
+        unrolls)."""
+        c = self.config
+        if not (c.float32 and c.role == "kv" and c.async_copy):
+            return None
+        return -(-c.block_q * (c.padded_dim // 4) // (32 * c.warps))
+
+    @property
     def inner_trips(self) -> int | None:
         """How often the loop left inside a visit runs (whole_kernel.mma_iteration_counts): the kv kernel's dQ
         unit loops over its DN / SPLIT column blocks, which the compiler keeps rolled; None for the others."""
