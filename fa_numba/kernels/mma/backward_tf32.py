@@ -39,7 +39,7 @@ from fa_numba import warp
 from fa_numba.kernels.common import ZERO
 from fa_numba.kernels.mma.backward_kv import dq_adder, dq_split
 from fa_numba.kernels.mma.staging import stagers
-from fa_numba.kernels.mma.tf32 import FLOAT32_MAX, split, split_weight, unrolled
+from fa_numba.kernels.mma.tf32 import FLOAT32_MAX, fourfold, split, split_weight, unrolled
 
 CH, ITEM_SHIFT = 4, 2  # cp.async moves 16 bytes: four float32 (an element's bytes 2^2)
 
@@ -85,21 +85,7 @@ def kv_products(config) -> SimpleNamespace:
         c = mma(c, ahi, blo)
         return mma(c, ahi, bhi)
 
-    @cuda.jit(device=True, inline=True)
-    def split4(x0, x1, x2, x3):
-        h0, l0 = split(x0)
-        h1, l1 = split(x1)
-        h2, l2 = split(x2)
-        h3, l3 = split(x3)
-        return (h0, h1, h2, h3), (l0, l1, l2, l3)
-
-    @cuda.jit(device=True, inline=True)
-    def split4_weights(x0, x1, x2, x3):
-        h0, l0 = split_weight(x0)
-        h1, l1 = split_weight(x1)
-        h2, l2 = split_weight(x2)
-        h3, l3 = split_weight(x3)
-        return (h0, h1, h2, h3), (l0, l1, l2, l3)
+    split4, split4_weights = fourfold(split), fourfold(split_weight)  # a fragment's four registers: (his, los)
 
     @cuda.jit(device=True, inline=True)
     def split2(x0, x1):

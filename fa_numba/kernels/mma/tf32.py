@@ -92,7 +92,7 @@ def split_weight(x):
     return hi, warp.to_tf32(x - warp.tf32_value(hi))
 
 
-def _four(one):
+def fourfold(one):
     """A device function splitting four values by `one` (a fragment's registers): (the 4 hi, the 4 lo)."""
     @cuda.jit(device=True, inline=True)
     def four(x0, x1, x2, x3):
@@ -128,7 +128,7 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
     ROWS_PER_STEP = THREADS // DP if THREADS % DP == 0 else 0  # a step of THREADS elements is whole rows
     mma = warp.mma_tf32
 
-    split4, split4_weights = _four(split), _four(split_weight)
+    split4, split4_weights = fourfold(split), fourfold(split_weight)
 
     @cuda.jit(device=True, inline=True)
     def product(c, ahi, alo, bhi, blo):
@@ -281,4 +281,4 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
                            fragment_width=8 if QSPLIT else 4, chunk=4, q_in_shared=False)
 
 
-__all__ = ["FLOAT32_KINDS", "TF32_MAX", "make_products", "padded_dim", "split", "split_weight", "unrolled"]
+__all__ = ["FLOAT32_KINDS", "TF32_MAX", "fourfold", "make_products", "padded_dim", "split", "split_weight", "unrolled"]
