@@ -9,8 +9,8 @@
    with the derived rule (proofs/L6 parts 7 and 9) at B=1, H=2, N=1024, d in {64, 128}, causal and not;
 3. each configuration that passed timed at B=4, H=16, N=4096 (CUDA events, 3 warm-up calls, median of 20)
    beside torch SDPA in the same dtype when torch has CUDA; TFLOP/s = 4 B H N^2 d, halved for causal;
-4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16; float32 by 3xTF32,
-   atomic dQ) checked with the gradients' rule and its P and dS terms (3xTF32's split terms) at B=1, H=2,
+4. the tensor-core backward (kernels/mma/backward.py, atomic dQ and deterministic, float16 and float32 by
+   3xTF32) checked with the gradients' rule and its P and dS terms (3xTF32's split terms) at B=1, H=2,
    N=1024, then timed at B=4, H=16, N=4096 beside SDPA's backward in the same dtype (flash-attn's count: 2.5 x
    the forward's FLOPs);
 5. v2-mma float16 at the widest head dims (d = 192 with d_v = 128, MLA's, native, and d_v = 192) and on a
@@ -297,9 +297,9 @@ def main(argv=None) -> int:
                         row.update(model_tflops=model[0], model_limiter=model[1])
                 log(json.dumps(row))
                 results["rows"].append(row)
-    for kind, modes in (("float16", (False, True)), ("float32", (False,))):  # 3xTF32: atomic dQ only
+    for kind in ("float16", "float32"):  # float32: 3xTF32
         for d, causal, deterministic in ((d, c, m) for d in ((16,) if args.smoke else (64, 128))
-                                         for c in (False, True) for m in modes):
+                                         for c in (False, True) for m in (False, True)):
             row = backward_row(d, causal, deterministic, n_check, None if args.smoke else shape,
                                heads=1 if args.smoke else 2, kind=kind)
             log(json.dumps(row))

@@ -334,7 +334,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     or bfloat16 q, k, v and dout in q's dtype, order "kv" with or without deterministic, any mask,
     d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7; block_k = 16 x
     warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim; float32 inputs by
-    3xTF32, kernels/mma/backward_tf32.py, atomic dQ only, V padded to d where d_v differs) or "auto" (the
+    3xTF32, kernels/mma/backward_tf32.py, atomic or deterministic, V padded to d where d_v differs) or "auto" (the
     default: "mma" where it takes the call as it is for float16 / bfloat16, else "simt", as the forward's;
     fa_numba.engines says when).
 

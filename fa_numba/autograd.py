@@ -38,19 +38,14 @@ from fa_numba import engines, mods, shapes, torch_ops
 BACKWARD_ORDERS = ("kv", "q")
 
 
-def check_gradients_engine(engine: str, q, k, v, deterministic: bool = False) -> None:
+def check_gradients_engine(engine: str, q, k, v) -> None:
     """A ValueError where `engine` cannot give the gradients a call will want: float32 inputs under plain TF32
-    have a forward only, and under 3xTF32 no deterministic backward. Also what `distributed.ring_attention` asks
-    before its forward."""
-    if not (q.dtype == torch.float32 and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
-        return
-    if engine == "mma-tf32":
+    have a forward only. Also what `distributed.ring_attention` asks before its forward."""
+    if (engine == "mma-tf32" and q.dtype == torch.float32 and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))):
         raise ValueError("engine='mma-tf32' runs float32 inputs' forward only (one TF32 product per product is not "
                          "float32-grade): use engine='mma' (3xTF32), 'simt' or 'auto' for gradients, or call it "
                          "under torch.no_grad()")
-    if engine == "mma" and deterministic:
-        raise ValueError("engine='mma' has no deterministic backward for float32 inputs (3xTF32's is the atomic "
-                         "kernel): use engine='simt' or 'auto' with deterministic=True")
 
 
 def _flatten(name: str, x):
@@ -77,8 +72,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     keep the simulator fast). Returns O in q's dtype, or in out_dtype
     (torch.float32 keeps the kernels' float32 result). engine: "simt" (CUDA cores), "mma" (tensor cores,
     forward and backward: float16 or bfloat16, any mask, d <= 128 (the forward alone to 192), backward_order
-    "kv"; float32 by 3xTF32, whose backward has no deterministic mode; "mma-tf32", plain TF32, has a forward
-    only: refused where a gradient is wanted) or "auto" (the
+    "kv"; float32 by 3xTF32, both passes; "mma-tf32", plain TF32, has a forward only: refused where a gradient
+    is wanted) or "auto" (the
     default: each pass takes the tensor cores for float16 and bfloat16 tensors where they take it as it is,
     `fa_numba.engines`, and the CUDA cores otherwise, float32 always: a float32 dO, with out_dtype=torch.float32,
     keeps the CUDA-core backward). mask: as fa_numba.attention's, or a bool tensor broadcastable to
@@ -117,7 +112,7 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     if q.dim() > 4 and not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
         raise ValueError(f"q, k, v must share their leading batch axes, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    check_gradients_engine(engine, q, k, v, deterministic)
+    check_gradients_engine(engine, q, k, v)
     shape = q.shape
     tiles = [0 if b is None else shapes.check_block(name, b)
              for name, b in (("block_q", block_q), ("block_k", block_k), ("backward_block", backward_block))]

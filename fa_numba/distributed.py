@@ -222,7 +222,7 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     q's dtype, the same shard of the single-device result, and with return_lse=True also its float32 LSE
     (B, H, N / W), not differentiable. engine: each block's, as fa_numba.attention and attention_backward take
     it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
-    "simt" or "mma" (float32 by 3xTF32, its backward the atomic kernel; "mma-tf32" without gradients only);
+    "simt" or "mma" (float32 by 3xTF32, forward and backward; "mma-tf32" without gradients only);
     block: the kernels' square tile (default 16 for CPU tensors, else the kernels' defaults)."""
     from fa_numba import autograd, engines
 

@@ -13,8 +13,8 @@ Decoding (`decode`): auto takes the tensor-core split kernel for float16 and bfl
 8 up to 128 and rows 16-byte aligned, the CUDA-core one otherwise. float32 inputs take the CUDA cores under
 `auto`. `engine="mma"` runs float32 inputs' forward on tensor cores by 3xTF32 (kernels.mma.tf32: three TF32
 products per product, within the float32 rule with the term of proofs/L6 part 9) and their backward too
-(kernels.mma.backward_tf32: the K/V-outer kernel with atomic dQ, within the gradients' rule with the term of
-proofs/L7's 3xTF32 part; deterministic=True is not built there, a ValueError says so), `engine="mma-tf32"` by one
+(kernels.mma.backward_tf32: the K/V-outer kernel with atomic dQ or, deterministic, its dq pass, within the
+gradients' rule with the term of proofs/L7's 3xTF32 part), `engine="mma-tf32"` by one
 (about 2^-10 relative per product: for speed where that is acceptable, as torch's allow_tf32), forward only (a
 ValueError says so). The 16-bit tensor-core results carry the rounding of P (and, backward, dS) to the inputs'
 16-bit type before their products (proofs/L6 part 7, L7), as FlashAttention's own 16-bit kernels do; `engine="simt"`

@@ -78,12 +78,12 @@ def test_engine_mma_refuses_what_it_does_not_take(kwargs, message):
 
 
 def test_the_tensor_core_backward_refuses_what_it_does_not_take_by_name():
-    """float32 inputs' deterministic mode (3xTF32 has the atomic kernel only), the Q-outer order, d > 128: each a
-    ValueError naming it, before anything is read (the kernels themselves: tests/test_mma_backward.py)."""
+    """float32 inputs under plain TF32 (a forward only), the Q-outer order, d > 128: each a ValueError naming it,
+    before anything is read (the kernels themselves: tests/test_mma_backward.py)."""
     q, k, v = _inputs(np.float32, n_q=8, n_k=8, heads=1)
     out, lse = np.zeros_like(q), np.zeros(q.shape[:-1], np.float32)
-    with pytest.raises(ValueError, match="its deterministic mode is not built"):
-        fa_numba.attention_backward(q, k, v, out, lse, np.ones_like(q), engine="mma", deterministic=True)
+    with pytest.raises(ValueError, match="engine='mma-tf32' has no backward"):
+        fa_numba.attention_backward(q, k, v, out, lse, np.ones_like(q), engine="mma-tf32")
     h = q.astype(np.float16)
     with pytest.raises(ValueError, match="runs the K/V-outer backward"):
         fa_numba.attention_backward(h, h, h, out, lse, h, engine="mma", order="q")
@@ -95,5 +95,3 @@ def test_the_tensor_core_backward_refuses_what_it_does_not_take_by_name():
     t = torch.from_numpy(q).requires_grad_()
     with pytest.raises(ValueError, match="engine='mma-tf32' runs float32 inputs' forward only"):
         autograd.attention(t, t, t, engine="mma-tf32")
-    with pytest.raises(ValueError, match="engine='mma' has no deterministic backward for float32"):
-        autograd.attention(t, t, t, engine="mma", deterministic=True)

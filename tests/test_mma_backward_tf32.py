@@ -73,6 +73,29 @@ def test_tf32_backward_agrees_with_the_cuda_core_backward_closely():
         assert np.abs(a - b).max() <= 2.0**-18 * np.abs(b).max()
 
 
+def test_tf32_deterministic_mode_is_bitwise_repeatable_and_agrees_with_the_atomic_one():
+    case = Case(n_q=16, n_k=24, d=8, block_q=16, block_k=16, causal=True, seed=5)
+    single, exact, out, lse = _problem(case)
+    first = _backward(case, single, out, lse, deterministic=True)
+    second = _backward(case, single, out, lse, deterministic=True)
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    atomic = _backward(case, single, out, lse)
+    assert np.array_equal(first[1], atomic[1]) and np.array_equal(first[2], atomic[2])  # dK, dV: the same kernel
+    tolerance_backward.check_attention_backward(*first, *exact, causal=True, products="3xtf32", name="deterministic")
+
+
+@pytest.mark.lemma("L7")
+@SLOW
+@pytest.mark.parametrize("case", [Case(n_q=37, n_k=29, d=20, block_q=16, block_k=16, causal=True, seed=2, group=2),
+                                  Case(n_q=40, n_k=56, d=16, block_q=32, block_k=32, causal=False, seed=3)],
+                         ids=["tails-gqa-causal", "two-warps"])
+def test_tf32_deterministic_mode_matches_reference_within_the_derived_rule(case):
+    single, exact, out, lse = _problem(case)
+    grads = _backward(case, single, out, lse, deterministic=True)
+    tolerance_backward.check_attention_backward(*grads, *exact, causal=case.causal, products="3xtf32",
+                                                name="bwd-mma 3xTF32 det")
+
+
 # causal 32 x 32 (16 x 16 tiles): key 20 is hidden from rows 0..19, row 5 sees keys 0..5: each NaN or inf sits in
 # a tile that masks some pair, so the exact path must keep it out of the gradients the mask says it cannot reach
 def _at(tensor: int, row: int, col: int, value: float):
@@ -111,7 +134,8 @@ def test_tf32_backward_takes_a_block_mask():
 @pytest.mark.lemma("L7")
 @pytest.mark.skipif(not SIMULATOR, reason="element counts are taken with counting arrays in the CUDA simulator")
 @SLOW
-def test_tf32_backward_traffic_equals_iomodel():
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_tf32_backward_traffic_equals_iomodel(deterministic):
     """Every element read and written in HBM, counted in the simulator (cp.async copies included), equals the
     K/V-outer order's model, as for the 16-bit kernel: the tiles are staged raw, each once per visit."""
     from fa_numba import iomodel
@@ -121,9 +145,10 @@ def test_tf32_backward_traffic_equals_iomodel():
     single, exact, out, lse = _problem(case)
     dq, dk, dv, ledger = run_counted_backward(*single[:3], out, lse, single[3], 1 / np.sqrt(case.d),
                                               causal=case.causal, block=case.block_q, engine="mma", kind="float32",
-                                              block_k=case.block_k)
+                                              block_k=case.block_k, deterministic=deterministic)
     model = iomodel.traffic_backward("kv", case.n_q, case.n_k, case.d, case.block_q, case.block_k, case.causal,
-                                     batch=case.batch, heads=case.heads, heads_kv=case.heads_kv)
+                                     batch=case.batch, heads=case.heads, heads_kv=case.heads_kv,
+                                     deterministic=deterministic)
     assert ledger.reads == model.reads
     assert ledger.writes == model.writes
     tolerance_backward.check_attention_backward(dq, dk, dv, *exact, causal=case.causal, products="3xtf32",
@@ -131,12 +156,11 @@ def test_tf32_backward_traffic_equals_iomodel():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(deterministic=True), "deterministic mode is not built"),
-    (dict(role="dq", block_q=16, block_k=16), "deterministic mode is not built"),
     (dict(value_dim=8), "float32 inputs are padded to d"),
+    (dict(role="dq", warps=2, block_q=32, block_k=64, head_dim=128), "over the 49152 static limit"),
     (dict(warps=2, block_k=32, block_q=32, head_dim=128), "over the 49152 static limit"),
 ])
-def test_tf32_backward_config_errors_name_what_is_not_built(kwargs, message):
+def test_tf32_backward_config_errors_name_the_argument(kwargs, message):
     base = dict(role="kv", kind="float32", warps=1, block_q=16, block_k=16, head_dim=16, causal=False)
     with pytest.raises(ValueError, match=message):
         mma_backward.MmaBackwardConfig(**{**base, **kwargs}).check()
@@ -146,16 +170,13 @@ def test_the_float32_tiles_fit_and_auto_keeps_float32_on_the_cuda_cores():
     from fa_numba import engines
 
     for d in range(1, 129):
-        warps, block_q, block_k = mma_backward.default_tiles("kv", d, "float32")
-        mma_backward.MmaBackwardConfig("kv", "float32", warps, block_q, block_k, d, True).check()
+        for role in mma_backward.ROLES:
+            warps, block_q, block_k = mma_backward.default_tiles(role, d, "float32")
+            mma_backward.MmaBackwardConfig(role, "float32", warps, block_q, block_k, d, True).check()
     assert engines.backward("auto", kind="float32", head_dim=64) == "simt"  # as the forward: 3xTF32 is asked for
     assert engines.backward("mma", kind="float32", head_dim=64) == "mma"
     with pytest.raises(ValueError, match="mma-tf32' has no backward"):
         engines.backward("mma-tf32", kind="float32", head_dim=64)
-    x = np.zeros((1, 16, 8), np.float32)
-    lse = np.zeros((1, 16), np.float32)
-    with pytest.raises(ValueError, match="deterministic mode is not built"):
-        fa_numba.attention_backward(x, x, x, x, lse, x, engine="mma", deterministic=True)
 
 
 @pytest.mark.lemma("L7")

@@ -57,9 +57,9 @@ engine's value stagers), dP^T = V_j dO_i^T runs over d_v's k-steps and S^T over 
 where its k-step exists), dV is accumulated and written d_v wide; Q, K, dQ, dK keep d. The traffic above then
 counts V, O, dO and dV d_v wide (iomodel.traffic_backward's d_v).
 
-float32 inputs (kind "float32"): the kv kernel's products by 3xTF32 (kernels.mma.backward_tf32: its fragments,
-tiles staged raw and split where read, the same visits, masks, exact path and traffic), atomic dQ only (no dq
-pass), d_v = d (the API pads V), tiles DEFAULTS_FLOAT32.
+float32 inputs (kind "float32"): both kernels' products by 3xTF32 (kernels.mma.backward_tf32: their fragments,
+tiles staged raw and split where read, the same visits, masks, exact path and traffic), d_v = d (the API pads
+V), tiles DEFAULTS_FLOAT32.
 
 Limits: d, d_v <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with B_r / 16 and W dividing one another;
 dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
@@ -77,8 +77,9 @@ from numba import cuda, float32
 
 from fa_numba.kernels.block_lists import LIST_FORMS, kernel_mask, mask_arrays, mask_types
 from fa_numba.kernels.mma import masking
-from fa_numba.kernels.mma.backward_dq import dq_source
+from fa_numba.kernels.mma.backward_dq import dq_products16, dq_source
 from fa_numba.kernels.mma.backward_kv import kv_products16, kv_source
+from fa_numba.kernels.mma.backward_tf32 import dq_products as dq_products_tf32
 from fa_numba.kernels.mma.backward_tf32 import kv_products as kv_products_tf32
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, tuple_type
 
@@ -95,8 +96,9 @@ DEFAULTS = {"kv": ((64, (4, 32, 64)), (128, (4, 16, 64))), "dq": ((64, (4, 64, 6
 # float32 inputs (3xTF32, kernels.mma.backward_tf32): four raw float32 tiles and dS^T under 48 KB (d = 64:
 # 2 x 48 rows of 68 words and 32 x 20 of dS^T, 28.6 KB; d = 128: 2 x 32 rows of 132, 35 KB); registers: B_r = 32
 # at d = 64 compiles to 255 registers and spills 100 bytes, B_r = 16 at d = 128 to 246 without (sm_90a, 2026-12-04)
-DEFAULTS_FLOAT32 = {"kv": ((64, (2, 16, 32)), (128, (1, 16, 16)))}
-KINDS_BACKWARD = KINDS + ("float32",)  # the 16-bit kinds, and float32 inputs by 3xTF32 (kv kernel, atomic dQ)
+# the dq pass: 2 warps, 32 x 32 at d = 64 (39.4 KB), one warp, 16 x 16 above (35 KB)
+DEFAULTS_FLOAT32 = {"kv": ((64, (2, 16, 32)), (128, (1, 16, 16))), "dq": ((64, (2, 32, 32)), (128, (1, 16, 16)))}
+KINDS_BACKWARD = KINDS + ("float32",)  # the 16-bit kinds, and float32 inputs by 3xTF32
 
 
 def default_tiles(role: str, head_dim: int, kind: str = "float16") -> tuple[int, int, int]:
@@ -172,7 +174,8 @@ class MmaBackwardConfig(ValueDim, PaddedRows):
     def shared_bytes(self) -> int:
         item = 4 if self.float32 else 2
         staged = item * (self.row_stride + self.value_row_stride) * (self.block_q + self.block_k)  # Q, K; dO, V
-        ds = item * self.block_k * self.ds_stride if self.role == "kv" else 2 * self.block_q * (self.block_k + 8)
+        ds = (item * self.block_k * self.ds_stride if self.role == "kv"
+              else item * self.block_q * (self.block_k + (4 if self.float32 else 8)))
         stats = 8 * self.block_q
         return staged + ds + stats
 
@@ -187,10 +190,6 @@ class MmaBackwardConfig(ValueDim, PaddedRows):
         if self.kind not in KINDS_BACKWARD:
             raise ValueError(f"dtype must be one of {KINDS_BACKWARD} for the tensor-core backward, got "
                              f"{self.kind!r}")
-        if self.float32 and (self.role != "kv" or self.deterministic):
-            raise ValueError("the tensor-core backward of float32 inputs (3xTF32) is the K/V-outer kernel with "
-                             "atomic dQ: its deterministic mode is not built (use engine='simt' for "
-                             "deterministic=True)")
         if self.float32 and self.value_dim and self.value_dim != self.head_dim:
             raise ValueError(f"a value head dim of its own (d_v = {self.value_dim} != d = {self.head_dim}) is taken "
                              "by the 16-bit tensor-core backward; float32 inputs are padded to d "
@@ -237,7 +236,7 @@ class MmaBackwardKernel:
     def __init__(self, config: MmaBackwardConfig):
         self.config = config.check()
         if config.role == "dq":
-            self.source = dq_source(config)
+            self.source = dq_source(config, (dq_products_tf32 if config.float32 else dq_products16)(config))
         else:
             self.source = kv_source(config, (kv_products_tf32 if config.float32 else kv_products16)(config))
         self.kernel = cuda.jit(self.source)

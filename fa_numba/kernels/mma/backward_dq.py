@@ -4,6 +4,8 @@ its fragments and traffic): the second kernel of `deterministic=True`.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from numba import cuda, float32, uint16, uint32
 
 from fa_numba import warp
@@ -15,35 +17,91 @@ from fa_numba.kernels.score_mod import apply_fn, apply_grad, has_scores
 from fa_numba.tiling import PARTIAL
 
 
-def dq_source(config):
-    """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale)."""
+def dq_products16(config):
+    """The 16-bit pieces of the dq pass, for `dq_source`: staging (the forward engine's), Q_i's and dO_i's A
+    fragments held for the block's life (`hold`), one 8-key block of S and dP (`block_scores`), the warp's dS rows
+    into shared memory for the exact path (`store_ds`) and dQ += dS K_j (`dq_product`). The float32 inputs'
+    pieces are kernels.mma.backward_tf32's."""
     E = make_ops(config.staging())
-    stage_two, any_bad, any_bad_v, mma, pack, to_f32 = E.stage_two, E.any_bad, E.any_bad_v, E.mma, E.pack, E.to_f32
-    BR, BC, D, DP, SQ = config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride
-    KS, NT, DN, PK = DP // 16, BC // 8, DP // 8, BC // 16
+    mma, pack = E.mma, E.pack
+    BC, DP, SQ = config.block_k, config.padded_dim, config.row_stride
+    KS, DN, PK = DP // 16, DP // 8, BC // 16
     SV, KSV, KSM = E.sizes.SV, E.sizes.DPV // 16, max(DP, E.sizes.DPV) // 16  # dP = dO_i V_j^T runs over d_v
-    CAUSAL = config.causal
     SDK = BC + 8  # the exact path's dS rows, 16-bit, B_c + 8 apart
+    hold_rows = row_fragments(KS, KSV, SQ, SV)  # Q_i's and dO_i's A fragments, read once
+
+    @cuda.jit(device=True, inline=True)
+    def block_scores(nt, qf, of, sq, sdo, sk, sv, wid, mrow, mat):
+        """(S, dP) of 8-key block nt for the warp's 16 rows: Q_i's and dO_i's held fragments, K_j's and V_j's by
+        ldmatrix x2."""
+        d4 = (ZERO, ZERO, ZERO, ZERO)
+        e4 = (ZERO, ZERO, ZERO, ZERO)
+        for ks in range(KSM):  # S's k-steps run over d, dP's over d_v
+            if ks < KS:
+                d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]),
+                         warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)))
+            if ks < KSV:
+                e4 = mma(e4, (of[ks, 0], of[ks, 1], of[ks, 2], of[ks, 3]),
+                         warp.ldmatrix_x2(sv, (8 * nt + mrow) * SV + 16 * ks + 8 * (mat & 1)))
+        return d4, e4
+
+    @cuda.jit(device=True, inline=True)
+    def store_ds(sds, dp, wid, g, t):
+        """The warp's own 16 rows of dS into sds, rounded to 16 bits as the mma path reads them."""
+        for nt in range(BC // 8):
+            base = (16 * wid + g) * SDK + 8 * nt + 2 * t
+            store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
+            store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
+
+    @cuda.jit(device=True, inline=True)
+    def dq_product(acc, dp, sk, mrow, mat):
+        """acc += dS K_j: dS's A fragments from the warp's own (rounded to 16 bits), K_j's B fragments by
+        ldmatrix x4 .trans, two 8-column blocks a load (DN is even)."""
+        for kk in range(PK):
+            da = (pack(dp[2 * kk, 0], dp[2 * kk, 1]), pack(dp[2 * kk, 2], dp[2 * kk, 3]),
+                  pack(dp[2 * kk + 1, 0], dp[2 * kk + 1, 1]), pack(dp[2 * kk + 1, 2], dp[2 * kk + 1, 3]))
+            for dp_ in range(DN // 2):
+                index = (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1))
+                bk = warp.ldmatrix_x4_trans(sk, index)
+                for half in range(2):
+                    dn = 2 * dp_ + half
+                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da, (bk[2 * half], bk[2 * half + 1]))
+                    for e in range(4):
+                        acc[dn, e] = d4[e]
+
+    return SimpleNamespace(stage_two=E.stage_two, any_bad=E.any_bad, any_bad_v=E.any_bad_v, to_f32=E.to_f32,
+                           element=uint16, fragment=uint32, held=(KS, 4), held_v=(KSV, 4), SV=SV, SDK=SDK,
+                           hold=hold_rows, block_scores=block_scores, store_ds=store_ds, dq_product=dq_product)
+
+
+def dq_source(config, P):
+    """The Python function of the deterministic dQ pass: bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale); P its
+    products' pieces (`dq_products16`, or kernels.mma.backward_tf32's for float32 inputs)."""
+    stage_two, any_bad, any_bad_v, to_f32 = P.stage_two, P.any_bad, P.any_bad_v, P.to_f32
+    hold_rows, block_scores, store_ds, dq_product = P.hold, P.block_scores, P.store_ds, P.dq_product
+    ELEM, FRAG, HELD, HELDV, SV, SDK = P.element, P.fragment, P.held, P.held_v, P.SV, P.SDK
+    BR, BC, D, DP, SQ = config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride
+    NT, DN = BC // 8, DP // 8
+    CAUSAL = config.causal
     M = masking.make(CAUSAL, config.mask_form, config.mod)  # as in the kv kernel
     GUARDED, LISTS, PARTIAL_KIND, slot, visible = M.GUARDED, M.LISTS, int(PARTIAL), masking.slot, M.visible
     exact_dq = _exact_product(BC, SDK, DN, SQ, to_f32, visible, lane_owns_keys=False)
     write_rows = _row_writer(D, DN)
-    hold_rows = row_fragments(KS, KSV, SQ, SV)  # Q_i's and dO_i's A fragments, read once
     Q_SIZE, KV_SIZE, DS_SIZE, DO_SIZE, V_SIZE = BR * SQ, BC * SQ, BR * SDK, BR * SV, BC * SV
     MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)
 
     def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds,
                    lohis, denses, captured):
-        sq = cuda.shared.array(Q_SIZE, uint16)
-        sdo = cuda.shared.array(DO_SIZE, uint16)
-        sk = cuda.shared.array(KV_SIZE, uint16)
-        sv = cuda.shared.array(V_SIZE, uint16)
-        sds = cuda.shared.array(DS_SIZE, uint16)  # the exact path's dS, each warp its own 16 rows
+        sq = cuda.shared.array(Q_SIZE, ELEM)
+        sdo = cuda.shared.array(DO_SIZE, ELEM)
+        sk = cuda.shared.array(KV_SIZE, ELEM)
+        sv = cuda.shared.array(V_SIZE, ELEM)
+        sds = cuda.shared.array(DS_SIZE, ELEM)  # the exact path's dS, each warp its own 16 rows
         slse = cuda.shared.array(BR, float32)  # LSE_i and D_i, read once per row (not once per lane of a quad)
         sd = cuda.shared.array(BR, float32)
-        qf = cuda.local.array((KS, 4), uint32)  # this lane's A fragments of Q_i and dO_i
-        of = cuda.local.array((KSV, 4), uint32)
+        qf = cuda.local.array(HELD, FRAG)  # this lane's A fragments of Q_i and dO_i, where P holds them
+        of = cuda.local.array(HELDV, FRAG)
         dp = cuda.local.array((NT, 4), float32)  # dS of the warp's 16 rows x B_c keys
         acc = cuda.local.array((DN, 4), float32)  # dQ without the scale
         i, bh = cuda.blockIdx.x, cuda.blockIdx.y
@@ -93,15 +151,7 @@ def dq_source(config):
                 bad = q_bad or any_bad(sk, BC) or any_bad_v(sv, BC)
                 guard = cuda.syncthreads_or(1 if bad else 0) != 0
             for nt in range(NT):
-                d4 = (ZERO, ZERO, ZERO, ZERO)
-                e4 = (ZERO, ZERO, ZERO, ZERO)
-                for ks in range(KSM):  # S's k-steps run over d, dP's over d_v
-                    if ks < KS:
-                        d4 = mma(d4, (qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3]),
-                                 warp.ldmatrix_x2(sk, (8 * nt + mrow) * SQ + 16 * ks + 8 * (mat & 1)))
-                    if ks < KSV:
-                        e4 = mma(e4, (of[ks, 0], of[ks, 1], of[ks, 2], of[ks, 3]),
-                                 warp.ldmatrix_x2(sv, (8 * nt + mrow) * SV + 16 * ks + 8 * (mat & 1)))
+                d4, e4 = block_scores(nt, qf, of, sq, sdo, sk, sv, wid, mrow, mat)
                 for e in range(4):
                     row = row0 + 8 * (e >> 1)
                     ds = ZERO
@@ -117,30 +167,16 @@ def dq_source(config):
                             ds = p * (e4[e] - (d0 if e < 2 else d1))
                     dp[nt, e] = ds
             if guard:  # the warp's own rows of sds
-                for nt in range(NT):
-                    base = (16 * wid + g) * SDK + 8 * nt + 2 * t
-                    store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
-                    store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
+                store_ds(sds, dp, wid, g, t)
                 cuda.syncwarp()
                 exact_dq(acc, sds, sk, row0, 16 * wid + g, c0, n_q, n_k, delta, t, lohis, denses, sb, sh, b, h,
                          captured)
                 cuda.syncwarp()
             else:
-                for kk in range(PK):
-                    da = (pack(dp[2 * kk, 0], dp[2 * kk, 1]), pack(dp[2 * kk, 2], dp[2 * kk, 3]),
-                          pack(dp[2 * kk + 1, 0], dp[2 * kk + 1, 1]), pack(dp[2 * kk + 1, 2], dp[2 * kk + 1, 3]))
-                    for dp_ in range(DN // 2):  # two 8-column blocks of K_j per ldmatrix x4 .trans (DN is even)
-                        index = (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1))
-                        bk = warp.ldmatrix_x4_trans(sk, index)
-                        for half in range(2):
-                            dn = 2 * dp_ + half
-                            d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da,
-                                     (bk[2 * half], bk[2 * half + 1]))
-                            for e in range(4):
-                                acc[dn, e] = d4[e]
+                dq_product(acc, dp, sk, mrow, mat)
         write_rows(dq, b, h, row0, n_q, acc, scale, t)
 
     return bwd_dq_mma
 
 
-__all__ = ["dq_source"]
+__all__ = ["dq_products16", "dq_source"]

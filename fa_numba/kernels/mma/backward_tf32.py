@@ -1,6 +1,7 @@
 """The tensor-core backward's products for float32 inputs by 3xTF32 (kernels.mma.tf32's split, proofs/L6 part 9
-and L7's 3xTF32 part): the pieces `backward_kv.kv_source` takes in place of `kv_products16`'s, so the K/V-outer
-kernel (its visits, masks, score mods, non-finite rules, GQA and atomic dQ) is the 16-bit kernel's own.
+and L7's 3xTF32 part): the pieces `backward_kv.kv_source` and `backward_dq.dq_source` take in place of
+`kv_products16`'s and `dq_products16`'s, so both kernels (their visits, masks, score mods, non-finite rules, GQA,
+atomic or deterministic dQ) are the 16-bit kernels' own.
 
 Every product is m16n8k8 on tf32 parts: each float32 operand x is split at its use into hi = tf32(x) and
 lo = tf32(x - hi), and a b is taken as lo_a hi_b + hi_a lo_b + hi_a hi_b (three mma.sync, the small terms
@@ -25,8 +26,13 @@ rounded up to 8; every read below lands on 32 distinct banks):
 P is a softmax weight in [0, 1] (its split needs no clamp); the other operands are clamped to +-TF32_MAX before
 their high parts are taken (tf32.split), so a finite value cannot become an infinite high part.
 
-Not built: the deterministic mode's dq pass on float32 inputs (deterministic=True takes the CUDA-core backward),
-a value head dim of its own (the API pads V to d, fa_numba.value_dims), plain TF32 ("mma-tf32") for the backward.
+The deterministic mode's dq pass (`dq_products`): S = Q_i K_j^T and dP = dO_i V_j^T with A = Q_i's (dO_i's) rows
+16 w + g (+ 8) and B = K_j's (V_j's) rows 8 nt + g, as the forward's S; dQ += dS K_j with dS's own accumulators
+as A in claim 7's key order, B = K_j[8 nt + 2t (+ 1)][8 dn + g]; Q_i's and dO_i's fragments are split at every
+k-step, not held (both would take 128 registers at d = 64).
+
+Not built: a value head dim of its own (the API pads V to d, fa_numba.value_dims), plain TF32 ("mma-tf32") for
+the backward.
 """
 
 from __future__ import annotations
@@ -44,15 +50,11 @@ from fa_numba.kernels.mma.tf32 import FLOAT32_MAX, fourfold, split, split_weight
 CH, ITEM_SHIFT = 4, 2  # cp.async moves 16 bytes: four float32 (an element's bytes 2^2)
 
 
-def kv_products(config) -> SimpleNamespace:
-    """The float32 (3xTF32) pieces of the K/V-outer kernel, for `backward_kv.kv_source` (which documents each
-    piece's role on `kv_products16`)."""
-    W, BR, BC, D, DP, SQ, SDS = (config.warps, config.block_q, config.block_k, config.head_dim, config.padded_dim,
-                                 config.row_stride, config.ds_stride)
-    KS, NQ, DN, KK = DP // 8, BR // 8, DP // 8, BC // 8  # k-steps of 8 (d, then keys), 8-query and 8-column blocks
-    THREADS, ASYNC = 32 * W, config.async_copy
-    DNS = dq_split(config)[1]
-    add_dq = dq_adder(D)
+def _pieces(config) -> SimpleNamespace:
+    """What both kernels' float32 pieces share: raw staging of two tiles (one commit and one wait on the cp.async
+    path), the non-finite test of a staged value, and a product of split operands with the splits it takes."""
+    D, DP, SQ = config.head_dim, config.padded_dim, config.row_stride
+    THREADS, ASYNC = 32 * config.warps, config.async_copy
     mma = warp.mma_tf32
 
     @cuda.jit(device=True, inline=True)
@@ -85,13 +87,30 @@ def kv_products(config) -> SimpleNamespace:
         c = mma(c, ahi, blo)
         return mma(c, ahi, bhi)
 
-    split4, split4_weights = fourfold(split), fourfold(split_weight)  # a fragment's four registers: (his, los)
-
     @cuda.jit(device=True, inline=True)
     def split2(x0, x1):
         h0, l0 = split(x0)
         h1, l1 = split(x1)
         return (h0, h1), (l0, l1)
+
+    @cuda.jit(device=True, inline=True)
+    def identity(x):
+        return x
+
+    return SimpleNamespace(stage_two=stage_two, any_bad=any_bad, product=product, split2=split2,
+                           split4=fourfold(split), split4_weights=fourfold(split_weight), identity=identity)
+
+
+def kv_products(config) -> SimpleNamespace:
+    """The float32 (3xTF32) pieces of the K/V-outer kernel, for `backward_kv.kv_source` (which documents each
+    piece's role on `kv_products16`)."""
+    BR, BC, D, DP, SQ, SDS = (config.block_q, config.block_k, config.head_dim, config.padded_dim, config.row_stride,
+                              config.ds_stride)
+    KS, NQ, DN, KK = DP // 8, BR // 8, DP // 8, BC // 8  # k-steps of 8 (d, then keys), 8-query and 8-column blocks
+    DNS = dq_split(config)[1]
+    add_dq = dq_adder(D)
+    X = _pieces(config)
+    product, split2, split4, split4_weights = X.product, X.split2, X.split4, X.split4_weights
 
     @cuda.jit(device=True, inline=True)
     def hold(sk, kf, sv, vf, wid, mrow, mat):
@@ -214,14 +233,97 @@ def kv_products(config) -> SimpleNamespace:
         ds_steps(af, sds, 2 * t * SDS + 16 * mi + g, 0, 0)
         dq_steps(af, sk, dq, (b, h, row0, part), (2 * t * SQ + g, scale, n_q, t))
 
-    @cuda.jit(device=True, inline=True)
-    def identity(x):
-        return x
-
-    return SimpleNamespace(stage_two=stage_two, any_bad=any_bad, any_bad_v=any_bad, to_f32=identity,
+    return SimpleNamespace(stage_two=X.stage_two, any_bad=X.any_bad, any_bad_v=X.any_bad, to_f32=X.identity,
                            element=float32, fragment=uint32, held=(1, 4), held_v=(1, 4), af=(KK, 8),
                            DV=D, SV=SQ, DNV=DN, hold=hold, scores=scores, grads=grads, store_rows=store_rows,
                            dq_unit=dq_unit)
 
 
-__all__ = ["kv_products"]
+def dq_products(config) -> SimpleNamespace:
+    """The float32 (3xTF32) pieces of the deterministic dQ pass, for `backward_dq.dq_source` (which documents each
+    piece's role on `dq_products16`): S = Q_i K_j^T and dP = dO_i V_j^T with Q_i's and dO_i's A fragments split
+    per k-step (not held: both would take 128 registers at d = 64), dQ += dS K_j with dS's own accumulators as A
+    fragments in the keys' order of L10 claim 7 and B = K_j[8 nt + 2t (+ 1)][8 dn + g]."""
+    BC, DP, SQ = config.block_k, config.padded_dim, config.row_stride
+    KS, NT, DN = DP // 8, BC // 8, DP // 8
+    SDK = BC + 4  # the exact path's dS rows, float32
+    X = _pieces(config)
+    product, split2, split4 = X.product, X.split2, X.split4
+
+    @cuda.jit(device=True, inline=True)
+    def hold(sq, qf, sdo, of, wid, mrow, mat):
+        """Nothing is held: each k-step splits the fragments it reads."""
+        return None
+
+    @cuda.jit(device=True, inline=True)
+    def score_step(ks, c, tiles, bases, unused1, unused2):
+        """k-step ks of one 8-key block's S (c[0]) and dP (c[1]). bases: this lane's Q_i (dO_i) word of row
+        16 w + g and K_j (V_j) word of key 8 nt + g, at k-step 0."""
+        sq, sdo, sk, sv = tiles
+        a = bases[0] + 8 * ks  # a0 = X[g][t], a1 = X[g + 8][t], a2 = X[g][t + 4], a3 = X[g + 8][t + 4]
+        qhi, qlo = split4(sq[a], sq[a + 8 * SQ], sq[a + 4], sq[a + 8 * SQ + 4])
+        ohi, olo = split4(sdo[a], sdo[a + 8 * SQ], sdo[a + 4], sdo[a + 8 * SQ + 4])
+        bidx = bases[1] + 8 * ks  # b0 = Y[g][t], b1 = Y[g][t + 4]
+        khi, klo = split2(sk[bidx], sk[bidx + 4])
+        vhi, vlo = split2(sv[bidx], sv[bidx + 4])
+        d4 = product((c[0, 0], c[0, 1], c[0, 2], c[0, 3]), qhi, qlo, khi, klo)
+        e4 = product((c[1, 0], c[1, 1], c[1, 2], c[1, 3]), ohi, olo, vhi, vlo)
+        for e in range(4):
+            c[0, e] = d4[e]
+            c[1, e] = e4[e]
+
+    score_steps = unrolled(KS, score_step)
+
+    @cuda.jit(device=True, inline=True)
+    def block_scores(nt, qf, of, sq, sdo, sk, sv, wid, mrow, mat):
+        """(S, dP) of 8-key block nt for the warp's 16 rows."""
+        lane = cuda.threadIdx.x & 31
+        g, t = lane >> 2, lane & 3
+        c = cuda.local.array((2, 4), float32)
+        for e in range(4):
+            c[0, e] = ZERO
+            c[1, e] = ZERO
+        score_steps(c, (sq, sdo, sk, sv), ((16 * wid + g) * SQ + t, (8 * nt + g) * SQ + t), 0, 0)
+        return (c[0, 0], c[0, 1], c[0, 2], c[0, 3]), (c[1, 0], c[1, 1], c[1, 2], c[1, 3])
+
+    @cuda.jit(device=True, inline=True)
+    def store_ds(sds, dp, wid, g, t):
+        """The warp's own 16 rows of dS into sds as float32 (the exact path's)."""
+        for nt in range(NT):
+            base = (16 * wid + g) * SDK + 8 * nt + 2 * t
+            sds[base] = dp[nt, 0]
+            sds[base + 1] = dp[nt, 1]
+            sds[base + 8 * SDK] = dp[nt, 2]
+            sds[base + 8 * SDK + 1] = dp[nt, 3]
+
+    @cuda.jit(device=True, inline=True)
+    def column_step(dn, acc, parts, sk, base, unused):
+        """Column block dn of acc += dS K_j for one 8-key block: parts dS's split A fragment, base this lane's
+        K_j word of key 2t of the block, column g."""
+        bidx = base + 8 * dn
+        khi, klo = split2(sk[bidx], sk[bidx + SQ])
+        d4 = product((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), parts[0], parts[1], khi, klo)
+        for e in range(4):
+            acc[dn, e] = d4[e]
+
+    column_steps = unrolled(DN, column_step)
+
+    @cuda.jit(device=True, inline=True)
+    def key_step(nt, acc, dp, sk, base, unused):
+        hi, lo = split4(dp[nt, 0], dp[nt, 2], dp[nt, 1], dp[nt, 3])  # keys 2t, 2t + 1: claim 7's order
+        column_steps(acc, (hi, lo), sk, base + 8 * nt * SQ, 0)
+
+    key_steps = unrolled(NT, key_step)
+
+    @cuda.jit(device=True, inline=True)
+    def dq_product(acc, dp, sk, mrow, mat):
+        """acc += dS K_j over the tile's 8-key blocks."""
+        lane = cuda.threadIdx.x & 31
+        key_steps(acc, dp, sk, 2 * (lane & 3) * SQ + (lane >> 2), 0)
+
+    return SimpleNamespace(stage_two=X.stage_two, any_bad=X.any_bad, any_bad_v=X.any_bad, to_f32=X.identity,
+                           element=float32, fragment=uint32, held=(1, 4), held_v=(1, 4), SV=SQ, SDK=SDK,
+                           hold=hold, block_scores=block_scores, store_ds=store_ds, dq_product=dq_product)
+
+
+__all__ = ["dq_products", "kv_products"]
