@@ -329,10 +329,10 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                     continue  # TF32 is a tensor-core forward's mode only, bfloat16 a tensor-core kernel's
                 if is_backward and dtype != "float32" and "float32" in dtypes:
                     continue
-                if name in whole_kernel.MMA_BACKWARD and dtype == "float32":  # 3xTF32: the atomic kv kernel;
-                    if name != "bwd-kv-mma":  # its deterministic pair spills (the causal kv pass) and keeps dS in
-                        continue  # local memory (the dq pass), which the table's checks refuse (docs/profile.md)
-                    block_q, block_k = _mma_tiles(width, name, dtype)
+                if name in whole_kernel.MMA_BACKWARD:  # 3xTF32: the atomic kv kernel, at its own tiles; its
+                    if dtype == "float32" and name != "bwd-kv-mma":  # deterministic pair spills (the causal kv
+                        continue  # pass) and keeps dS in local memory (the dq pass), which the table's checks refuse
+                    block_q, block_k = _mma_tiles(width, name, dtype)  # each dtype its own (docs/profile.md)
                 if name in whole_kernel.MMA_VARIANTS:  # float32's tiles hold two tf32 parts: smaller defaults
                     tiles = _mma_tiles(width, name, dtype)
                     if tiles is None:  # float32 above d = 128
