@@ -61,8 +61,8 @@ float32 inputs (kind "float32"): both kernels' products by 3xTF32 (kernels.mma.b
 tiles staged raw and split where read, the same visits, masks, exact path and traffic), d_v = d (the API pads
 V), tiles DEFAULTS_FLOAT32.
 
-Limits: d, d_v <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with B_r / 16 and W dividing one another;
-dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
+Limits: d, d_v <= 128; static shared memory <= 48 KB; tiles: kv B_c = 16 W, B_r a multiple of 16 up to 32 W with
+B_r / 16 and W dividing one another; dq B_r = 16 W, B_c a multiple of 16. Defaults (DEFAULTS) by head dim.
 Whole-kernel estimate: docs/profile.md (`profile --orders bwd-kv-mma,bwd-kv-mma-det,bwd-dq-mma`).
 """
 
