@@ -13,6 +13,7 @@ from fa_numba.kernels.common import ZERO
 from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.backward_kv import _exact_product, _row_writer, row_fragments, store_pair
 from fa_numba.kernels.mma.engine import LOG2E, make_ops
+from fa_numba.kernels.mma.products16 import fragments_times_staged
 from fa_numba.kernels.score_mod import apply_fn, apply_grad, has_scores
 from fa_numba.tiling import PARTIAL
 
@@ -53,21 +54,8 @@ def dq_products16(config):
             store_pair(sds, base, pack(dp[nt, 0], dp[nt, 1]))
             store_pair(sds, base + 8 * SDK, pack(dp[nt, 2], dp[nt, 3]))
 
-    @cuda.jit(device=True, inline=True)
-    def dq_product(acc, dp, sk, mrow, mat):
-        """acc += dS K_j: dS's A fragments from the warp's own (rounded to 16 bits), K_j's B fragments by
-        ldmatrix x4 .trans, two 8-column blocks a load (DN is even)."""
-        for kk in range(PK):
-            da = (pack(dp[2 * kk, 0], dp[2 * kk, 1]), pack(dp[2 * kk, 2], dp[2 * kk, 3]),
-                  pack(dp[2 * kk + 1, 0], dp[2 * kk + 1, 1]), pack(dp[2 * kk + 1, 2], dp[2 * kk + 1, 3]))
-            for dp_ in range(DN // 2):
-                index = (16 * kk + mrow + 8 * (mat & 1)) * SQ + 8 * (2 * dp_ + (mat >> 1))
-                bk = warp.ldmatrix_x4_trans(sk, index)
-                for half in range(2):
-                    dn = 2 * dp_ + half
-                    d4 = mma((acc[dn, 0], acc[dn, 1], acc[dn, 2], acc[dn, 3]), da, (bk[2 * half], bk[2 * half + 1]))
-                    for e in range(4):
-                        acc[dn, e] = d4[e]
+    # acc += dS K_j: dS's A fragments the warp's own (rounded to 16 bits), K_j's B fragments by ldmatrix x4 .trans
+    dq_product = fragments_times_staged(PK, DN, SQ, mma, pack)
 
     return SimpleNamespace(stage_two=E.stage_two, any_bad=E.any_bad, any_bad_v=E.any_bad_v, to_f32=E.to_f32,
                            element=uint16, fragment=uint32, held=(KS, 4), held_v=(KSV, 4), SV=SV, SDK=SDK,
