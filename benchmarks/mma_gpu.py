@@ -73,16 +73,16 @@ def launch(kernel, bits, d):
     return (lambda: kernel(q, k, v, o, lse, 1 / np.sqrt(d))), o, lse
 
 
-def check(order, kind, d, block_k, causal, n, heads=2) -> dict:
+def check(order, kind, d, block_k, causal, n, heads=2, warps=4) -> dict:
     rng = np.random.default_rng(0)
     bits = [bits_of(rng.standard_normal((1, heads, n, d)), kind) for _ in range(3)]
-    kernel = MAKE[order](kind, 4, block_k, d, causal)
+    kernel = MAKE[order](kind, warps, block_k, d, causal)
     run, o, lse = launch(kernel, bits, d)
     run()
     q, k, v = (values_of(b, kind) for b in bits)
     try:
         c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order=order,
-                                      block_q=64, block_k=block_k, contractions=("matmul",),
+                                      block_q=16 * warps, block_k=block_k, contractions=("matmul",),
                                       p_dtype=kind if kind in ("float16", "bfloat16") else None,
                                       products={"float32": "3xtf32", "tf32": "tf32"}.get(kind))
         return {"passed": True, "err_out": c.err_out, "atol_out": c.atol_out}
@@ -279,16 +279,18 @@ def main(argv=None) -> int:
     for order, kind in (("v2", "float16"), ("v2", "bfloat16"), ("v1", "float16"), ("v2", "float32"), ("v1", "float32"),
                         ("v2", "tf32")):
         for d, block_k in ([(16, 16)] if args.smoke else CONFIGS):
-            if kind in ("float32", "tf32"):  # tiles of tf32 parts: the float32 kinds' smaller default block_k
-                block_k = min(block_k, engines.mma_tiles(d, None, None, kind)[1])
+            warps = 4
+            if kind in ("float32", "tf32") and not args.smoke:  # the float32 kinds' own default tiles (engines)
+                warps, own_k = engines.mma_tiles(d, None, None, kind, order)
+                block_k = min(block_k, own_k)
             for causal in (False, True):
                 row = {"order": order, "kind": kind, "d": d, "block_k": block_k, "causal": causal,
-                       **check(order, kind, d, block_k, causal, n_check, heads=1 if args.smoke else 2)}
+                       **check(order, kind, d, block_k, causal, n_check, heads=1 if args.smoke else 2, warps=warps)}
                 if row["passed"] and shape is not None:
                     b, h, n = shape
                     rng = np.random.default_rng(1)
                     bits = [bits_of(rng.standard_normal((b, h, n, d)), kind) for _ in range(3)]
-                    run, _, _ = launch(MAKE[order](kind, 4, block_k, d, causal), bits, d)
+                    run, _, _ = launch(MAKE[order](kind, warps, block_k, d, causal), bits, d)
                     ms = time_it(run)
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
                     row.update(ms=ms, tflops=flops / ms / 1e9, sdpa_ms=sdpa_ms(kind, b, h, n, d, causal))

@@ -238,7 +238,7 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
-    warps, block_k = engines.mma_tiles(max(prob.d, prob.d_v), block_q, block_k, kind)
+    warps, block_k = engines.mma_tiles(max(prob.d, prob.d_v), block_q, block_k, kind, order)
     kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod,
                                                               mask_form=form if mask is not None else "none",
                                                               value_dim=prob.d_v)

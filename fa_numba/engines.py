@@ -77,7 +77,7 @@ def _forward_fits(kind, order, head_dim, block_q, block_k) -> None:
     if order not in MMA_ORDERS:
         raise ValueError(order)
     _check_mma(kind, head_dim)
-    warps, block_k = mma_tiles(head_dim, block_q, block_k, kind)
+    warps, block_k = mma_tiles(head_dim, block_q, block_k, kind, order)
     MmaConfig(kind, warps, block_k, head_dim, False).check()  # shared memory (the same for every mask)
 
 
@@ -99,11 +99,19 @@ def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
         raise ValueError(f"engine='mma' needs head dim d <= {limit} for {what}, got {head_dim}")
 
 
-def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str = "float16") -> tuple[int, int]:
-    """(warps, block_k) of the tensor-core kernel: block_q = 16 warps (default 64), block_k a multiple of 16
-    (default 64 for d <= 64, 32 for d <= 128, 16 above: under 48 KB of shared memory; half that for the float32
-    kinds, whose tiles hold two tf32 parts of each element)."""
-    block_q = 64 if block_q is None else block_q
+def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str = "float16",
+              order: str = "v2") -> tuple[int, int]:
+    """(warps, block_k) of the tensor-core kernel: block_q = 16 warps (default 64; 128 for v2 on float32 inputs),
+    block_k a multiple of 16 (default 64 for d <= 64, 32 for d <= 128, 16 above: under 48 KB of shared memory;
+    half that for the float32 kinds, whose tiles hold two tf32 parts of each element).
+
+    v2's float32 tiles are shared by 8 warps, not 4: each warp reads the whole K_j and V_j (both tf32 parts) from
+    shared memory whatever the block's rows, but a block stages and splits them once, so 128 rows halve the
+    staging's wavefronts per query row (d = 64: 3072 -> 2560 shared cycles an iteration and SM, the estimate
+    86.5 -> 103.8 TFLOP/s; d = 128: 72.8 -> 79.5, docs/profile.md). One block of 8 warps per SM either way (the
+    registers); v1's blocks own a K/V tile and loop over query tiles, so its staging is per key tile: 64 kept."""
+    if block_q is None:
+        block_q = 128 if order == "v2" and kind not in MMA_KINDS else 64
     if block_k is None:
         block_k = 64 if head_dim <= 64 else 32 if head_dim <= 128 else 16
         if kind not in MMA_KINDS:

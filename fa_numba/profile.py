@@ -286,7 +286,7 @@ def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> t
         from fa_numba.kernels.mma.backward import default_tiles
 
         return default_tiles("dq" if name == "bwd-dq-mma" else "kv", head_dim, dtype)[1:]
-    warps, block_k = engines.mma_tiles(head_dim, None, None, dtype)
+    warps, block_k = engines.mma_tiles(head_dim, None, None, dtype, name[:2])  # "v1" or "v2"
     return 16 * warps, block_k
 
 

@@ -185,6 +185,10 @@ def test_head_dims_up_to_192_take_the_tensor_core_forward_and_the_backward_says_
     from fa_numba import engines
 
     assert engines.mma_tiles(192, None, None) == (4, 16) and engines.mma_tiles(128, None, None) == (4, 32)
+    # float32 (tf32 parts): half the keys; v2's 8 warps share a staged tile, v1 keeps 4 (engines.mma_tiles)
+    assert engines.mma_tiles(64, None, None, "float32") == (8, 32)
+    assert engines.mma_tiles(128, None, None, "tf32", "v2") == (8, 16)
+    assert engines.mma_tiles(64, None, None, "float32", "v1") == (4, 32)
     assert MmaConfig("float16", 4, 16, 192, True).check().shared_bytes <= 48 * 1024
     assert engines.resolve("auto", kind="bfloat16", order="v1", head_dim=192) == "mma"
     assert engines.resolve("auto", kind="float16", order="v2", head_dim=200) == "simt"

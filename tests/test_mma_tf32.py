@@ -159,6 +159,8 @@ CASES = [  # (case, warps): tails in N and d (d = 12, 20: padded to 16, 24), GQA
     pytest.param(Case(n_q=1, n_k=1, d=8, block_q=16, block_k=16, causal=False, seed=24), 1, marks=SLOW),
     pytest.param(Case(n_q=17, n_k=33, d=16, block_q=16, block_k=16, causal=True, seed=25, logit=30.0), 1,
                  marks=SLOW),
+    # v2's float32 default: 8 warps share each staged K_j, V_j (engines.mma_tiles); a second query tile of 2 rows
+    pytest.param(Case(n_q=130, n_k=40, d=8, block_q=128, block_k=16, causal=True, seed=30), 8, marks=SLOW),
 ]
 
 

@@ -399,15 +399,17 @@ def test_a_value_head_dim_is_estimated_from_its_own_build_and_trace(tmp_path, py
 
 def test_tf32_is_asked_for_by_name_and_builds_the_tensor_core_forwards_only():
     """"tf32" (engine="mma-tf32") is never in the shipped table; asked for, it is the two tensor-core forwards,
-    non-causal, at the float32 kinds' tiles (block_k half the 16-bit one: each element staged as 4 bytes), d <= 128,
-    and its HMMA covers one m16n8k8 product's multiply-adds (3xTF32's covers a third)."""
+    non-causal, at the float32 kinds' tiles (block_k half the 16-bit one: each element staged as 4 bytes; v2's
+    block_q twice it, 8 warps sharing a staged tile), d <= 128, and its HMMA covers one m16n8k8 product's
+    multiply-adds (3xTF32's covers a third)."""
     assert all(c["dtype"] != "tf32" for c in profile.configurations())
     asked = list(profile.configurations(dtypes=("tf32",)))
     assert {(c["variant"], c["head_dim"], c["causal"]) for c in asked} == {
         (name, d, False) for name in whole_kernel.MMA_VARIANTS for d in (64, 128)}
     for cfg in asked:
         sixteen = next(profile.configurations([cfg["variant"]], [cfg["head_dim"]], ["float16"], [False]))
-        assert cfg["block_k"] * 2 == sixteen["block_k"] and cfg["block_q"] == sixteen["block_q"]
+        rows = 2 if cfg["variant"] == "v2-mma" else 1
+        assert cfg["block_k"] * 2 == sixteen["block_k"] and cfg["block_q"] == rows * sixteen["block_q"]
     assert whole_kernel.USEFUL_MACS["tf32"] == 3 * whole_kernel.USEFUL_MACS["float32"] == 16 * 8 * 8
     assert whole_kernel.MMA_SHAPE["tf32"] == whole_kernel.MMA_SHAPE["float32"] == "m16n8k8"
 
