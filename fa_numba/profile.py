@@ -330,8 +330,8 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                 if is_backward and dtype != "float32" and "float32" in dtypes:
                     continue
                 if name in whole_kernel.MMA_BACKWARD:  # 3xTF32: the atomic kv kernel, at its own tiles; its
-                    if dtype == "float32" and name != "bwd-kv-mma":  # deterministic pair spills (the causal kv
-                        continue  # pass) and keeps dS in local memory (the dq pass), which the table's checks refuse
+                    if dtype == "float32" and name != "bwd-kv-mma":  # deterministic pair's causal d = 128 kv pass
+                        continue  # spills 28 bytes, which the table's checks refuse (docs/profile.md)
                     block_q, block_k = _mma_tiles(width, name, dtype)  # each dtype its own (docs/profile.md)
                 if name in whole_kernel.MMA_VARIANTS:  # float32's tiles hold two tf32 parts: smaller defaults
                     tiles = _mma_tiles(width, name, dtype)

@@ -87,8 +87,10 @@ def test_tf32_deterministic_mode_is_bitwise_repeatable_and_agrees_with_the_atomi
 @pytest.mark.lemma("L7")
 @SLOW
 @pytest.mark.parametrize("case", [Case(n_q=37, n_k=29, d=20, block_q=16, block_k=16, causal=True, seed=2, group=2),
-                                  Case(n_q=40, n_k=56, d=16, block_q=32, block_k=32, causal=False, seed=3)],
-                         ids=["tails-gqa-causal", "two-warps"])
+                                  Case(n_q=40, n_k=56, d=16, block_q=32, block_k=32, causal=False, seed=3),
+                                  # the dq pass at its float32 default's shape up to d = 64: 1 warp, 16 x 32
+                                  Case(n_q=45, n_k=40, d=12, block_q=16, block_k=32, causal=True, seed=6)],
+                         ids=["tails-gqa-causal", "two-warps", "dq-default-shape"])
 def test_tf32_deterministic_mode_matches_reference_within_the_derived_rule(case):
     single, exact, out, lse = _problem(case)
     grads = _backward(case, single, out, lse, deterministic=True)
@@ -221,9 +223,12 @@ def test_autograd_on_tensor_cores_in_float32_matches_sdpa_in_float64():
 
 def test_the_model_counts_the_one_warp_staging_loop_by_its_copies():
     """MmaBackwardKernel.staged_copies (what whole_kernel.mma_iteration_counts divides a rolled staging loop's
-    copies by): B_r rows of d / 4 16-byte copies over the block's threads, float32 cp.async kv kernels only."""
+    copies by): the staged tile's rows (the kv kernel's Q_i, B_r; the dq pass's K_j, B_c) of d / 4 16-byte copies
+    over the block's threads, float32 cp.async kernels only."""
     one_warp = mma_backward.make("kv", "float32", 1, 16, 16, 128, False)
     assert one_warp.staged_copies == 16 * (128 // 4) // 32
     assert mma_backward.make("kv", "float32", 2, 16, 32, 64, False).staged_copies == 16 * (64 // 4) // 64
     assert mma_backward.make("kv", "float32", 1, 16, 16, 20, False).staged_copies is None  # plain loads (d % 4)
     assert mma_backward.make("kv", "float16", 1, 16, 16, 64, False).staged_copies is None
+    assert mma_backward.make("dq", "float32", 1, 16, 32, 64, False).staged_copies == 32 * (64 // 4) // 32
+    assert mma_backward.make("dq", "float16", 1, 16, 32, 64, False).staged_copies is None

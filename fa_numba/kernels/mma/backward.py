@@ -96,8 +96,9 @@ DEFAULTS = {"kv": ((64, (4, 32, 64)), (128, (4, 16, 64))), "dq": ((64, (4, 64, 6
 # float32 inputs (3xTF32, kernels.mma.backward_tf32): four raw float32 tiles and dS^T under 48 KB (d = 64:
 # 2 x 48 rows of 68 words and 32 x 20 of dS^T, 28.6 KB; d = 128: 2 x 32 rows of 132, 35 KB); registers: B_r = 32
 # at d = 64 compiles to 255 registers and spills 100 bytes, B_r = 16 at d = 128 to 246 without (sm_90a, 2026-12-04)
-# the dq pass: 2 warps, 32 x 32 at d = 64 (39.4 KB), one warp, 16 x 16 above (35 KB)
-DEFAULTS_FLOAT32 = {"kv": ((64, (2, 16, 32)), (128, (1, 16, 16))), "dq": ((64, (2, 32, 32)), (128, (1, 16, 16)))}
+# the dq pass: one warp, 16 x 32 at d = 64 (28.5 KB; 2 warps at 32 x 16 or 32 x 32 spilled 28 to 176 bytes
+# in the causal build) and 16 x 16 above (35 KB): none spills or keeps local memory (2026-12-04)
+DEFAULTS_FLOAT32 = {"kv": ((64, (2, 16, 32)), (128, (1, 16, 16))), "dq": ((64, (1, 16, 32)), (128, (1, 16, 16)))}
 KINDS_BACKWARD = KINDS + ("float32",)  # the 16-bit kinds, and float32 inputs by 3xTF32
 
 
@@ -267,14 +268,15 @@ class MmaBackwardKernel:
 
     @property
     def staged_copies(self) -> int | None:
-        """The cp.async copies (16 bytes) one thread issues per tile staged inside a visit (Q_i or dO_i: B_r rows d
-        wide) of the float32 kv kernel, whose one-warp blocks stage a tile in a loop ptxas keeps rolled
-        (whole_kernel.mma_iteration_counts counts it by this); None for the 16-bit kernels (their staging
-        unrolls)."""
+        """The cp.async copies (16 bytes) one thread issues per tile staged inside the tile loop (the kv kernel's
+        Q_i or dO_i, B_r rows d wide; the dq pass's K_j or V_j, B_c rows) of the float32 kernels, whose small
+        blocks stage a tile in a loop ptxas keeps rolled (whole_kernel.mma_iteration_counts counts it by this);
+        None for the 16-bit kernels (their staging unrolls)."""
         c = self.config
-        if not (c.float32 and c.role == "kv" and c.async_copy):
+        if not (c.float32 and c.async_copy):
             return None
-        return -(-c.block_q * (c.padded_dim // 4) // (32 * c.warps))
+        rows = c.block_q if c.role == "kv" else c.block_k
+        return -(-rows * (c.padded_dim // 4) // (32 * c.warps))
 
     @property
     def inner_trips(self) -> int | None:

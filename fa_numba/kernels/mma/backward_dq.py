@@ -14,6 +14,7 @@ from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.backward_kv import _exact_product, _row_writer, row_fragments, store_pair
 from fa_numba.kernels.mma.engine import LOG2E, make_ops
 from fa_numba.kernels.mma.products16 import fragments_times_staged
+from fa_numba.kernels.mma.tf32 import unrolled
 from fa_numba.kernels.score_mod import apply_fn, apply_grad, has_scores
 from fa_numba.tiling import PARTIAL
 
@@ -59,7 +60,8 @@ def dq_products16(config):
 
     return SimpleNamespace(stage_two=E.stage_two, any_bad=E.any_bad, any_bad_v=E.any_bad_v, to_f32=E.to_f32,
                            element=uint16, fragment=uint32, held=(KS, 4), held_v=(KSV, 4), SV=SV, SDK=SDK,
-                           hold=hold_rows, block_scores=block_scores, store_ds=store_ds, dq_product=dq_product)
+                           hold=hold_rows, block_scores=block_scores, store_ds=store_ds, dq_product=dq_product,
+                           written_out=False)
 
 
 def dq_source(config, P):
@@ -78,6 +80,43 @@ def dq_source(config, P):
     Q_SIZE, KV_SIZE, DS_SIZE, DO_SIZE, V_SIZE = BR * SQ, BC * SQ, BR * SDK, BR * SV, BC * SV
     MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)
+
+    @cuda.jit(device=True, inline=True)
+    def ds_block(nt, dp, tiles, where, rows, lists):
+        """dS of 8-key block nt of the warp's 16 rows into dp[nt]: S and dP by the products, P = exp(S - LSE),
+        dS = P (dP - D), 0 at masked pairs."""
+        qf, of, sq, sdo, sk, sv = tiles
+        wid, mrow, mat, row0, c0, t, n_q, n_k, delta, b, h, sb, sh = where
+        masked, scale, lse0, lse1, d0, d1 = rows
+        lohis, denses, captured = lists
+        d4, e4 = block_scores(nt, qf, of, sq, sdo, sk, sv, wid, mrow, mat)
+        for e in range(4):
+            row = row0 + 8 * (e >> 1)
+            ds = ZERO
+            if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta, lohis, denses, sb, sh,
+                                     b, h, captured):
+                x = scale * d4[e]
+                if MOD:  # as in the kv kernel (proofs/L13)
+                    key = c0 + 8 * nt + 2 * t + (e & 1)
+                    p = warp.ex2(modded(x, b, h, row, key, captured) * LOG2E - (lse0 if e < 2 else lse1))
+                    ds = p * (e4[e] - (d0 if e < 2 else d1)) * slope(x, b, h, row, key, captured)
+                else:
+                    p = warp.ex2(x * LOG2E - (lse0 if e < 2 else lse1))
+                    ds = p * (e4[e] - (d0 if e < 2 else d1))
+            dp[nt, e] = ds
+
+    @cuda.jit(device=True, inline=True)
+    def ds_block_fenced(nt, dp, tiles, where, rows, lists):
+        """ds_block, then a warp barrier, which ptxas does not schedule across: one block's k-steps at a time."""
+        ds_block(nt, dp, tiles, where, rows, lists)
+        cuda.syncwarp()
+
+    # The 3xTF32 products' key-block body is large enough that ptxas keeps the block loop rolled, so nt is a
+    # run-time value and dp[nt] sends dp to local memory (32 to 176 bytes of stack, the estimate withheld); those
+    # products ask for the blocks written out (P.written_out), fenced, since written out alone their k-steps
+    # interleave and spill (1116 bytes at d = 128). The 16-bit loop is unrolled by the compiler as it is.
+    WRITTEN_OUT = P.written_out
+    ds_blocks = unrolled(NT, ds_block_fenced)
 
     def bwd_dq_mma(q, k, v, do, lse, dvec, dq, scale, row_ptrs, col_idxs, col_kinds, col_ptrs, row_idxs, row_kinds,
                    lohis, denses, captured):
@@ -138,22 +177,13 @@ def dq_source(config, P):
             if GUARDED and masked:
                 bad = q_bad or any_bad(sk, BC) or any_bad_v(sv, BC)
                 guard = cuda.syncthreads_or(1 if bad else 0) != 0
-            for nt in range(NT):
-                d4, e4 = block_scores(nt, qf, of, sq, sdo, sk, sv, wid, mrow, mat)
-                for e in range(4):
-                    row = row0 + 8 * (e >> 1)
-                    ds = ZERO
-                    if not masked or visible(row, c0 + 8 * nt + 2 * t + (e & 1), n_q, n_k, delta, lohis, denses, sb, sh,
-                                             b, h, captured):
-                        x = scale * d4[e]
-                        if MOD:  # as in the kv kernel (proofs/L13)
-                            key = c0 + 8 * nt + 2 * t + (e & 1)
-                            p = warp.ex2(modded(x, b, h, row, key, captured) * LOG2E - (lse0 if e < 2 else lse1))
-                            ds = p * (e4[e] - (d0 if e < 2 else d1)) * slope(x, b, h, row, key, captured)
-                        else:
-                            p = warp.ex2(x * LOG2E - (lse0 if e < 2 else lse1))
-                            ds = p * (e4[e] - (d0 if e < 2 else d1))
-                    dp[nt, e] = ds
+            tiles, where = (qf, of, sq, sdo, sk, sv), (wid, mrow, mat, row0, c0, t, n_q, n_k, delta, b, h, sb, sh)
+            rows, lists = (masked, scale, lse0, lse1, d0, d1), (lohis, denses, captured)
+            if WRITTEN_OUT:  # each block's nt a constant: dp stays in registers
+                ds_blocks(dp, tiles, where, rows, lists)
+            else:
+                for nt in range(NT):
+                    ds_block(nt, dp, tiles, where, rows, lists)
             if guard:  # the warp's own rows of sds
                 store_ds(sds, dp, wid, g, t)
                 cuda.syncwarp()

@@ -257,6 +257,9 @@ def kv_source(config, P):
     SPLIT, DNS = dq_split(config)  # warps sharing one 16-row slice of dQ_i, each DN / SPLIT blocks
     UNITS = SLICES * SPLIT
     CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
+    # a barrier after each visit's products: the atomic kernel's, before its dQ; the deterministic float32 pass
+    # keeps it too, without which ptxas spilled its causal d = 128 build (72 bytes at 255 registers; docs/profile.md)
+    VISIT_BARRIER = ATOMIC_DQ or config.kind == "float32"
     # Only a causal visit or a block mask can mask a pair between two rows that hold data: without them the
     # masked pairs are those of padded rows or keys (staged as zeros), whose products are 0 whatever the data
     # holds, so the exact path is compiled in for masked kernels only (kernels.mma.backward, non-finite inputs)
@@ -407,8 +410,9 @@ def kv_source(config, P):
                     if ATOMIC_DQ:
                         store_rows(sds, dp, wid, g, t)
 
+                if VISIT_BARRIER:
+                    cuda.syncthreads()  # dS^T of every warp's keys is in shared memory (atomic dQ)
                 if ATOMIC_DQ:
-                    cuda.syncthreads()  # dS^T of every warp's keys is in shared memory
                     for u in range(PER_WARP):  # dQ_i's 16-row slice mi, its column blocks `part`
                         unit = wid + u * W
                         mi = unit // SPLIT

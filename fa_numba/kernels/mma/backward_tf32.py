@@ -29,7 +29,8 @@ their high parts are taken (tf32.split), so a finite value cannot become an infi
 The deterministic mode's dq pass (`dq_products`): S = Q_i K_j^T and dP = dO_i V_j^T with A = Q_i's (dO_i's) rows
 16 w + g (+ 8) and B = K_j's (V_j's) rows 8 nt + g, as the forward's S; dQ += dS K_j with dS's own accumulators
 as A in claim 7's key order, B = K_j[8 nt + 2t (+ 1)][8 dn + g]; Q_i's and dO_i's fragments are split at every
-k-step, not held (both would take 128 registers at d = 64).
+k-step, not held (both would take 128 registers at d = 64). Its 8-key blocks are written out, a warp barrier
+between them (`written_out`: backward_dq.dq_source), so dS stays in registers.
 
 Not built: a value head dim of its own (the API pads V to d, fa_numba.value_dims), plain TF32 ("mma-tf32") for
 the backward.
@@ -323,7 +324,8 @@ def dq_products(config) -> SimpleNamespace:
 
     return SimpleNamespace(stage_two=X.stage_two, any_bad=X.any_bad, any_bad_v=X.any_bad, to_f32=X.identity,
                            element=float32, fragment=uint32, held=(1, 4), held_v=(1, 4), SV=SQ, SDK=SDK,
-                           hold=hold, block_scores=block_scores, store_ds=store_ds, dq_product=dq_product)
+                           hold=hold, block_scores=block_scores, store_ds=store_ds, dq_product=dq_product,
+                           written_out=True)
 
 
 __all__ = ["dq_products", "kv_products"]
