@@ -302,7 +302,10 @@ def ex2(x):
         return np.float32(0.0)
     if x >= 128.0:
         return np.float32(np.inf)
-    return np.exp2(x)
+    # in float64, then rounded: numpy's float32 exp2 is a SIMD kernel whose last bit depends on the CPU (one ulp
+    # off 2^127.5 on one machine, exact on another); the hardware's ex2.approx is not correctly rounded either, but
+    # the emulation must give one answer everywhere
+    return np.float32(np.exp2(np.float64(x)))
 
 
 __all__ = ["WarpDivergence", "mma_f16", "mma_bf16", "mma_tf32", "ldmatrix_x4", "ldmatrix_x4_trans", "ldmatrix_x2",
