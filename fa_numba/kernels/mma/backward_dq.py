@@ -107,7 +107,8 @@ def dq_source(config, P):
 
     @cuda.jit(device=True, inline=True)
     def ds_block_fenced(nt, dp, tiles, where, rows, lists):
-        """ds_block, then a warp barrier, which ptxas does not schedule across: one block's k-steps at a time."""
+        """ds_block, then a warp barrier between blocks: with it ptxas no longer interleaves the blocks' k-steps
+        (their spills went away, 1116 bytes at d = 128 without it)."""
         ds_block(nt, dp, tiles, where, rows, lists)
         cuda.syncwarp()
 

@@ -258,7 +258,8 @@ def kv_source(config, P):
     UNITS = SLICES * SPLIT
     CAUSAL, ATOMIC_DQ = config.causal, not config.deterministic
     # a barrier after each visit's products: the atomic kernel's, before its dQ; the deterministic float32 pass
-    # keeps it too, without which ptxas spilled its causal d = 128 build (72 bytes at 255 registers; docs/profile.md)
+    # keeps it too: without it ptxas spilled its causal builds at 255 registers (d = 64: 88 bytes, now none and
+    # 177 registers; d = 128: 72, now 28; docs/profile.md)
     VISIT_BARRIER = ATOMIC_DQ or config.kind == "float32"
     # Only a causal visit or a block mask can mask a pair between two rows that hold data: without them the
     # masked pairs are those of padded rows or keys (staged as zeros), whose products are 0 whatever the data
