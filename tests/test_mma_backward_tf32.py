@@ -168,6 +168,17 @@ def test_tf32_backward_config_errors_name_the_argument(kwargs, message):
         mma_backward.MmaBackwardConfig(**{**base, **kwargs}).check()
 
 
+@pytest.mark.parametrize("d", [8, 64, 100, 128])
+def test_the_deterministic_plan_at_default_tiles_takes_the_float32_dq_tiles(d):
+    """plan() without tiles (what `attention_backward(..., deterministic=True)` launches) gives the dq pass the
+    float32 defaults: it took the 16-bit table's (64 x 64 at d = 64, 87552 bytes of shared memory, refused) and
+    the first H200 run (2026-12-04) failed every float32 deterministic call there."""
+    kernels = mma_backward.plan("float32", d, False, True)
+    dq = next(kernel for kernel, side in kernels if side == "q")
+    warps, block_q, block_k = mma_backward.default_tiles("dq", d, "float32")
+    assert (dq.config.warps, dq.config.block_q, dq.config.block_k) == (warps, block_q, block_k)
+
+
 def test_the_float32_tiles_fit_and_auto_keeps_float32_on_the_cuda_cores():
     from fa_numba import engines
 

@@ -323,7 +323,7 @@ def plan(kind: str, head_dim: int, causal: bool, deterministic: bool, block_q=No
     kernels = [(make("kv", kind, bk // 16, bq, bk, head_dim, causal, deterministic, mod=mod, mask_form=mask_form,
                      value_dim=value_dim), "kv")]
     if deterministic:
-        w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", widest)
+        w, q_rows, k_cols = (bq // 16, bq, bk) if chosen else default_tiles("dq", widest, kind)
         kernels.append((make("dq", kind, w, q_rows, k_cols, head_dim, causal, mod=mod, mask_form=mask_form,
                              value_dim=value_dim), "q"))
     return kernels
