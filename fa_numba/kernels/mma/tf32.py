@@ -57,8 +57,17 @@ FLOAT32_MAX = float32(np.finfo(np.float32).max)
 def split(x):
     """(hi, lo): the tf32 bits of x's high part and of its residual, hi + lo = x up to u_t^2 |x| (|x| <= TF32_MAX;
     plain TF32 uses hi alone, and the residual's instructions are dropped as dead code). hi is taken of x clamped
-    to +-TF32_MAX, so a finite x cannot round to an infinite hi; inf keeps an infinite residual, NaN a NaN one."""
-    hi = warp.to_tf32(min(max(x, -TF32_MAX), TF32_MAX))
+    to +-TF32_MAX, so a finite x cannot round to an infinite hi; inf keeps an infinite residual, NaN a NaN hi and
+    residual. The clamp is two comparisons, false for NaN in Python and on the GPU alike: min(max(x, -T), T) was
+    FMNMX on the device, which drops a NaN (hi = -TF32_MAX there, NaN in the simulator, whose min and max are
+    Python's), and the first H200 run (2026-12-04) failed tests/test_mma_tf32.py's device split test on it.
+    One instruction more a split (FSETP, FMNMX.NAN, FSEL)."""
+    clamped = x
+    if x > TF32_MAX:
+        clamped = TF32_MAX
+    if x < -TF32_MAX:
+        clamped = -TF32_MAX
+    hi = warp.to_tf32(clamped)
     return hi, warp.to_tf32(x - warp.tf32_value(hi))
 
 
