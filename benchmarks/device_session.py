@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from dataclasses import replace
 import fcntl
 import glob
 import json
@@ -47,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LOCK = os.environ.get("FA_NUMBA_GPU_LOCK", "/tmp/fa_numba_gpu.lock")
 SHAPE = (4, 16, 4096)  # B, H, N of the timings (the whole-kernel model's launch shape)
 CHECK_N = 1024
+SLOW_MS, SLOW_REPEATS = 30.0, 5  # a call over SLOW_MS is timed SLOW_REPEATS times after one warm-up
 
 
 def log(msg: str) -> None:
@@ -87,7 +89,14 @@ def time_ms(fn, repeats: int = 20, warm: int = 3, torch=None) -> float:
     else:
         new_event, sync = (lambda: torch.cuda.Event(enable_timing=True)), torch.cuda.synchronize
         elapsed = lambda start, stop: start.elapsed_time(stop)  # noqa: E731
-    for _ in range(warm):
+    first = new_event(), new_event()
+    first[0].record()
+    fn()
+    first[1].record()
+    sync()
+    if elapsed(*first) > SLOW_MS:  # a slow call: fewer calls, each well past any launch overhead
+        warm, repeats = 1, SLOW_REPEATS
+    for _ in range(warm - 1):
         fn()
     sync()
     events = [(new_event(), new_event()) for _ in range(repeats)]
@@ -115,24 +124,33 @@ def job_mma_fwd(spec: dict, smoke: bool) -> dict:
     mg = _mma_gpu(smoke)
     order, kind, d, causal = spec["order"], spec["dtype"], 16 if smoke else spec["d"], spec["causal"]
     warps, block_k = (1, 16) if smoke else engines.mma_tiles(d, None, None, kind, order)
-    row = {"block_q": 16 * warps, "block_k": block_k,
-           **mg.check(order, kind, d, block_k, causal, 32 if smoke else CHECK_N, heads=1 if smoke else 2, warps=warps)}
-    if row["passed"] and not smoke:
-        import numpy as np
+    mg.check(order, kind, d, block_k, causal, 32, heads=1, warps=warps)  # compiles: outside the lock
+    if smoke:
+        return {"block_q": 16 * warps, "block_k": block_k, **mg.check(order, kind, d, block_k, causal, 32, heads=1,
+                                                                       warps=warps)}
+    import numpy as np
 
-        b, h, n = SHAPE
-        rng = np.random.default_rng(1)
-        bits = [mg.bits_of(rng.standard_normal((b, h, n, d), dtype=np.float32), kind) for _ in range(3)]
-        run, _, _ = mg.launch(mg.MAKE[order](kind, warps, block_k, d, causal), bits, d)
-        row["ms"] = mg.time_it(run)
+    b, h, n = SHAPE
+    rng = np.random.default_rng(1)
+    bits = [mg.bits_of(rng.standard_normal((b, h, n, d), dtype=np.float32), kind) for _ in range(3)]
+    with gpu_lock():  # every launch of the check shape and the timing shape alone on the GPU
+        row = {"block_q": 16 * warps, "block_k": block_k,
+               **mg.check(order, kind, d, block_k, causal, CHECK_N, heads=2, warps=warps)}
+        if row["passed"]:
+            run, _, _ = mg.launch(mg.MAKE[order](kind, warps, block_k, d, causal), bits, d)
+            row["ms"] = time_ms(run)
     return row
 
 
 def job_mma_bwd(spec: dict, smoke: bool) -> dict:
     mg = _mma_gpu(smoke)
     mg.sdpa_backward_ms = lambda *shape: None  # SDPA's backward is a job of its own
-    row = mg.backward_row(16 if smoke else spec["d"], spec["causal"], spec["deterministic"], 32 if smoke else CHECK_N,
-                          None if smoke else SHAPE, heads=1 if smoke else 2, kind=spec["dtype"])
+    d = 16 if smoke else spec["d"]
+    mg.backward_row(d, spec["causal"], spec["deterministic"], 32, None, heads=1, kind=spec["dtype"])  # compiles
+    mg.time_it = time_ms  # the lock is held below
+    with gpu_lock() if not smoke else contextlib.nullcontext():
+        row = mg.backward_row(d, spec["causal"], spec["deterministic"], 32 if smoke else CHECK_N,
+                              None if smoke else SHAPE, heads=1 if smoke else 2, kind=spec["dtype"])
     row.pop("sdpa_ms", None)
     return {k: v for k, v in row.items() if k not in ("order", "kind", "d", "causal", "deterministic")}
 
@@ -155,17 +173,23 @@ def job_simt(spec: dict, smoke: bool) -> dict:
     big = cmp.Shape(batch=b, heads=h, n_q=n, head_dim=d, causal=causal).resolved()
     small = cmp.Shape(batch=1, heads=1 if smoke else 2, n_q=n_check, head_dim=d, causal=causal,
                       block_q=big.block_q, block_k=big.block_k, tiles="chosen")
+    tiny = replace(small, heads=1, n_q=32)  # compiles (outside the lock), then the check with the GPU alone
+    lock = gpu_lock() if not smoke else contextlib.nullcontext()
     if variant == "bwd-kv":
         block = cmp.backward_block(big)[0]
         small = cmp.Shape(batch=1, heads=1 if smoke else 2, n_q=n_check, head_dim=d, causal=causal, block_q=block,
                           block_k=block, tiles="chosen")
-        result = cmp.run_backward(small, ["kv"], repeats=0, count=False)
+        cmp.run_backward(replace(small, heads=1, n_q=32), ["kv"], repeats=0, count=False)
+        with lock:
+            result = cmp.run_backward(small, ["kv"], repeats=0, count=False)
         r = result["rows"][0]
         row = {"block_q": block, "block_k": block, "passed": bool(r.get("passed")),
                "err": [r.get("err_dq"), r.get("err_dk"), r.get("err_dv")],
                "atol": [r.get("atol_dq"), r.get("atol_dk"), r.get("atol_dv")]}
     else:
-        result = cmp.run(small, [variant], repeats=0, count=False)
+        cmp.run(tiny, [variant], repeats=0, count=False)
+        with lock:
+            result = cmp.run(small, [variant], repeats=0, count=False)
         r = result["rows"][0]
         row = {"block_q": big.block_q, "block_k": big.block_k, "passed": bool(r.get("passed")),
                "err_out": r.get("err_out"), "atol_out": r.get("atol_out")}
@@ -415,7 +439,8 @@ def start_tests(out: str, smoke: bool):
     files = ["tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py", "tests/test_mma_tf32.py",
              "tests/test_mma_backward.py", "tests/test_mma_backward_tf32.py"]
     log_file = open(os.path.join(out, "tests_gpu.log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-n", "3", "-p", "no:cacheprovider", *files],
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-n", "6", "--tb=short", "-rf", "-p",
+                             "no:cacheprovider", *files],
                             cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
                             env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": python_path()})
 
@@ -431,6 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma list of job kinds to run (default: all): " + ",".join(JOBS))
     ap.add_argument("--tests", action=argparse.BooleanOptionalAction, default=True,
                     help="run the primitive and tensor-core tests with the simulator off (default: on)")
+    ap.add_argument("--tests-s", type=float, default=150.0,
+                    help="stop the tests after this many seconds (they hold the GPU meanwhile; default 150)")
     ap.add_argument("--list", action="store_true", help="print the jobs and stop")
     ap.add_argument("--smoke", action="store_true", help="in the simulator: tiny shapes, no timing")
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -461,6 +488,9 @@ def main(argv=None) -> int:
     start, rows, running = time.time(), [], {}
     info = header() if not args.smoke else {"device": "CUDA simulator (smoke)"}
     log(f"[session] {len(jobs)} jobs, {args.workers} at once, budget {args.budget_s:.0f} s; {info}")
+    holder = open(LOCK, "a")  # the tests launch kernels too: they hold the GPU until they end (or --tests-s)
+    if args.tests and not args.smoke:
+        fcntl.flock(holder, fcntl.LOCK_EX)
     tests = start_tests(args.out, args.smoke) if args.tests else None
     tests_line = None
     pending = [j for j in jobs if not j.get("exclusive")] + [j for j in jobs if j.get("exclusive")]
@@ -489,7 +519,11 @@ def main(argv=None) -> int:
                 finish(j, proc, fh.read())
                 fh.close()
                 del running[pid]
+        if tests is not None and tests.poll() is None and now > args.tests_s:
+            tests.kill()
+            tests.wait()
         if tests is not None and tests.poll() is not None and tests_line is None:
+            fcntl.flock(holder, fcntl.LOCK_UN)
             with open(os.path.join(args.out, "tests_gpu.log")) as fh:
                 tests_line = (fh.read().strip().splitlines() or ["(no output)"])[-1] + f" (exit {tests.returncode})"
             log(f"[{now:4.0f} s] tests: {tests_line}")

@@ -20,7 +20,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
     python3 -c "import sys, numpy, numba, torch; from importlib.metadata import version as v; print(sys.version.split()[0], 'numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', v('numba-cuda'), 'torch', torch.__version__)"
   } 2>&1 | tee "$out/device.txt"
-  python3 benchmarks/device_session.py --out "$out" --budget-s "${BUDGET:-300}" 2>&1 | tee "$out/session.log"
+  python3 benchmarks/device_session.py --out "$out" --budget-s "${BUDGET:-300}" ${SESSION_ARGS:-} 2>&1 | tee "$out/session.log"
 else
   start=$(date +%s)
   timeout 90 python3 benchmarks/mods_gpu.py --out "$out" 2>&1 | tee "$out/mods_gpu.log"
