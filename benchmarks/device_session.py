@@ -390,6 +390,8 @@ def render(rows: list[dict], header: dict, tests: str | None) -> str:
         ratio = lambda e, a: max(x / y for x, y in zip(e, a)) if isinstance(e, list) else e / a  # noqa: E731
         check = ("pass" if r.get("passed") else "FAIL" if r.get("passed") is False else "-") + (
             f" ({r['error'][:60]})" if r.get("error") else "")
+        if r.get("suspect"):  # a timing taken while something else may have held the GPU: not calibration data
+            check += " (time suspect)"
         ref = sdpa.get((r["dtype"] if r["dtype"] != "tf32" else "float32", r.get("d"), r.get("causal"),
                         r["job"] == "mma-bwd" or r.get("variant") == "bwd-kv"))
         model = model_for(r, models)
@@ -401,7 +403,7 @@ def render(rows: list[dict], header: dict, tests: str | None) -> str:
             f"{'-' if not ref else format(ref['ms'], '.3f') + ' (' + ref['backend'] + ')'} | "
             f"{'-' if not (ref and ms) else format(ref['ms'] / ms, '.2f')} | "
             f"{'-' if not model else format(f / model[0] / 1e12, '.1f') + ' (' + model[1] + ')'} | "
-            f"{'-' if not (model and ms) else format(ms * 1e-3 / model[0], '.2f')} |")
+            f"{'-' if not (model and ms) or r.get('suspect') else format(ms * 1e-3 / model[0], '.2f')} |")
     lines += ["", "| SDPA | dtype | d | causal | ms | TFLOP/s | backend |", "|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rows if r["job"] == "sdpa"), key=lambda r: r["id"]):
         ms, f = r.get("ms"), flops(r)
@@ -441,8 +443,20 @@ def start_tests(out: str, smoke: bool):
     log_file = open(os.path.join(out, "tests_gpu.log"), "w")
     return subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-n", "6", "--tb=short", "-rf", "-p",
                              "no:cacheprovider", *files],
-                            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "PYTHONPATH": python_path()})
+
+
+def stop(proc) -> None:
+    """Kill a process and its group: pytest's xdist workers outlive their controller (on 2026-12-04 they kept
+    launching kernels after it was killed, and the timings of the next 25 s read up to 8x slow)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def main(argv=None) -> int:
@@ -460,8 +474,16 @@ def main(argv=None) -> int:
                     help="stop the tests after this many seconds (they hold the GPU meanwhile; default 150)")
     ap.add_argument("--list", action="store_true", help="print the jobs and stop")
     ap.add_argument("--smoke", action="store_true", help="in the simulator: tiny shapes, no timing")
+    ap.add_argument("--render", nargs="+", metavar="JSONL",
+                    help="print the table of earlier runs' session.jsonl files (rows marked 'suspect' flagged) "
+                         "beside the newest committed estimate, and stop")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.render:
+        rows = [json.loads(line) for path in args.render for line in open(path) if line.strip()]
+        print(render(rows, {"device": "NVIDIA H200", "runs": " ".join(os.path.basename(p) for p in args.render)},
+                     None))
+        return 0
     if args.job:  # a worker: run one job, print its row last
         import fa_numba  # noqa: F401 - first: it chooses the backend before numba.cuda is imported
 
@@ -520,8 +542,7 @@ def main(argv=None) -> int:
                 fh.close()
                 del running[pid]
         if tests is not None and tests.poll() is None and now > args.tests_s:
-            tests.kill()
-            tests.wait()
+            stop(tests)
         if tests is not None and tests.poll() is not None and tests_line is None:
             fcntl.flock(holder, fcntl.LOCK_UN)
             with open(os.path.join(args.out, "tests_gpu.log")) as fh:
@@ -548,7 +569,7 @@ def main(argv=None) -> int:
         try:
             tests.wait(timeout=max(1.0, args.budget_s + 60 - (time.time() - start)))
         except subprocess.TimeoutExpired:
-            tests.kill()
+            stop(tests)
         with open(os.path.join(args.out, "tests_gpu.log")) as fh:
             tests_line = (fh.read().strip().splitlines() or ["(no output)"])[-1] + f" (exit {tests.returncode})"
     text = render(rows, info, tests_line)
