@@ -412,7 +412,8 @@ def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LA
     argtypes = built.argtypes(cfg["dtype"])
     if cfg.get("strided"):  # the inputs as strided views (a (B, N, H, d) tensor's transpose): layout "A"
         argtypes = _strided(argtypes, 3)
-    prof = profile_kernel(built.source, argtypes, threads, name=cfg["variant"], arch=arch, launch_warps=warps)
+    prof = profile_kernel(built.source, argtypes, threads, name=cfg["variant"], arch=arch, launch_warps=warps,
+                          max_registers=getattr(built, "max_registers", None))  # a kernel's cap, as its launch
     prof.config = {**cfg, "arch": arch, "launch": dict(launch, grid=list(grid), block=list(block)),
                    "seconds": round(time.perf_counter() - start, 2)}
     try:

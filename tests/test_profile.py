@@ -461,6 +461,24 @@ def test_the_tensor_core_v2_gets_an_estimate_from_its_hmma_and_traced_ldmatrix(t
     assert 0 < est["tflops"] < H200.peak_tensor_tflops and est["cycles"]["tensor"] > 0
     assert "withheld" not in causal["estimate"] and "FULL-tile" in causal["estimate"]["counts_from"]
     assert 0 < causal["estimate"]["tflops"] <= est["tflops"] * 1.05  # the causal launch: fewer tiles per block
+    # the causal build compiled at its cap (MmaV2Kernel.REGISTER_CAPS: 172 registers without it): 3 blocks an SM
+    assert causal["registers"] <= 168 and causal["occupancy"]["blocks_per_sm"] == 3 == plain["occupancy"]["blocks_per_sm"]
+    assert causal["spill_stores"] == causal["spill_loads"] == causal["stack"] == 0
+
+
+@pytest.mark.slow
+@NEEDS_NVDISASM
+def test_the_other_capped_causal_build_keeps_three_blocks_without_spills(tmp_path, pytestconfig):
+    """v2-mma causal at d = 96 (64 x 32 tiles), bfloat16: 174 registers uncapped, at its cap of 168 no spills, no
+    stack, 3 blocks of 4 warps an SM (the table's other entry; d = 64 is checked above)."""
+    path = tmp_path / "capped.json"
+    argv = ["-m", "fa_numba.profile", "--orders", "v2-mma", "--head-dims", "96", "--dtypes", "bfloat16",
+            "--causal", "on", "--no-estimate", "--json", str(path)]
+    code, table, errors = _compile(pytestconfig, argv, timeout=1800)
+    assert code == 0, errors[-4000:]
+    (p,) = json.loads(path.read_text())["profiles"]
+    assert p["registers"] <= 168 and p["occupancy"]["blocks_per_sm"] == 3
+    assert p["spill_stores"] == p["spill_loads"] == p["stack"] == 0
 
 
 @pytest.mark.slow

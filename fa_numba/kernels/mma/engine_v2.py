@@ -106,6 +106,21 @@ class MmaV2Kernel(MmaKernel):
     def grid(self, batch, heads, n_q):
         return (-(-n_q // self.config.block_q), batch * heads)
 
+    # (head dim, block_k) -> registers, for the causal 16-bit builds of 4 warps without a mod or a block mask: at
+    # d = 64 the causal build took 172 registers (2 blocks of 4 warps an SM; non-causal 132, 3 blocks), at d = 96
+    # 174; capped at 168 both compile without spills or stack and keep 3 blocks (sm_90a, float16 and bfloat16,
+    # 2026-12-04; tests/test_profile.py). The first H200 session measured the causal d = 64 call at 0.77x the
+    # non-causal time (the model's 0.49x), which the lost block is the first suspect for: not yet re-timed.
+    # d = 56 spills at 168 (24 bytes), so the table names what was checked rather than a range.
+    REGISTER_CAPS = {(64, 64): 168, (96, 32): 168}
+
+    @classmethod
+    def register_cap(cls, config):
+        plain = config.causal and config.mod is None and config.mask_form in ("none", "causal") and not config.value_dim
+        if not plain or config.float32 or config.warps != 4:
+            return None
+        return cls.REGISTER_CAPS.get((config.head_dim, config.block_k))
+
     @staticmethod
     def base_types(kind: str = "float16"):
         """q, k, v (bits), o, lse, scale: the arguments before the captured arrays (MmaKernel.argtypes), for inputs of `kind`."""

@@ -28,7 +28,15 @@ class MmaKernel:
     def __init__(self, config: MmaConfig, kernel_source):
         self.config = config.check()
         self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
-        self.kernel = cuda.jit(self.source)
+        self.max_registers = self.register_cap(self.config)  # fa_numba.profile compiles with it too
+        cap = {"max_registers": self.max_registers} if self.max_registers and backend.name() == "gpu" else {}
+        self.kernel = cuda.jit(self.source, **cap)  # the simulator has no registers (nor the option)
+
+    @staticmethod
+    def register_cap(config: MmaConfig) -> int | None:
+        """The registers a thread may take where a cap keeps one more block resident, or None (the compiler's
+        choice). The orders list the configurations they cap, each compiled at the cap without spills."""
+        return None
 
     def grid(self, batch: int, heads: int, n_q: int) -> tuple:
         raise NotImplementedError
