@@ -172,8 +172,10 @@ def test_only_the_checked_causal_16_bit_v2_builds_are_register_capped():
     for kind, warps, block_k, d, causal in capped:
         assert make_v2_mma(kind, warps, block_k, d, causal).max_registers == 168
         assert make_v2_mma(kind, warps, block_k, d, causal, mask_form="causal").max_registers == 168
+        assert make_v2_mma(kind, warps, block_k, d, causal, value_dim=d).max_registers == 168  # as the api builds it
     for args in [("float16", 4, 64, 64, False), ("float16", 4, 64, 56, True), ("float16", 2, 64, 64, True),
-                 ("float32", 8, 32, 64, True), ("float16", 4, 32, 128, True)]:
+                 ("float32", 8, 32, 64, True), ("float16", 4, 32, 128, True),
+                 ("float16", 4, 64, 64, True, None, None, "none", 32)]:  # d_v = 32: another build
         assert make_v2_mma(*args).max_registers is None, args
     assert make_v1_mma("float16", 4, 64, 64, True).max_registers is None
 

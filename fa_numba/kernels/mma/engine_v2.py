@@ -116,7 +116,8 @@ class MmaV2Kernel(MmaKernel):
 
     @classmethod
     def register_cap(cls, config):
-        plain = config.causal and config.mod is None and config.mask_form in ("none", "causal") and not config.value_dim
+        plain = (config.causal and config.mod is None and config.mask_form in ("none", "causal")
+                 and config.d_v == config.head_dim)  # the api passes value_dim = d for d_v = d
         if not plain or config.float32 or config.warps != 4:
             return None
         return cls.REGISTER_CAPS.get((config.head_dim, config.block_k))
