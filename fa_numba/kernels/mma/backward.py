@@ -109,11 +109,17 @@ def default_tiles(role: str, head_dim: int, kind: str = "float16") -> tuple[int,
         raise ValueError(f"the {role} kernel of the tensor-core backward takes {KINDS} inputs, got {kind}")
     for bound, tiles in table[role]:
         if head_dim <= bound:
-            warps, block_q, _ = tiles
-            split = warps // (block_q // 16) if warps > block_q // 16 else 1  # warps sharing a dQ slice
-            if kind == "float32" and (-(-head_dim // 8)) % split:  # d's 8-column blocks do not split over them
-                return 1, 16, 16
-            return tiles
+            warps, block_q, block_k = tiles
+            slices = block_q // 16
+            # d's 8-column blocks as the kernel pads d (float32 to 8 columns, 16-bit to 16) must split evenly over
+            # the warps sharing a dQ slice (the kv kernel's; the dq pass gives each warp its own slice): else fewer
+            # warps, B_c = 16 W. d = 72 and 100 on 16-bit inputs took 4 warps over 10 and 14 blocks and raised, at
+            # the defaults, in attention_backward(engine="mma") (found 2026-12-04; tests/test_default_tiles.py).
+            blocks = -(-head_dim // 8) if kind == "float32" else 2 * -(-head_dim // 16)
+            while warps > slices and blocks % (warps // slices):
+                warps //= 2
+                block_k = 16 * warps
+            return warps, block_q, block_k
     raise ValueError(f"head dim d must be <= {MAX_HEAD_DIM} for the tensor-core backward, got {head_dim}")
 
 
