@@ -61,3 +61,24 @@ def test_the_16_bit_backward_at_a_head_dim_its_default_warps_did_not_split_passe
                                         engine="mma")
     tolerance_backward.check_attention_backward(*grads, *exact, causal=True, p_dtype="float16",
                                                 contractions=("matmul",), name="bwd-kv-mma d=72")
+
+
+def test_the_cuda_core_and_decode_defaults_build():
+    """The CUDA-core kernels' default tiles (kernels.default_tiles, the backward's default_backward_tiles) for every
+    head dim they take, and the tensor-core decode kernel's configuration for every row count it packs."""
+    from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, backward, default_tiles
+    from fa_numba.kernels.common import MAX_HEAD_DIM
+    from fa_numba.kernels.mma.decode import MAX_DECODE_HEAD_DIM, decode_split
+
+    for d in range(1, MAX_HEAD_DIM + 1):
+        block_q, block_k = default_tiles(d)
+        for name in SIMT_VARIANTS:
+            for causal in (False, True):
+                assert VARIANTS[name].refusal(block_q, block_k, d, causal) is None, (name, d)
+        block = backward.default_backward_tiles(d)[0]
+        for order in ("kv", "q"):
+            backward.BackwardConfig(order, block, d, True).check()
+    for kind in ("float16", "bfloat16"):
+        for d in range(8, MAX_DECODE_HEAD_DIM + 1, 8):
+            for rows in (1, 4, 8, 16, 17, 64, 128):
+                decode_split(kind, rows, d)
