@@ -101,7 +101,8 @@ def shared_allocator(original, make):
 
 def patch_simulator() -> None:
     """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race), its
-    atomic add read its element once, and give it the warp collectives (fa_numba.warp.emulation).
+    atomic add read its element once, give it the warp collectives (fa_numba.warp.emulation) and the device's
+    two-float max and min (fa_numba.simulator_builtins).
 
     numba-cuda's FakeCUDAShared.array looks up the array for its call site and creates it if missing,
     without a lock. The simulator runs every CUDA thread of a block as a Python thread, so two threads can
@@ -119,6 +120,9 @@ def patch_simulator() -> None:
     from fa_numba.warp import emulation
 
     emulation.install()  # syncwarp, shfl_*_sync, activemask: the warp collectives the simulator lacks
+    from fa_numba import simulator_builtins
+
+    simulator_builtins.install()  # two-float max / min as the device computes them (a NaN dropped)
     if getattr(kernelapi.FakeCUDAShared.array, "_fa_numba_locked", False):
         return
     kernelapi.FakeCUDAShared.array = shared_allocator(kernelapi.FakeCUDAShared.array,
