@@ -87,6 +87,10 @@ def job_mma_fwd(spec: dict, smoke: bool) -> dict:
     from fa_numba import engines
 
     mg = _mma_gpu(smoke)
+    if spec.get("uncapped"):  # the A / B of a register cap: this process builds every kernel at the compiler's choice
+        from fa_numba.kernels.mma.engine_v2 import MmaV2Kernel
+
+        MmaV2Kernel.REGISTER_CAPS = {}
     order, kind, d, causal = spec["order"], spec["dtype"], 16 if smoke else spec["d"], spec["causal"]
     warps, block_k = (1, 16) if smoke else engines.mma_tiles(d, None, None, kind, order)
     mg.check(order, kind, d, block_k, causal, 32, heads=1, warps=warps)  # compiles: outside the lock
@@ -250,6 +254,8 @@ def plan(smoke: bool) -> list[dict]:
         for d in (64, 128):
             for causal in (False, True):
                 jobs.append({"job": "mma-fwd", "order": order, "dtype": kind, "d": d, "causal": causal})
+    # the causal build's register cap (MmaV2Kernel.REGISTER_CAPS), timed against the same kernel without it
+    jobs.append({"job": "mma-fwd", "order": "v2", "dtype": "float16", "d": 64, "causal": True, "uncapped": True})
     for variant in ("bwd-kv", "v2", "v1"):
         for d in (64, 128):
             for causal in (False, True):
@@ -278,7 +284,7 @@ def plan(smoke: bool) -> list[dict]:
 
 
 def name_of(j: dict) -> str:
-    what = {"mma-fwd": lambda: f"{j['order']}-mma", "mma-bwd": lambda: "bwd-kv-mma" + ("-det" if j["deterministic"]
+    what = {"mma-fwd": lambda: f"{j['order']}-mma" + (" uncapped" if j.get("uncapped") else ""), "mma-bwd": lambda: "bwd-kv-mma" + ("-det" if j["deterministic"]
                                                                                        else ""),
             "simt": lambda: j["variant"], "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",
             "wide": lambda: "v2-mma-strided" if j["strided"] else f"v2-mma d_v={j['d_v']}",
