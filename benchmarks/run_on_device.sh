@@ -9,6 +9,9 @@
 #     warp-primitive and tensor-core tests with the simulator off. BUDGET (default 300) seconds to start jobs.
 #   stage 2 (STAGE=2; timeout about 300 s): the score mods and mask_mods on every kernel family (mods_gpu,
 #     masks_gpu), then gpu_check (the GPU test tier, racecheck) within what is left of BUDGET (default 240).
+# The machine's python3 runs it (PYTHONPATH: the checkout). On the H200 image of 2026-12-04 numpy 2.5.2 stopped
+# numba-cuda 0.30.4 at import (np.row_stack is gone): carry a numpy 2.4 wheel, install it with
+# `pip install --no-deps --target /tmp/site` and put /tmp/site on PYTHONPATH before running this.
 # Outputs land in $OUT (or benchmarks/results), at most 8 files: device.txt, session.{md,jsonl,log},
 # tests_gpu.log (stage 1); mods_gpu.log, masks_gpu.log, gpu_check.log (stage 2).
 set -uo pipefail
