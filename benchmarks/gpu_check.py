@@ -31,6 +31,7 @@ import time
 from fa_numba import compare as cmp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_WORKERS = min(8, os.cpu_count() or 1)  # pytest-xdist processes: compiling is most of a GPU test run
 SANITIZER_SNIPPET = """
 import numpy as np, fa_numba
 rng = np.random.default_rng(0)
@@ -50,8 +51,8 @@ def run_tests() -> dict:
     start = time.perf_counter()
     # -m "": the slow marker's shipped layouts too (slow in the simulator, seconds on a GPU); the masked and
     # non-finite backward tests cover the guarded products of PARTIAL tiles (proofs/L7.8)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "", "tests/test_kernels.py",
-                           "tests/test_engine.py", "tests/test_backward_kernels.py", "tests/test_backward_nonfinite.py",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(TEST_WORKERS), "-m", "",
+                           "tests/test_kernels.py", "tests/test_engine.py", "tests/test_backward_kernels.py", "tests/test_backward_nonfinite.py",
                            "tests/test_mask_kernels.py", "tests/test_robustness.py", "tests/test_api.py",
                            "tests/test_arrays.py", "tests/test_torch_citizen.py", "tests/test_dropins.py"],
                           cwd=ROOT, capture_output=True, text=True)

@@ -38,6 +38,7 @@ from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_WORKERS = min(8, os.cpu_count() or 1)  # pytest-xdist processes: compiling is most of a GPU test run
 CONFIGS = [(64, 64), (128, 32)]  # (d, block_k) with 4 warps: block_q 64, under 48 KB of shared memory
 MAKE = {"v2": make_v2_mma, "v1": make_v1_mma}
 
@@ -265,8 +266,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     results = {"date": time.strftime("%Y-%m-%d"), "backend": fa_numba.backend.name(), "rows": []}
     if not args.smoke:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "", "-p", "no:cacheprovider",
-                               "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py",
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", str(TEST_WORKERS), "-m", "", "-p",
+                               "no:cacheprovider", "tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py",
                                "tests/test_mma_tf32.py", "tests/test_mma_backward.py",
                                "tests/test_mma_backward_tf32.py"],
                               cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"})
