@@ -413,7 +413,8 @@ def profile_configuration(cfg: dict, arch: str = ARCH, launch: dict = DEFAULT_LA
     if cfg.get("strided"):  # the inputs as strided views (a (B, N, H, d) tensor's transpose): layout "A"
         argtypes = _strided(argtypes, 3)
     prof = profile_kernel(built.source, argtypes, threads, name=cfg["variant"], arch=arch, launch_warps=warps,
-                          max_registers=getattr(built, "max_registers", None))  # a kernel's cap, as its launch
+                          max_registers=None if cfg.get("strided") else getattr(built, "max_registers", None))
+    # a kernel's register cap, as its launch applies it: C-contiguous inputs only (MmaKernel.kernel_for_views)
     prof.config = {**cfg, "arch": arch, "launch": dict(launch, grid=list(grid), block=list(block)),
                    "seconds": round(time.perf_counter() - start, 2)}
     try:

@@ -31,6 +31,10 @@ class MmaKernel:
         self.max_registers = self.register_cap(self.config)  # fa_numba.profile compiles with it too
         cap = {"max_registers": self.max_registers} if self.max_registers and backend.name() == "gpu" else {}
         self.kernel = cuda.jit(self.source, **cap)  # the simulator has no registers (nor the option)
+        # strided views (layout "A") take a build of their own without the cap, since a dispatcher's cap holds for
+        # all its builds: the causal d = 64 one spills 8 / 12 bytes capped at 168 and takes 168 without spills
+        # uncapped (ptxas allocates otherwise under -maxrregcount; sm_90a, 2026-12-04)
+        self.kernel_for_views = cuda.jit(self.source) if cap else self.kernel
 
     @staticmethod
     def register_cap(config: MmaConfig) -> int | None:
@@ -88,9 +92,10 @@ class MmaKernel:
         if self.config.async_copy and not all(aligned16(x) for x in (q, k, v)):  # cp.async needs 16-byte rows
             return self.without_async()(q, k, v, o, lse, scale, stream, captured, mask)
         threads = 32 * self.config.warps
+        kernel = self.kernel if all(_c_contiguous(x) for x in (q, k, v)) else self.kernel_for_views
         with backend.serialised(threads):
-            self.kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)), *mask_arrays(mask),
-                                               tuple(captured))
+            kernel[grid, threads, stream](*self.arguments(q, k, v, o, lse, float32(scale)), *mask_arrays(mask),
+                                          tuple(captured))
 
     def argtypes(self, dtype=None) -> tuple:
         """The Numba types of the kernel's arguments (what fa_numba.profile compiles for sm_90a): the same for
@@ -106,6 +111,16 @@ class MmaKernel:
 
         inputs = types.float32 if kind in FLOAT32_KINDS else types.uint16
         return (types.Array(inputs, 4, "C"), types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"))
+
+
+def _c_contiguous(x) -> bool:
+    """Whether a device (or simulator, or host) array is C-contiguous: numba's device arrays say so by a method,
+    numpy's by its flags; anything else is taken as a view (the build for views is right for any layout)."""
+    check = getattr(x, "is_c_contiguous", None)
+    if callable(check):
+        return bool(check())
+    flags = getattr(x, "flags", None)
+    return bool(flags["C_CONTIGUOUS"]) if flags is not None else False
 
 
 __all__ = ["MmaKernel"]
