@@ -27,26 +27,25 @@ import numpy as np
 FLOATS = (float, np.floating)
 
 
-def device_max(*args, **kwargs):
-    """max as a kernel computes it: two floats by fmax (a NaN dropped), anything else as Python's."""
-    if len(args) == 2 and not kwargs and isinstance(args[0], FLOATS) and isinstance(args[1], FLOATS):
-        a, b = args
-        if a != a:
-            return b
-        if b != b:
-            return a
-    return builtins.max(*args, **kwargs)
+def _nan_dropping(python_fn, name: str):
+    """python_fn (max or min) as a kernel computes it: two floats by fmax / fmin (a NaN operand dropped, the other
+    returned), anything else as Python's."""
+
+    def device_fn(*args, **kwargs):
+        if len(args) == 2 and not kwargs and isinstance(args[0], FLOATS) and isinstance(args[1], FLOATS):
+            a, b = args
+            if a != a:
+                return b
+            if b != b:
+                return a
+        return python_fn(*args, **kwargs)
+
+    device_fn.__name__ = device_fn.__qualname__ = name
+    return device_fn
 
 
-def device_min(*args, **kwargs):
-    """min as a kernel computes it: two floats by fmin (a NaN dropped), anything else as Python's."""
-    if len(args) == 2 and not kwargs and isinstance(args[0], FLOATS) and isinstance(args[1], FLOATS):
-        a, b = args
-        if a != a:
-            return b
-        if b != b:
-            return a
-    return builtins.min(*args, **kwargs)
+device_max = _nan_dropping(builtins.max, "device_max")
+device_min = _nan_dropping(builtins.min, "device_min")
 
 
 DEVICE_BUILTINS = {"max": device_max, "min": device_min}
