@@ -111,11 +111,11 @@ def default_tiles(role: str, head_dim: int, kind: str = "float16") -> tuple[int,
         if head_dim <= bound:
             warps, block_q, block_k = tiles
             slices = block_q // 16
-            # d's 8-column blocks as the kernel pads d (float32 to 8 columns, 16-bit to 16) must split evenly over
+            # d's 8-column blocks, as the kernel pads d (float32 to 8 columns, 16-bit to 16), must split evenly over
             # the warps sharing a dQ slice (the kv kernel's; the dq pass gives each warp its own slice): else fewer
             # warps, B_c = 16 W. d = 72 and 100 on 16-bit inputs took 4 warps over 10 and 14 blocks and raised, at
             # the defaults, in attention_backward(engine="mma") (found 2026-12-04; tests/test_default_tiles.py).
-            blocks = -(-head_dim // 8) if kind == "float32" else 2 * -(-head_dim // 16)
+            blocks = MmaBackwardConfig(role, kind, warps, block_q, block_k, head_dim, False).padded_dim // 8
             while warps > slices and blocks % (warps // slices):
                 warps //= 2
                 block_k = 16 * warps

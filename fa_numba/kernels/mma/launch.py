@@ -114,13 +114,9 @@ class MmaKernel:
 
 
 def _c_contiguous(x) -> bool:
-    """Whether a device (or simulator, or host) array is C-contiguous: numba's device arrays say so by a method,
-    numpy's by its flags; anything else is taken as a view (the build for views is right for any layout)."""
-    check = getattr(x, "is_c_contiguous", None)
-    if callable(check):
-        return bool(check())
-    flags = getattr(x, "flags", None)
-    return bool(flags["C_CONTIGUOUS"]) if flags is not None else False
+    """Whether an input is C-contiguous: numba's device arrays (what the api passes) by their method, host arrays
+    (a kernel called directly) by their flags."""
+    return x.is_c_contiguous() if hasattr(x, "is_c_contiguous") else x.flags["C_CONTIGUOUS"]
 
 
 __all__ = ["MmaKernel"]

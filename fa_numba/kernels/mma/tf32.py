@@ -58,10 +58,10 @@ def split(x):
     """(hi, lo): the tf32 bits of x's high part and of its residual, hi + lo = x up to u_t^2 |x| (|x| <= TF32_MAX;
     plain TF32 uses hi alone, and the residual's instructions are dropped as dead code). hi is taken of x clamped
     to +-TF32_MAX, so a finite x cannot round to an infinite hi; inf keeps an infinite residual, NaN a NaN hi and
-    residual. The clamp is two comparisons, false for NaN in Python and on the GPU alike: min(max(x, -T), T) was
-    FMNMX on the device, which drops a NaN (hi = -TF32_MAX there, NaN in the simulator, whose min and max are
-    Python's), and the first H200 run (2026-12-04) failed tests/test_mma_tf32.py's device split test on it.
-    One instruction more a split (FSETP, FMNMX.NAN, FSEL)."""
+    residual. The clamp is two comparisons, false for NaN: min(max(x, -T), T) compiles to fmaxf / fminf (FMNMX),
+    which drop a NaN (hi = -TF32_MAX), and the first H200 run (2026-12-04) failed tests/test_mma_tf32.py's device
+    split test on it (the simulator, then running Python's min and max, had not; fa_numba.simulator_builtins now
+    gives it the device's). One instruction more a split (FSETP, FMNMX.NAN, FSEL)."""
     clamped = x
     if x > TF32_MAX:
         clamped = TF32_MAX
