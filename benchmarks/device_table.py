@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import functools
+
 from device_jobs import CHECK_N, SHAPE, name_of
 
 
+@functools.lru_cache(maxsize=1)  # read once: the table is rendered again after every finished job
 def model_seconds() -> dict:
     """{(profile variant, dtype, d, causal): (seconds, TFLOP/s, limiter)} at the timing shape, from the newest
     committed whole-kernel estimate (compare_gpu.model_estimates: a model of the H200, never a measurement)."""
