@@ -15,7 +15,9 @@ the SMs, at most the occupancy's blocks per SM) spends at least
              mma.sync m16n8k16 holds it `Device.mma_cycles` = 4 cycles at the dense peak; tensor-core kernels)
     latency  load round trips x L2 latency + one block's own work (its issue, or its tensor-core cycles if
              longer, on min(warps, 4) sub-partitions): a block cannot hide its own dependent loads, only other
-             blocks' work can; or, if longer, the pipelined waits x L2 latency: a copy issued N iterations
+             blocks' work can, except the share of its own work issued between a cp.async copy and its wait
+             (`sass.async_copy_covers`: FlashAttention-2's order issues V_j before S and K_j+1 before the
+             softmax and P V, so each wait costs max(0, L - its share x own)); or, if longer, the pipelined waits x L2 latency: a copy issued N iterations
              before its wait (cp.async.wait_group N, `sass.pipelined_copy_waits`) needs only L / N of each
              iteration, whatever the block does meanwhile
 
@@ -51,6 +53,9 @@ class IterationCost:
     flops: float  # useful floating-point operations per block (2 per multiply-add of the products)
     tensor_cycles: float = 0.0  # cycles the block's mma.sync instructions hold a tensor core (Device.mma_cycles)
     pipelined_waits: float = 0.0  # waits for copies issued iterations ahead: the sum of 1/N over wait_group N >= 1
+    # the copy waits among the round trips, each as the share of the iteration's own work issued between its
+    # copies and it (sass.async_copy_covers): that much of its L2 latency is hidden by the block's own work
+    copy_covers: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ def iteration_cycles(cost: IterationCost, launch: Launch, device: Device = H200)
         "shared": resident * cost.wavefronts * WAVEFRONT_BYTES / device.shared_bytes_per_cycle,
         "mufu": resident * cost.mufu * SM90.warp_size / device.mufu_lanes_per_sm,
         "tensor": resident * cost.tensor_cycles / min(resident * launch.warps_per_block, schedulers),
-        "latency": max(cost.load_round_trips * device.l2_latency_cycles + own,
+        "latency": max(cost.load_round_trips * device.l2_latency_cycles + own
+                       - sum(min(device.l2_latency_cycles, cover * own) for cover in cost.copy_covers),
                        cost.pipelined_waits * device.l2_latency_cycles),
     }
 

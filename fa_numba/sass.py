@@ -335,20 +335,28 @@ def _groups_left(inst: Instruction) -> int:
     return int(found.group(1), 0) if found else 0
 
 
-def async_copy_waits(instructions) -> int:
-    """How many times a thread waits for its own asynchronous copies (cp.async: LDGSTS into shared memory)
-    while issuing `instructions` in address order: a DEPBAR that waits for every group (cp.async.wait_group 0)
-    after at least one LDGSTS since the last such wait counts one round trip (the copies issued together travel
-    together, as in `global_load_waits`); a DEPBAR with no copy in flight costs nothing here, and one that
-    leaves groups in flight is `pipelined_copy_waits`'. Straight-line code, one pass."""
-    waits, in_flight = 0, False
-    for inst in instructions:
-        if inst.base == "LDGSTS":
-            in_flight = True
-        elif inst.base == "DEPBAR" and in_flight and not _groups_left(inst):
-            waits += 1
-            in_flight = False
-    return waits
+def async_copy_covers(instructions) -> list[float]:
+    """The waits for every group (cp.async.wait_group 0) of a loop body run over and over, and what covers
+    each: for every such DEPBAR with copies in flight, the share of the body's instructions issued between the
+    newest of those copies and the wait, counted around the loop's back edge (a copy issued late in one
+    iteration and waited for early in the next, as FlashAttention-2's K_j+1 is, is covered by the rest of the
+    iteration). One entry per wait, in address order: a copy committed and waited for at once is covered by
+    about 0 (the instructions between, a fraction of the body), one issued before S and waited for after it
+    by S's share. Straight-line code, the body scanned twice and the second pass counted (the steady state).
+    `cycle_model` takes each wait as an L2 round trip of which this share of the iteration's own work hides
+    a part. A DEPBAR with no copy in flight costs nothing here, and one that leaves groups in flight is
+    `pipelined_copy_waits`'."""
+    body = list(instructions)
+    covers, newest = [], None
+    for lap in (0, 1):
+        for at, inst in enumerate(body, start=lap * len(body)):
+            if inst.base == "LDGSTS":
+                newest = at
+            elif inst.base == "DEPBAR" and newest is not None and not _groups_left(inst):
+                if lap:
+                    covers.append((at - newest - 1) / len(body))
+                newest = None
+    return covers
 
 
 def pipelined_copy_waits(instructions) -> float:

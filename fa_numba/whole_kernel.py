@@ -161,8 +161,8 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     listed in `unattributed`; an inner loop of
     cp.async copies without HMMA (a tile's staging loop, where ptxas does not unroll it) runs `copies` / (its
     LDGSTS) times if the kernel says how many copies one thread issues per staged tile (`copies`), else once,
-    listed in `unattributed`. Round trips: dependent global loads and cp.async waits (`sass.async_copy_waits`),
-    and the pipelined waits (`sass.pipelined_copy_waits`, a key of their own). "products": the HMMAs as products of
+    listed in `unattributed`. Round trips: dependent global loads and the steady state's cp.async waits, each
+    with the share of the body that covers it ("copy_covers", `sass.async_copy_covers`), and the pipelined waits (`sass.pipelined_copy_waits`, a key of their own). "products": the HMMAs as products of
     B_r B_c D, each warp owning 16 rows of its tile and one HMMA covering `USEFUL_MACS[dtype]` of the products'
     multiply-adds (m16n8k16: 16 x 8 x 16; 3xTF32's m16n8k8: 16 x 8 x 8 over its three products), so exactly 2
     for a forward that does S and P V once."""
@@ -206,7 +206,9 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
 
     add(tile, 1)
     # cp.async waits over the whole body, the copies of its inner loops (a tile's staging loop) included
-    counts["load_round_trips"] += sass.async_copy_waits(tile.instructions)
+    covers = sass.async_copy_covers(tile.instructions)  # the steady state's waits, each with what covers it
+    counts["load_round_trips"] += len(covers)
+    counts["copy_covers"] = covers
     counts["pipelined_waits"] = sass.pipelined_copy_waits(tile.instructions)
     counts["ffma"] = counts["by_category"]["FFMA"]
     counts["mufu"] = counts["by_category"]["MUFU"]
@@ -297,7 +299,8 @@ def estimate_configuration(cfg: dict, counts: dict, occupancy: dict, grid: tuple
     cost = IterationCost(warp_instructions=counts["instructions"] * warps, mufu=counts["mufu"] * warps,
                          wavefronts=wavefronts, load_round_trips=counts["load_round_trips"],
                          flops=useful / (iterations * blocks), tensor_cycles=tensor,
-                         pipelined_waits=counts.get("pipelined_waits", 0.0))
+                         pipelined_waits=counts.get("pipelined_waits", 0.0),
+                         copy_covers=tuple(counts.get("copy_covers", ())))
     resident = min(occupancy["blocks_per_sm"], math.ceil(blocks / device.sms))
     traffic = hbm_bytes(cfg, launch, resident * device.sms, blocks_per_head, device)
     run = Launch(blocks=blocks, warps_per_block=warps, blocks_per_sm=occupancy["blocks_per_sm"],

@@ -106,3 +106,19 @@ def test_a_pipelined_wait_costs_its_latency_over_the_iterations_ahead_not_latenc
     assert (dependent, one_ahead, two_ahead) == (500, 300, 200)
     slow = iteration_cycles(dataclasses.replace(BASE, pipelined_waits=4.0), FULL)["latency"]
     assert slow == 1200  # four pipelined waits an iteration: 4 x 300 whatever the work
+
+
+def test_a_copy_wait_is_hidden_by_the_share_of_the_block_s_own_work_issued_before_it():
+    # own issue 200 cycles (800 / 4), L2 300: a wait covered by nothing costs 300 + 200; one covered by half the
+    # iteration 300 - 100 + 200; by the whole of it max(300, 200), as a copy issued an iteration ahead; two
+    # waits covered by 0.4 and 0.6 of it (FlashAttention-2's V_j and K_j+1) 2 x 300 + 200 - 80 - 120
+    def latency(trips, covers):
+        cost = dataclasses.replace(BASE, load_round_trips=trips, copy_covers=covers)
+        return iteration_cycles(cost, FULL)["latency"]
+
+    assert latency(1, ()) == latency(1, (0.0,)) == 500
+    assert latency(1, (0.5,)) == 400 and latency(1, (1.0,)) == 300
+    assert latency(2, (0.4, 0.6)) == pytest.approx(600)
+    # a wait hides at most its own latency: work past L does not make the iteration shorter than its work
+    slow = dataclasses.replace(BASE, warp_instructions=8000, load_round_trips=1, copy_covers=(1.0,))
+    assert iteration_cycles(slow, FULL)["latency"] == 2000

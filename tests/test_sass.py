@@ -330,19 +330,34 @@ def test_copies_committed_together_cost_one_wait_and_a_wait_with_none_in_flight_
     copy = "LDGSTS.E.BYPASS.128 [R17], desc[UR28][R14.64], P2"
     together = _body(copy, copy, copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0", "BAR.SYNC.DEFER_BLOCKING 0x0")
     apart = _body(copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0", copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0")
-    assert sass.async_copy_waits(together) == 1 and sass.async_copy_waits(apart) == 2
-    assert sass.async_copy_waits(_body("DEPBAR.LE SB0, 0x0", "HMMA.16816.F32 R4, R8, R12, R4")) == 0
+    # one wait each, covered only by the commit between the newest copy and it (1 of 6 instructions)
+    assert sass.async_copy_covers(together) == [1 / 6] and sass.async_copy_covers(apart) == [1 / 6, 1 / 6]
+    assert sass.async_copy_covers(_body("DEPBAR.LE SB0, 0x0", "HMMA.16816.F32 R4, R8, R12, R4")) == []
     assert sass.global_load_waits(together) == 0  # a cp.async writes no register: not a global-load wait
+
+
+def test_a_copy_issued_before_the_work_it_waits_after_is_covered_by_that_work_around_the_back_edge():
+    """FlashAttention-2's order: K_j+1 issued after S (late in the body) and waited for at the top of the
+    next iteration; V_j issued at the top and waited for after S. Each wait is covered by the instructions
+    between its copy and it: V's by the commit and S's 4 HMMA (5 of 14), K's by the commit and P V's 4 HMMA,
+    counted around the back edge to the top's wait (5 of 14)."""
+    copy, mma = "LDGSTS.E.BYPASS.128 [R17], desc[UR28][R14.64], P2", "HMMA.16816.F32 R4, R8, R12, R4"
+    body = _body("DEPBAR.LE SB0, 0x0", copy, "LDGDEPBAR", mma, mma, mma, mma, "DEPBAR.LE SB0, 0x0", copy,
+                 "LDGDEPBAR", mma, mma, mma, mma)
+    # V_j: copy at 1, wait at 7 (5 between); K_j+1: copy at 8, wait at 14 + 0 (5 to the end, none before it)
+    assert sass.async_copy_covers(body) == [5 / 14, 5 / 14]
+    issued_then_waited = _body(mma, mma, copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0", mma)
+    assert sass.async_copy_covers(issued_then_waited) == [1 / 6]  # the one-stage order: nothing to hide behind
 
 
 def test_a_wait_that_leaves_groups_in_flight_is_pipelined_not_a_round_trip():
     copy = "LDGSTS.E.BYPASS.128 [R17], desc[UR28][R14.64], P2"
     one_ahead = _body(copy, copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x1", "BAR.SYNC.DEFER_BLOCKING 0x0")
     two_ahead = _body(copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x2")
-    assert sass.async_copy_waits(one_ahead) == 0 and sass.pipelined_copy_waits(one_ahead) == 1.0
-    assert sass.async_copy_waits(two_ahead) == 0 and sass.pipelined_copy_waits(two_ahead) == 0.5
+    assert sass.async_copy_covers(one_ahead) == [] and sass.pipelined_copy_waits(one_ahead) == 1.0
+    assert sass.async_copy_covers(two_ahead) == [] and sass.pipelined_copy_waits(two_ahead) == 0.5
     waits_all = _body(copy, "LDGDEPBAR", "DEPBAR.LE SB0, 0x0")
-    assert sass.async_copy_waits(waits_all) == 1 and sass.pipelined_copy_waits(waits_all) == 0.0
+    assert sass.async_copy_covers(waits_all) == [1 / 3] and sass.pipelined_copy_waits(waits_all) == 0.0
     assert sass.pipelined_copy_waits(_body("DEPBAR.LE SB0, 0x1", "HMMA.16816.F32 R4, R8, R12, R4")) == 0.0  # no copy
 
 
