@@ -20,6 +20,7 @@ from numba import cuda
 import fragments as fr
 import fa_numba
 from fa_numba import profile, reference, tolerance
+from fa_numba.warp import emulated_tc
 from fa_numba.kernels.mma.engine import MmaConfig
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
@@ -117,6 +118,40 @@ def test_plain_loads_and_cp_async_staging_give_the_same_bits():
     out_p, lse_p = run(case, "float16", 1, bits, async_copy=False)
     np.testing.assert_array_equal(out_a, out_p)
     np.testing.assert_array_equal(lse_a, lse_p)
+
+
+@pytest.mark.parametrize("land_at", ["wait", "issue"])
+@pytest.mark.parametrize("kind", ["float16", pytest.param("float32", marks=SLOW)])
+def test_the_pipelined_copies_give_the_one_stage_bits_and_the_exact_path_still_sees_k(kind, land_at, monkeypatch):
+    """v2's copies in FlashAttention-2's order (V_j beside S, K_j+1 beside the softmax and P V) change when a
+    tile lands, not what is computed: the same bits as the one-stage build, whether each copy lands at its
+    wait (a tile read before its wait reads the old bits) or at its issue (a K_j+1 issued over a K_j that is
+    still to be read replaces it): fa_numba.warp.emulated_tc.LAND_AT; on a GPU the hardware decides. The case: 2 warps (32 rows) over 16-key tiles, causal, a NaN value in key 9,
+    which rows 0-3 do not see: tile 0 is PARTIAL with a non-finite V_j, so it takes the exact path, which reads
+    K_j again, and K_1 is issued after it; GQA and tails in N and d."""
+    if fa_numba.backend.name() == "simulator":
+        monkeypatch.setattr(emulated_tc, "LAND_AT", land_at)
+    elif land_at == "issue":
+        pytest.skip("the GPU lands copies when it does: one run covers it (land_at names the emulation's choice)")
+    case = Case(n_q=40, n_k=45, d=24, block_q=32, block_k=16, causal=True, seed=19, group=2)
+    q, k, v = case.inputs(np.float32)
+    v[0, 0, 9, 3] = np.nan
+    arrays = [fr.bits_f16(x) for x in (q, k, v)] if kind == "float16" else [q, k, v]
+    results = []
+    for pipelined in (True, False):
+        kernel = make_v2_mma(kind, 2, 16, case.d, True, pipelined=pipelined)
+        assert kernel.config.async_copy and kernel.config.pipelined == pipelined
+        o = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+        lse = cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32))
+        kernel(*(cuda.to_device(x) for x in arrays), o, lse, 1 / np.sqrt(case.d))
+        results.append((o.copy_to_host(), lse.copy_to_host()))
+    (out, lse), (out_one, lse_one) = results
+    np.testing.assert_array_equal(out, out_one)
+    np.testing.assert_array_equal(lse, lse_one)
+    # the exact path kept key 9's NaN from the rows that do not see it (delta = 5: row r sees keys <= r + 5);
+    # query heads 0 and 1 read K/V head 0
+    assert not np.isnan(out[0, :2, :4]).any() and np.isnan(out[0, :2, 4:, 3]).all()
+    assert np.isfinite(lse).all()
 
 
 @pytest.mark.lemma("L6")

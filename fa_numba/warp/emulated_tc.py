@@ -180,6 +180,11 @@ def ldmatrix_x2_trans(smem, index):
 
 # ---- cp.async ------------------------------------------------------------------------------------------------
 _pending = threading.local()  # per CUDA thread: the copies not yet committed, and the committed groups
+# When a copy lands. The hardware lands it at some time between its issue and the wait for its group, so a
+# kernel is right only if it is right at both ends: "wait" (the default) lands each at the wait, so a tile read
+# before its wait reads the old bits; "issue" lands it at once, so a copy issued over a tile another read of
+# this thread (or of a warp past the same barrier) still needs is seen. Tests set it (tests/test_mma_forward.py).
+LAND_AT = "wait"
 
 
 def _queue():
@@ -223,7 +228,10 @@ def cp_async16(smem, sidx, gmem, gidx, nbytes):
         if not 0 <= go <= g.nbytes - nbytes:
             raise IndexError(f"cp_async16: global element {int(gidx)} + {nbytes} bytes is outside the array")
     _record(smem, "store", so, 16)  # the copy's shared-memory write, priced where it is issued
-    _queue().open.append((s, so, g, go, nbytes))
+    if LAND_AT == "issue":
+        _land(s, so, g, go, nbytes)
+    else:
+        _queue().open.append((s, so, g, go, nbytes))
 
 
 def cp_async_commit():
@@ -232,13 +240,17 @@ def cp_async_commit():
     q.open = []
 
 
+def _land(s, so, g, go, nbytes) -> None:
+    dst = s.view(np.uint8)
+    dst[so:so + nbytes] = g.view(np.uint8)[go:go + nbytes]
+    dst[so + nbytes:so + 16] = 0
+
+
 def _wait_group(n: int) -> None:
     q = _queue()
     while len(q.groups) > n:
-        for s, so, g, go, nbytes in q.groups.pop(0):
-            dst = s.view(np.uint8)
-            dst[so:so + nbytes] = g.view(np.uint8)[go:go + nbytes]
-            dst[so + nbytes:so + 16] = 0
+        for copy in q.groups.pop(0):
+            _land(*copy)
 
 
 def cp_async_wait_all():

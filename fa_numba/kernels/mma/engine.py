@@ -42,8 +42,14 @@ float32 inputs (kind "float32": 3xTF32, kind "tf32": one TF32 product) share all
 (`make_ops` takes `kernels.mma.tf32.make_products` in place of `kernels.mma.products16`'s): Q's fragments come from HBM, not
 from a staged Q tile, P stays float32 (split, not rounded), and shared rows are DP + 4 floats apart.
 
-Limits of this engine: one stage (the copies of tile j + 1 do not overlap the products of tile j yet); d <= 192
-for 16-bit inputs (block_k 16 above 128: MAX_FORWARD_HEAD_DIM), 128 for float32 ones; the backward
+Pipeline (v2 by cp.async, engine_v2; since 2026-12-04): one buffer each for K and V, and FlashAttention-2's
+order, so no copy is waited for right after it was issued: V_j's copies travel while S = Q K_j^T is computed,
+K_j+1's (issued once every warp is past S) while the softmax and P V_j run. The pieces are `copy_k`, `copy_v`,
+`split_k`, `scores`, `landed` and `weigh` (`fold` is scores then weigh, for v1 and decoding, which stage K_j and
+V_j together: v1 reads each once per block, decoding double-buffers whole tiles). A PARTIAL tile that takes the
+exact path reads K_j again after S, so there K_j+1 is issued after it.
+
+Limits of this engine: v1 keeps one stage; d <= 192 for 16-bit inputs (block_k 16 above 128: MAX_FORWARD_HEAD_DIM), 128 for float32 ones; the backward
 (kernels.mma.backward) takes 16-bit inputs only, d <= 128.
 """
 
@@ -101,6 +107,9 @@ class MmaConfig(PaddedRows):
     mod: KernelMod | None = None  # a score mod compiled in (kernels.score_mod), applied to S on the fragments
     mask_form: str = "none"  # "none" / "causal" (closed forms, by `causal`) or a block mask's list form
     value_dim: int = 0  # d_v, V's and O's head dim (16-bit kinds); 0: head_dim
+    # v2 by cp.async: overlap the copies with the products (engine_v2); False keeps one stage, the order before
+    # 2026-12-04 (the device session's A / B)
+    pipelined: bool = True
 
     @property
     def d_v(self) -> int:
@@ -322,12 +331,52 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 return False
         return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
 
+    PIPELINED = ASYNC and config.pipelined  # v2 by cp.async: the copies travel beside the products (engine_v2)
+
     @cuda.jit(device=True, inline=True)
-    def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
-             masked, b, h, n_q, captured, lohis, denses, sb, sh):
-        """Fold the staged K_j, V_j into this lane's (m, l, acc) of rows row0 and row0 + 8 (l: the lane's part,
-        the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole warp calls it together.
-        With a score mod, S' = mod(S) at the visible pairs of rows < N_q (b, h, the query head: its positions).
+    def copy_k(k, b, h, c0, n_k, sk):
+        """Issue K_j's copies (cp.async) as a group of their own: the pipeline's wait for it comes later."""
+        stage_async(k, b, h, c0, n_k, sk, BC)
+        warp.cp_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def copy_v(v, b, h, c0, n_k, sv):
+        """Issue V_j's copies (cp.async) as a group of their own."""
+        stage_v_async(v, b, h, c0, n_k, sv, BC)
+        warp.cp_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def split_k(sk):
+        """The float32 engine splits the landed K_j into tf32 parts, then a barrier (all threads reach it);
+        nothing for 16-bit inputs, whose staged K_j is read as it is."""
+        if SETTLE:
+            settle(sk, BC)
+            cuda.syncthreads()
+
+    @cuda.jit(device=True, inline=True)
+    def landed(sv, partial):
+        """Wait for every group this thread committed, then the barrier that makes every thread's copies
+        visible (all threads reach it; the float32 engine then splits V_j and meets a second one); returns
+        whether the tile is PARTIAL and the staged V_j holds an inf or NaN (`stage_kv`'s guard; `partial` is
+        the same in every thread, so the barrier it adds is too)."""
+        warp.cp_async_wait_all()
+        cuda.syncthreads()
+        if SETTLE:
+            bad_v = settle(sv, BC)
+            if GUARDED and partial:
+                return cuda.syncthreads_or(1 if bad_v else 0) != 0
+            cuda.syncthreads()
+            return False
+        if GUARDED and partial:
+            return cuda.syncthreads_or(1 if any_bad_v(sv, BC) else 0) != 0
+        return False
+
+    @cuda.jit(device=True, inline=True)
+    def scores(qf, s, sk, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis, denses,
+               sb, sh):
+        """S = scale Q_i K_j^T on this lane's fragments (rows row0 and row0 + 8), the score mod applied and a
+        hidden pair set to -inf; the whole warp calls it together. The only read of the staged K_j (but the
+        exact path's): once every warp is past it, K_j's buffer may take the next tile (engine_v2's pipeline).
         masked: some pair of the tile may be hidden (a PARTIAL or tail tile), so each is tested (`masking`);
         lohis, denses, (sb, sh): the block mask's arrays and the block's slice of them (placeholders without)."""
         raw_scores(qf, s, sk, mrow, mat)
@@ -340,6 +389,13 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                     s[nt, e] = score(scale * s[nt, e], b, h, row, key, n_q, captured) if see else NEG_INF
                 else:
                     s[nt, e] = scale * s[nt, e]
+
+    @cuda.jit(device=True, inline=True)
+    def weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard, b,
+              h, n_q, captured, lohis, denses, sb, sh):
+        """Fold the scores S of K_j (`scores`) and the staged V_j into this lane's (m, l, acc) of rows row0 and
+        row0 + 8 (l: the lane's part, the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole
+        warp calls it together. guard: the exact path (`exact_pv`), which reads K_j again."""
         # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
         t0, t1 = NEG_INF, NEG_INF
         for nt in range(NT):
@@ -369,8 +425,18 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
             pv(s, acc, sv, mrow, mat)
         return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
 
-    return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, quad_sum=quad_sum, visible=pair_visible,
-                           stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad,
+    @cuda.jit(device=True, inline=True)
+    def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
+             masked, b, h, n_q, captured, lohis, denses, sb, sh):
+        """`scores` then `weigh`: fold the staged K_j, V_j into (m, l, acc); returns the new (m0, m1, l0, l1)."""
+        scores(qf, s, sk, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis, denses, sb,
+               sh)
+        return weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
+                     b, h, n_q, captured, lohis, denses, sb, sh)
+
+    return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, scores=scores, weigh=weigh,
+                           copy_k=copy_k, copy_v=copy_v, split_k=split_k, landed=landed, PIPELINED=PIPELINED, quad_sum=quad_sum,
+                           visible=pair_visible, stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad,
                            stage_v_async=stage_v_async, any_bad_v=any_bad_v, mma=getattr(X, "mma", None),
                            pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 

@@ -15,6 +15,7 @@ import functools
 
 from numba import cuda, float32
 
+from fa_numba import warp
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
 from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, MmaConfig, async_multiple, make_ops
@@ -26,6 +27,8 @@ def kernel_source(config: MmaConfig):
     """The Python function of the kernel (cuda.jit compiles it for a launch, fa_numba.profile for sm_90a)."""
     E = make_ops(config)
     stage_q, stage_kv, fold, quad_sum = E.stage_q, E.stage_kv, E.fold, E.quad_sum
+    scores, weigh, copy_k, copy_v, split_k, landed = E.scores, E.weigh, E.copy_k, E.copy_v, E.split_k, E.landed
+    PIPELINED = E.PIPELINED
     Z = E.sizes
     BR, BC, KS, NT, Q_SIZE, KV_SIZE, V_SIZE = Z.BR, Z.BC, Z.KS, Z.NT, Z.Q_SIZE, Z.KV_SIZE, Z.V_SIZE
     DV, DNV = Z.DV, Z.DNV  # O's head dim (V's, d_v) and its accumulator blocks
@@ -63,6 +66,8 @@ def kernel_source(config: MmaConfig):
         if LISTS:
             start, stop = row_ptrs[sb, sh, i], row_ptrs[sb, sh, i + 1]
 
+        if PIPELINED and start < stop:  # K of the first tile travels with Q_i (stage_q waits for both)
+            copy_k(k, b, h_kv, (col_idxs[sb, sh, start] if LISTS else start) * BC, n_k, sk)
         stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat)
         for dn in range(DNV):
             for e in range(4):
@@ -71,13 +76,34 @@ def kernel_source(config: MmaConfig):
         for idx in range(start, stop):
             j = col_idxs[sb, sh, idx] if LISTS else idx
             c0 = j * BC
-            cuda.syncthreads()  # the previous tile's K_j and V_j are no longer read: every thread comes here
             # some key of the tile is hidden from some row
             partial = col_kinds[sb, sh, idx] == PARTIAL_KIND if LISTS else CAUSAL and c0 + BC - 1 > r0 + delta
-            guard = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial)
             masked = partial or c0 + BC > n_k  # only a PARTIAL or the last, short tile hides keys
-            m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
-                                  scale, t, mrow, mat, guard, masked, b, h, n_q, captured, lohis, denses, sb, sh)
+            if PIPELINED:
+                # K_j was issued an iteration ago (or with Q_i); V_j now, to travel while S = Q K_j^T is computed,
+                # and K_j+1 once every warp has read K_j, to travel while the softmax and P V_j run
+                # (FlashAttention-2's order: one buffer each, two barriers a tile; four on float32 inputs, which are
+                # split into tf32 parts where they land)
+                warp.cp_async_wait_all()
+                cuda.syncthreads()  # K_j visible, and every warp is past P V_j-1: V's buffer is free
+                copy_v(v, b, h_kv, c0, n_k, sv)
+                split_k(sk)  # float32 inputs: K_j into tf32 parts, and a barrier
+                scores(qf, s, sk, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis,
+                       denses, sb, sh)
+                guard = landed(sv, partial)  # V_j visible, and every warp is past S: K's buffer is free
+                more = idx + 1 < stop
+                if more and not guard:  # the exact path reads K_j again: then K_j+1 waits for it (below)
+                    copy_k(k, b, h_kv, (col_idxs[sb, sh, idx + 1] if LISTS else idx + 1) * BC, n_k, sk)
+                m0, m1, l0, l1 = weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
+                                       scale, t, mrow, mat, guard, b, h, n_q, captured, lohis, denses, sb, sh)
+                if more and guard:  # block-uniform
+                    cuda.syncthreads()  # every warp's exact path has read K_j
+                    copy_k(k, b, h_kv, (col_idxs[sb, sh, idx + 1] if LISTS else idx + 1) * BC, n_k, sk)
+            else:  # one stage: K_j and V_j staged together, then folded
+                cuda.syncthreads()  # the previous tile's K_j and V_j are no longer read: every thread comes here
+                guard = stage_kv(k, v, b, h_kv, c0, n_k, sk, sv, partial)
+                m0, m1, l0, l1 = fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
+                                      scale, t, mrow, mat, guard, masked, b, h, n_q, captured, lohis, denses, sb, sh)
         l0, l1 = quad_sum(l0), quad_sum(l1)
         for half in range(2):
             row = row0 + 8 * half
@@ -132,18 +158,19 @@ class MmaV2Kernel(MmaKernel):
 @functools.lru_cache(maxsize=None)
 def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
                 async_copy: bool | None = None, mod=None, mask_form: str = "none",
-                value_dim: int | None = None) -> MmaV2Kernel:
+                value_dim: int | None = None, pipelined: bool = True) -> MmaV2Kernel:
     """The tensor-core v2 kernel for 16-bit inputs `kind` ("float16" or "bfloat16"), blocks of `warps` warps
     (block_q = 16 warps query rows), block_k keys per tile, head dim d, causal or not; cached. async_copy
     (default: where d % 8 == 0) stages the tiles by cp.async; a launch on inputs not 16-byte aligned then
     takes the plain-load kernel. mod: a score_mod.KernelMod compiled in (with a mask_mod's fn for the
     "function" form), or None; mask_form: a block mask's list form (kernels.block_lists.LIST_FORMS), whose
     KernelMask each launch takes, or "none" / "causal"; value_dim: V's and O's head dim d_v (16-bit kinds; None:
-    d), staged and accumulated at its own width."""
+    d), staged and accumulated at its own width; pipelined (cp.async staging only): K_j+1 and V_j copied while
+    the products run (the default), or False, one stage (K_j and V_j copied, waited for, then folded)."""
     if async_copy is None:
         async_copy = all(x % async_multiple(kind) == 0 for x in (head_dim, value_dim or head_dim))
     return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form,
-                                 value_dim or 0), kernel_source)
+                                 value_dim or 0, bool(pipelined)), kernel_source)
 
 
 MmaV2Kernel.make = staticmethod(make_v2_mma)  # without_async goes back through the cache
