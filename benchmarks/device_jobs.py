@@ -91,6 +91,12 @@ def job_mma_fwd(spec: dict, smoke: bool) -> dict:
         from fa_numba.kernels.mma.engine_v2 import MmaV2Kernel
 
         MmaV2Kernel.REGISTER_CAPS = {}
+    if spec.get("one_stage"):  # the A / B of the pipeline: v2 as before 2026-12-04, K_j and V_j waited for together
+        import functools
+
+        from fa_numba.kernels.mma.engine_v2 import make_v2_mma
+
+        mg.MAKE = {**mg.MAKE, "v2": functools.partial(make_v2_mma, pipelined=False)}
     order, kind, d, causal = spec["order"], spec["dtype"], 16 if smoke else spec["d"], spec["causal"]
     warps, block_k = (1, 16) if smoke else engines.mma_tiles(d, None, None, kind, order)
     mg.check(order, kind, d, block_k, causal, 32, heads=1, warps=warps)  # compiles: outside the lock
@@ -258,6 +264,9 @@ def plan(smoke: bool) -> list[dict]:
     jobs.append({"job": "mma-bwd", "dtype": "float16", "d": 72, "causal": True, "deterministic": False})
     # the causal build's register cap (MmaV2Kernel.REGISTER_CAPS), timed against the same kernel without it
     jobs.append({"job": "mma-fwd", "order": "v2", "dtype": "float16", "d": 64, "causal": True, "uncapped": True})
+    # FlashAttention-2's copy order (V_j beside S, K_j+1 beside the softmax and P V), timed against one stage
+    for d, causal in ((64, False), (128, False), (64, True)):
+        jobs.append({"job": "mma-fwd", "order": "v2", "dtype": "float16", "d": d, "causal": causal, "one_stage": True})
     for variant in ("bwd-kv", "v2", "v1"):
         for d in (64, 128):
             for causal in (False, True):
@@ -286,7 +295,8 @@ def plan(smoke: bool) -> list[dict]:
 
 
 def name_of(j: dict) -> str:
-    what = {"mma-fwd": lambda: f"{j['order']}-mma" + (" uncapped" if j.get("uncapped") else ""),
+    what = {"mma-fwd": lambda: f"{j['order']}-mma" + (" uncapped" if j.get("uncapped") else "")
+            + (" one-stage" if j.get("one_stage") else ""),
             "mma-bwd": lambda: "bwd-kv-mma" + ("-det" if j["deterministic"] else ""),
             "simt": lambda: j["variant"], "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",
             "wide": lambda: "v2-mma-strided" if j["strided"] else f"v2-mma d_v={j['d_v']}",
