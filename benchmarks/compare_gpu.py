@@ -101,20 +101,27 @@ def targets_summary(flat: list[dict], n: int, d: int, dtype: str) -> list[str]:
     return lines
 
 
-def model_estimates(batch: int, heads: int) -> dict:
-    """{(variant, d, causal, dtype, N): estimate TFLOP/s and limiter} from the newest committed profile with the
+def model_estimates(batch: int, heads: int, upto: str | None = None) -> dict:
+    """{(variant, d, causal, dtype, N): estimate TFLOP/s and limiter} from the committed profiles with the
     whole-kernel estimate (benchmarks/results/estimate_sm90_*.json), at its launch shape only: the model,
-    printed beside the measurement so the first GPU run calibrates it."""
-    found = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "estimate_sm90_*.json")))
-    if not found:
-        return {}
-    with open(found[-1]) as fh:
-        profiles = json.load(fh)["profiles"]
+    printed beside the measurement so each GPU run calibrates it. Each configuration's newest estimate counts
+    (the files in name order, a later one's configurations replacing an earlier one's), so a file that
+    re-estimates a few kernels after a change leaves the others' estimates standing; a file named "before"
+    (the code before a change, kept to compare with) is not the current code's and is skipped. upto: the
+    name of the last file to read (the model of the code an earlier run timed), or None for all."""
     out = {}
-    for p in profiles:
-        c, est = p["config"], p.get("estimate", {})
-        if "tflops" in est and (c["launch"]["batch"], c["launch"]["heads"]) == (batch, heads):
-            out[(c["variant"], c["head_dim"], c["causal"], c["dtype"], c["launch"]["n"])] = est
+    for path in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "estimate_sm90_*.json"))):
+        name = os.path.basename(path)
+        if upto is not None and name > upto:
+            break
+        if "before" in name:
+            continue
+        with open(path) as fh:
+            profiles = json.load(fh)["profiles"]
+        for p in profiles:
+            c, est = p["config"], p.get("estimate", {})
+            if "tflops" in est and (c["launch"]["batch"], c["launch"]["heads"]) == (batch, heads):
+                out[(c["variant"], c["head_dim"], c["causal"], c["dtype"], c["launch"]["n"])] = est
     return out
 
 

@@ -115,12 +115,15 @@ def main(argv=None) -> int:
     ap.add_argument("--render", nargs="+", metavar="JSONL",
                     help="print the table of earlier runs' session.jsonl files (rows marked 'suspect' flagged) "
                          "beside the newest committed estimate, and stop")
+    ap.add_argument("--model-upto", metavar="FILE",
+                    help="with --render: read the committed estimate_sm90_*.json files up to this name only (the "
+                         "model of the code those runs timed; default: all, each configuration's newest)")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.render:
         rows = [json.loads(line) for path in args.render for line in open(path) if line.strip()]
         print(render(rows, {"device": "NVIDIA H200", "runs": " ".join(os.path.basename(p) for p in args.render)},
-                     None))
+                     None, args.model_upto))
         return 0
     if args.job:  # a worker: run one job, print its row last
         import fa_numba  # noqa: F401 - first: it chooses the backend before numba.cuda is imported

@@ -1,5 +1,5 @@
 """The device session's table: each job's check and time beside torch SDPA and the whole-kernel model's estimate
-(the newest committed benchmarks/results/estimate_sm90_*.json: a model, never a measurement)."""
+(each configuration's newest committed benchmarks/results/estimate_sm90_*.json: a model, never a measurement)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from device_jobs import CHECK_N, SHAPE, name_of
 
 
 @functools.lru_cache(maxsize=1)  # read once: the table is rendered again after every finished job
-def model_seconds() -> dict:
+def model_seconds(upto: str | None = None) -> dict:
     """{(profile variant, dtype, d, causal): (seconds, TFLOP/s, limiter)} at the timing shape, from the newest
-    committed whole-kernel estimate (compare_gpu.model_estimates: a model of the H200, never a measurement)."""
+    committed whole-kernel estimate of each (compare_gpu.model_estimates, its files up to `upto`: a model of
+    the H200, never a measurement)."""
     from compare_gpu import model_estimates
 
     b, h, n = SHAPE
     return {(variant, dtype, d, causal): (est["seconds"], est.get("tflops"), est.get("limiter"))
-            for (variant, d, causal, dtype, size), est in model_estimates(b, h).items()
+            for (variant, d, causal, dtype, size), est in model_estimates(b, h, upto).items()
             if size == n and est.get("seconds")}
 
 
@@ -49,8 +50,9 @@ def flops(j: dict) -> float | None:
     return None
 
 
-def render(rows: list[dict], header: dict, tests: str | None) -> str:
-    models = model_seconds()
+def render(rows: list[dict], header: dict, tests: str | None, model_upto: str | None = None) -> str:
+    """The session's markdown table; model_upto: the last estimate file to read (compare_gpu.model_estimates)."""
+    models = model_seconds(model_upto)
     sdpa = {(r["dtype"], r["d"], r["causal"], r["backward"]): r for r in rows if r["job"] == "sdpa" and r.get("ms")}
     lines = [f"# device session: {header.get('device')}, {header.get('date')}", "",
              ", ".join(f"{k} {v}" for k, v in header.items()), "",

@@ -106,7 +106,8 @@ def test_the_committed_h200_table_keeps_suspect_timings_out_of_the_model_compari
     shows no measured / model ratio; the clean ones do, computed from the committed estimate."""
     runs = [ROOT / "benchmarks" / "results" / f"h200_2026-12-04_run{i}.jsonl" for i in (3, 4)]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_session.py"), "--render",
-                           *map(str, runs)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           *map(str, runs), "--model-upto", "estimate_sm90_2026-12-04.json"],  # the code that ran
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     table = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
     header = [c.strip() for c in table[0]]
@@ -116,3 +117,9 @@ def test_the_committed_h200_table_keeps_suspect_timings_out_of_the_model_compari
     v2_mma = next(r for r in rows if (r["kernel"], r["dtype"], r["d"], r["causal"]) == ("v2-mma", "float16", "64",
                                                                                         "False"))
     assert v2_mma["ms"] == "1.328" and v2_mma["meas/model"] == "1.95"  # 1.328 ms against the model's 0.683
+    # the model of that code: the uncapped causal build, the one-stage 3xTF32 d = 128 before the split's clamp
+    causal = next(r for r in rows if (r["kernel"], r["dtype"], r["d"], r["causal"]) == ("v2-mma", "float16", "64",
+                                                                                        "True"))
+    f32 = next(r for r in rows if (r["kernel"], r["dtype"], r["d"], r["causal"]) == ("v2-mma", "float32", "128",
+                                                                                     "False"))
+    assert causal["model TFLOP/s (limiter)"] == "408.8 (shared)" and f32["model TFLOP/s (limiter)"] == "79.5 (latency)"
