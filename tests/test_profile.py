@@ -441,7 +441,8 @@ def test_cli_forwards_profile_and_names_bad_arguments(capsys):
 def test_the_tensor_core_v2_gets_an_estimate_from_its_hmma_and_traced_ldmatrix(tmp_path, pytestconfig):
     """`profile` of v2-mma at d = 64, float16, non-causal (its SASS, and one block traced in the simulator): the
     tile loop has no inner loop, its 64 HMMA per warp are exactly the two products (S: B_c / 8 x d / 16 = 32,
-    P V: B_c / 16 x d / 8 = 32), K's and V's copies cost one round trip, the traced shared accesses are the
+    P V: B_c / 16 x d / 8 = 32), K's and V's copies are two waits, each covered by a share of the body
+    (FlashAttention-2's order: V_j's by S, K_j+1's by the softmax and P V), the traced shared accesses are the
     SASS's LDSM + LDGSTS, and the estimate is positive, under the tensor peak, with a limiter of the model's;
     the causal kernel (its PARTIAL tiles' loops have no trip-count rule) is priced by the non-causal build's
     FULL-tile counts, says so, and gets about its rate (the same iteration at another launch: within 5%)."""
@@ -456,7 +457,7 @@ def test_the_tensor_core_v2_gets_an_estimate_from_its_hmma_and_traced_ldmatrix(t
     plain, causal = sorted(json.loads(path.read_text())["profiles"], key=lambda p: p["config"]["causal"])
     counts, est = plain["counts"], plain["estimate"]
     assert counts["hmma"] == 64 and counts["products"] == 2 and counts["unattributed"] == []
-    assert counts["load_round_trips"] == 1
+    assert counts["load_round_trips"] == 2 and all(0.2 < c < 0.6 for c in counts["copy_covers"])
     assert est["shared_accesses"]["agree"] and est["limiter"] in LIMITERS
     assert 0 < est["tflops"] < H200.peak_tensor_tflops and est["cycles"]["tensor"] > 0
     assert "withheld" not in causal["estimate"] and "FULL-tile" in causal["estimate"]["counts_from"]
