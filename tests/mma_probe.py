@@ -33,8 +33,12 @@ def main() -> int:
             built = kernel(config, source)  # its argtypes end with the (empty) captured-array tuple
             p = profile.profile_kernel(built.source, built.argtypes(), 32 * warps, name=f"{order}-mma {kind} d={d}")
             instructions, _, _ = sass.parse_sass(p.sass)
-            tiles = [n for n in sass.loop_tree(p.sass) if _count(n.instructions, "HMMA")]
-            tile = min(tiles, key=lambda n: len(n.instructions))  # the smallest loop holding the products
+            # the tile loop: the smallest holding every HMMA (whole_kernel's rule). Not the smallest holding any:
+            # in a causal v2 build the exact path's tile issues K_j+1 after P V and rejoins the body after S, a
+            # back edge the loop finder reads as a second loop overlapping the first, holding half the HMMA
+            total = _count(instructions, "HMMA")
+            tiles = [n for n in sass.loop_tree(p.sass) if _count(n.instructions, "HMMA") == total]
+            tile = min(tiles, key=lambda n: len(n.instructions))
             found.append({"order": order, "kind": kind, "warps": warps, "block_k": block_k, "d": d, "causal": causal,
                           "registers": p.registers, "spill_stores": p.spill_stores, "spill_loads": p.spill_loads,
                           "smem": p.smem, "local": _count(instructions, "LDL") + _count(instructions, "STL"),

@@ -140,7 +140,7 @@ def test_the_pipelined_copies_give_the_one_stage_bits_and_the_exact_path_still_s
     results = []
     for pipelined in (True, False):
         kernel = make_v2_mma(kind, 2, 16, case.d, True, pipelined=pipelined)
-        assert kernel.config.async_copy and kernel.config.pipelined == pipelined
+        assert kernel.config.async_copy and kernel.config.pipelines == pipelined
         o = cuda.to_device(np.full(q.shape, np.nan, np.float32))
         lse = cuda.to_device(np.full(q.shape[:-1], np.nan, np.float32))
         kernel(*(cuda.to_device(x) for x in arrays), o, lse, 1 / np.sqrt(case.d))

@@ -49,7 +49,8 @@ K_j+1's (issued once every warp is past S) while the softmax and P V_j run. The 
 V_j together: v1 reads each once per block, decoding double-buffers whole tiles). A PARTIAL tile that takes the
 exact path reads K_j again after S, so there K_j+1 is issued after it.
 
-Limits of this engine: v1 keeps one stage; d <= 192 for 16-bit inputs (block_k 16 above 128: MAX_FORWARD_HEAD_DIM), 128 for float32 ones; the backward
+Limits of this engine: v1 keeps one stage, and so does v2 above d = 128 (its causal d = 192 build would spill);
+d <= 192 for 16-bit inputs (block_k 16 above 128: MAX_FORWARD_HEAD_DIM), 128 for float32 ones; the backward
 (kernels.mma.backward) takes 16-bit inputs only, d <= 128.
 """
 
@@ -76,6 +77,9 @@ MAX_HEAD_DIM = 128  # the backward's, and the float32 (3xTF32) forward's: their 
 # spills in both orders (sm_90a, 2026-12-03); d = 256 spills 136 bytes even at 32 x 16 tiles.
 MAX_FORWARD_HEAD_DIM = 192
 SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
+# v2's pipelined copies by default up to this head dim: above it (64 x 16 tiles) the causal d = 192 build takes
+# 254 registers in one stage and spills pipelined (8 bytes stored, 32 loaded; sm_90a, 2026-12-04)
+PIPELINED_MAX_DIM = 128
 LOG2E = float32(math.log2(math.e))  # log2(e) rounded to float32: the weights' ex2 form (fold)
 
 
@@ -108,12 +112,20 @@ class MmaConfig(PaddedRows):
     mask_form: str = "none"  # "none" / "causal" (closed forms, by `causal`) or a block mask's list form
     value_dim: int = 0  # d_v, V's and O's head dim (16-bit kinds); 0: head_dim
     # v2 by cp.async: overlap the copies with the products (engine_v2); False keeps one stage, the order before
-    # 2026-12-04 (the device session's A / B)
-    pipelined: bool = True
+    # 2026-12-04 (the device session's A / B); None: `pipelines`' default
+    pipelined: bool | None = None
 
     @property
     def d_v(self) -> int:
         return self.value_dim or self.head_dim
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether v2's copies run ahead of its products (engine_v2): cp.async staging and `pipelined`, by
+        default where d and d_v are at most PIPELINED_MAX_DIM."""
+        if not self.async_copy:
+            return False
+        return self.pipelined if self.pipelined is not None else max(self.head_dim, self.d_v) <= PIPELINED_MAX_DIM
 
     @property
     def float32(self) -> bool:
@@ -331,7 +343,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 return False
         return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
 
-    PIPELINED = ASYNC and config.pipelined  # v2 by cp.async: the copies travel beside the products (engine_v2)
+    PIPELINED = config.pipelines  # v2 by cp.async: the copies travel beside the products (engine_v2)
 
     @cuda.jit(device=True, inline=True)
     def copy_k(k, b, h, c0, n_k, sk):
@@ -435,9 +447,9 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                      b, h, n_q, captured, lohis, denses, sb, sh)
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, scores=scores, weigh=weigh,
-                           copy_k=copy_k, copy_v=copy_v, split_k=split_k, landed=landed, PIPELINED=PIPELINED, quad_sum=quad_sum,
-                           visible=pair_visible, stage=stage, stage_async=stage_async, stage_two=stage_two, any_bad=any_bad,
-                           stage_v_async=stage_v_async, any_bad_v=any_bad_v, mma=getattr(X, "mma", None),
-                           pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
+                           copy_k=copy_k, copy_v=copy_v, split_k=split_k, landed=landed, PIPELINED=PIPELINED,
+                           quad_sum=quad_sum, visible=pair_visible, stage=stage, stage_async=stage_async,
+                           stage_two=stage_two, any_bad=any_bad, stage_v_async=stage_v_async, any_bad_v=any_bad_v,
+                           mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 
 

@@ -158,7 +158,7 @@ class MmaV2Kernel(MmaKernel):
 @functools.lru_cache(maxsize=None)
 def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
                 async_copy: bool | None = None, mod=None, mask_form: str = "none",
-                value_dim: int | None = None, pipelined: bool = True) -> MmaV2Kernel:
+                value_dim: int | None = None, pipelined: bool | None = None) -> MmaV2Kernel:
     """The tensor-core v2 kernel for 16-bit inputs `kind` ("float16" or "bfloat16"), blocks of `warps` warps
     (block_q = 16 warps query rows), block_k keys per tile, head dim d, causal or not; cached. async_copy
     (default: where d % 8 == 0) stages the tiles by cp.async; a launch on inputs not 16-byte aligned then
@@ -166,11 +166,12 @@ def make_v2_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool
     "function" form), or None; mask_form: a block mask's list form (kernels.block_lists.LIST_FORMS), whose
     KernelMask each launch takes, or "none" / "causal"; value_dim: V's and O's head dim d_v (16-bit kinds; None:
     d), staged and accumulated at its own width; pipelined (cp.async staging only): K_j+1 and V_j copied while
-    the products run (the default), or False, one stage (K_j and V_j copied, waited for, then folded)."""
+    the products run, or False, one stage (K_j and V_j copied, waited for, then folded); default: pipelined up
+    to d = d_v = 128 (MmaConfig.pipelines)."""
     if async_copy is None:
         async_copy = all(x % async_multiple(kind) == 0 for x in (head_dim, value_dim or head_dim))
     return MmaV2Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form,
-                                 value_dim or 0, bool(pipelined)), kernel_source)
+                                 value_dim or 0, None if pipelined is None else bool(pipelined)), kernel_source)
 
 
 MmaV2Kernel.make = staticmethod(make_v2_mma)  # without_async goes back through the cache
