@@ -17,9 +17,9 @@ the SMs, at most the occupancy's blocks per SM) spends at least
              longer, on min(warps, 4) sub-partitions): a block cannot hide its own dependent loads, only other
              blocks' work can, except the share of its own work issued between a cp.async copy and its wait
              (`sass.async_copy_covers`: FlashAttention-2's order issues V_j before S and K_j+1 before the
-             softmax and P V, so each wait costs max(0, L - its share x own)); or, if longer, the pipelined waits x L2 latency: a copy issued N iterations
-             before its wait (cp.async.wait_group N, `sass.pipelined_copy_waits`) needs only L / N of each
-             iteration, whatever the block does meanwhile
+             softmax and P V, so each wait costs max(0, L - its share x own)); or, if longer, the pipelined
+             waits x L2 latency: a copy issued N iterations before its wait (cp.async.wait_group N,
+             `sass.pipelined_copy_waits`) needs only L / N of each iteration, whatever the block does meanwhile
 
 cycles, and the iteration takes the largest (the limiter). The call takes waves x iterations per block of
 those (whole waves: a partial last wave costs a full one), or the HBM time of its bytes if that is longer.

@@ -162,7 +162,8 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     cp.async copies without HMMA (a tile's staging loop, where ptxas does not unroll it) runs `copies` / (its
     LDGSTS) times if the kernel says how many copies one thread issues per staged tile (`copies`), else once,
     listed in `unattributed`. Round trips: dependent global loads and the steady state's cp.async waits, each
-    with the share of the body that covers it ("copy_covers", `sass.async_copy_covers`), and the pipelined waits (`sass.pipelined_copy_waits`, a key of their own). "products": the HMMAs as products of
+    with the share of the body that covers it ("copy_covers", `sass.async_copy_covers`), and the pipelined
+    waits (`sass.pipelined_copy_waits`, a key of their own). "products": the HMMAs as products of
     B_r B_c D, each warp owning 16 rows of its tile and one HMMA covering `USEFUL_MACS[dtype]` of the products'
     multiply-adds (m16n8k16: 16 x 8 x 16; 3xTF32's m16n8k8: 16 x 8 x 8 over its three products), so exactly 2
     for a forward that does S and P V once."""

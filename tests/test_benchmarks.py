@@ -122,4 +122,5 @@ def test_the_committed_h200_table_keeps_suspect_timings_out_of_the_model_compari
                                                                                         "True"))
     f32 = next(r for r in rows if (r["kernel"], r["dtype"], r["d"], r["causal"]) == ("v2-mma", "float32", "128",
                                                                                      "False"))
-    assert causal["model TFLOP/s (limiter)"] == "408.8 (shared)" and f32["model TFLOP/s (limiter)"] == "79.5 (latency)"
+    assert causal["model TFLOP/s (limiter)"] == "408.8 (shared)"
+    assert f32["model TFLOP/s (limiter)"] == "79.5 (latency)"

@@ -126,9 +126,10 @@ def test_the_pipelined_copies_give_the_one_stage_bits_and_the_exact_path_still_s
     """v2's copies in FlashAttention-2's order (V_j beside S, K_j+1 beside the softmax and P V) change when a
     tile lands, not what is computed: the same bits as the one-stage build, whether each copy lands at its
     wait (a tile read before its wait reads the old bits) or at its issue (a K_j+1 issued over a K_j that is
-    still to be read replaces it): fa_numba.warp.emulated_tc.LAND_AT; on a GPU the hardware decides. The case: 2 warps (32 rows) over 16-key tiles, causal, a NaN value in key 9,
-    which rows 0-3 do not see: tile 0 is PARTIAL with a non-finite V_j, so it takes the exact path, which reads
-    K_j again, and K_1 is issued after it; GQA and tails in N and d."""
+    still to be read replaces it): fa_numba.warp.emulated_tc.LAND_AT; on a GPU the hardware decides. The
+    case: 2 warps (32 rows) over 16-key tiles, causal, a NaN value in key 9, which rows 0-3 do not see: tile 0
+    is PARTIAL with a non-finite V_j, so it takes the exact path, which reads K_j again, and K_1 is issued after
+    it; GQA and tails in N and d."""
     if fa_numba.backend.name() == "simulator":
         monkeypatch.setattr(emulated_tc, "LAND_AT", land_at)
     elif land_at == "issue":

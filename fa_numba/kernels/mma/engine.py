@@ -343,8 +343,6 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                 return False
         return cuda.syncthreads_or(1 if (partial and bad_v) else 0) != 0  # all threads: K_j, V_j staged
 
-    PIPELINED = config.pipelines  # v2 by cp.async: the copies travel beside the products (engine_v2)
-
     @cuda.jit(device=True, inline=True)
     def copy_k(k, b, h, c0, n_k, sk):
         """Issue K_j's copies (cp.async) as a group of their own: the pipeline's wait for it comes later."""
@@ -447,8 +445,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                      b, h, n_q, captured, lohis, denses, sb, sh)
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, scores=scores, weigh=weigh,
-                           copy_k=copy_k, copy_v=copy_v, split_k=split_k, landed=landed, PIPELINED=PIPELINED,
-                           quad_sum=quad_sum, visible=pair_visible, stage=stage, stage_async=stage_async,
+                           copy_k=copy_k, copy_v=copy_v, split_k=split_k, landed=landed, quad_sum=quad_sum,
+                           visible=pair_visible, stage=stage, stage_async=stage_async,
                            stage_two=stage_two, any_bad=any_bad, stage_v_async=stage_v_async, any_bad_v=any_bad_v,
                            mma=getattr(X, "mma", None), pack=getattr(X, "pack", None), to_f32=to_f32, sizes=sizes)
 
