@@ -93,7 +93,7 @@ def kernel_source(config: MmaConfig):
                 guard = landed(sv, partial)  # V_j visible, and every warp is past S: K's buffer is free
                 more = idx + 1 < stop
                 # K_j+1's first key is written at both copy sites: computed once before them, the float16 d = 64
-                # build took 132 registers and 8% more instructions (issue-bound, estimate 402.6 -> 391.6)
+                # build took 132 registers and 4% more instructions (issue-bound, estimate 402.6 -> 391.6)
                 if more and not guard:  # the exact path reads K_j again: then K_j+1 waits for it (below)
                     copy_k(k, b, h_kv, (col_idxs[sb, sh, idx + 1] if LISTS else idx + 1) * BC, n_k, sk)
                 m0, m1, l0, l1 = weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, 16 * wid + g, c0, n_k, delta,
