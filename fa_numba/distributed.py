@@ -290,6 +290,10 @@ def _demo_rank(rank: int, world: int, port: int, n: int, causal: bool, layout: s
         if rank == 0:
             np.savez(path, q=q, k=k, v=v, dout=dout, out=full[0], lse=full[1][..., 0], dq=full[2], dk=full[3],
                      dv=full[4])
+        # Every rank reaches teardown together: without this barrier CI (2026-12-04) saw rank 1 abort in gloo's
+        # teardown ("terminate called without an active exception", SIGABRT) while rank 0 was still writing;
+        # tests/ring_worker.py met the same race and does the same.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
