@@ -123,6 +123,37 @@ def test_the_device_split_is_the_host_reading():
     assert np.isnan(lo.view(np.float32)[nan]).all()
 
 
+@cuda.jit(device=True, inline=True)
+def _record_step(i, out, state, b, c, d):
+    """One step of `tf32.unrolled`'s probe: a state that depends on the order of the calls."""
+    state[0] = state[0] * 3 + i
+    out[i] = state[0]
+
+
+def _unrolled_probe(n):
+    run = tf32.unrolled(n, _record_step)
+
+    @cuda.jit
+    def probe(out, state):
+        if cuda.threadIdx.x == 0:
+            run(out, state, 0, 0, 0)
+
+    return probe
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_unrolled_calls_the_step_once_per_index_in_order(n):
+    """tf32.unrolled(n, step) (its body generated as source) is step(0), ..., step(n - 1), in that order."""
+    out, state = np.full(max(n, 1), -1, np.int64), np.zeros(1, np.int64)
+    _unrolled_probe(n)[1, 1](out, state)
+    want, s = [], 0
+    for i in range(n):
+        s = 3 * s + i
+        want.append(s)
+    np.testing.assert_array_equal(out[:n], want)
+    assert state[0] == s and (n > 0 or out[0] == -1)
+
+
 @pytest.mark.lemma("L10")
 def test_the_s_accumulator_is_the_tf32_a_fragment_of_p_with_the_keys_reordered():
     """L10 claim 7, from fragments.py's packers alone: lane (g, t)'s S accumulator (c0, c2, c1, c3) is the tf32
