@@ -29,7 +29,10 @@ def test_layout_threads_and_micro_tiles():
     assert (layout.ry, layout.cx, layout.threads, layout.d_pad, layout.td) == (16, 16, 256, 64, 4)
     odd = Layout("v1", 10, 6, 5, 2, 2)  # 5 x 3 threads, d = 5 padded to 6 so that each of 3 owns 2 columns
     assert (odd.threads, odd.d_pad, odd.td) == (15, 6, 2)
-    assert micro_for(64, 32, 64) == (4, 2) and micro_for(64, 16, 128) == (4, 1)  # the shipped table
+    assert micro_for(64, 32, 64) == (4, 2) and micro_for(64, 16, 128) == (4, 1)  # the shipped table (v1)
+    assert micro_for(64, 32, 64, "v2") == (4, 4) and micro_for(64, 16, 128, "v2") == (4, 2)  # v2: layout.V2_MICRO
+    assert micro_for(64, 64, 32, "v2") == (4, 4) and micro_for(16, 16, 256, "v2") == (2, 1)  # as v1 elsewhere
+    assert micro_for(32, 32, 64, "v2") == (4, 4)  # not the default tiles: largest of 4, 2, 1, either order
     assert micro_for(10, 6, 5) == (2, 2) and micro_for(3, 8, 4) == (1, 4)  # other tiles: largest of 4, 2, 1
     two_chunks = Layout("v2", 8, 8, 16, 4, 4)  # CX = 2 threads of TD = 8 columns: chunks of VW = 4
     assert (two_chunks.cx, two_chunks.td, two_chunks.vw) == (2, 8, 4)
@@ -164,7 +167,7 @@ SHIPPED = [
 def test_the_shipped_layouts_run_and_pass_the_rule(order, case: Case):
     assert (case.block_q, case.block_k) == default_tiles(case.d)
     kernel = VARIANTS[order].make(case.block_q, case.block_k, case.d, case.causal)
-    assert (kernel.config.layout.tm, kernel.config.layout.tn) == default_config(case.d)[2:]
+    assert (kernel.config.layout.tm, kernel.config.layout.tn) == default_config(case.d, order)[2:]
     q, k, v = case.inputs(np.float32)
     from numba import cuda
 
@@ -180,7 +183,9 @@ def test_the_registry_runs_the_engine_under_the_names_users_know():
     assert not VARIANTS["v1-rowwise"].engine and not VARIANTS["v2-rowwise"].engine
     assert {VARIANTS[n].order for n in ("v1", "v1-rowwise")} == {"v1"}
     assert {VARIANTS[n].order for n in ("v2", "v2-rowwise")} == {"v2"}
-    assert VARIANTS["v2"].config(*default_tiles(64), 64, True).threads == 256
+    assert VARIANTS["v1"].config(*default_tiles(64), 64, True).threads == 256
+    assert VARIANTS["v2"].config(*default_tiles(64), 64, True).threads == 128  # layout.V2_MICRO's 4 x 4
+    assert VARIANTS["v2"].config(*default_tiles(128), 128, False).threads == 128  # 4 x 2
 
 
 def test_any_valid_tile_choice_builds_at_any_head_dim():

@@ -103,7 +103,7 @@ class Config(ValueDim):
         """The engine's compile-time layout (micro-tiles, threads, shared-memory regions); engine kernels only."""
         from fa_numba.kernels.layout import Layout, micro_for
 
-        micro = self.micro or micro_for(self.block_q, self.block_k, self.head_dim)
+        micro = self.micro or micro_for(self.block_q, self.block_k, self.head_dim, self.order)
         return Layout(self.order, self.block_q, self.block_k, self.head_dim, *micro, budget=self.smem_budget,
                       value_dim=self.value_dim)
 

@@ -190,23 +190,31 @@ class Layout(ValueDim):
 
 # The shipped configurations by head dim: (B_r, B_c, TM, TN), each within 48 KB of static shared memory.
 # 256 threads per block (v1 runs one block per (batch, head): it needs many warps per block to fill an SM)
-# except at d > 128, where Q^T alone is 16 B_r KB.
+# except at d > 128, where Q^T alone is 16 B_r KB. v2 takes the same tiles with wider micro-tiles where
+# V2_MICRO says: 128 threads, each reading fewer shared-memory operands per FFMA.
 DEFAULTS = ((32, (64, 64, 4, 4)), (64, (64, 32, 4, 2)), (128, (64, 16, 4, 1)), (256, (16, 16, 2, 1)))
 
+# v2's (TM, TN) at the DEFAULTS row of this head-dim bound (2026-12-04, the whole-kernel model, float32,
+# B=4 H=16 N=4096 on the H200's constants): d <= 64 4 x 4 (156 registers, 3 blocks of 4 warps an SM) 38.9
+# TFLOP/s against 4 x 2's 34.6; d <= 128 4 x 2 (168 registers, 3 blocks) 38.0 against 4 x 1's 28.4. Both were
+# shared-memory bound (4 x 1 reads a Q^T value per FFMA of S) and are now issue bound. v1 keeps 256 threads.
+V2_MICRO = {64: (4, 4), 128: (4, 2)}
 
-def default_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(B_r, B_c, TM, TN) of the first DEFAULTS row whose head dim bound holds d."""
+
+def default_config(head_dim: int, order: str = "v1") -> tuple[int, int, int, int]:
+    """(B_r, B_c, TM, TN) of the first DEFAULTS row whose head dim bound holds d (v2: its V2_MICRO there)."""
     for bound, config in DEFAULTS:
         if head_dim <= bound:
-            return config
+            micro = V2_MICRO.get(bound) if order == "v2" else None
+            return config if micro is None else (*config[:2], *micro)
     raise ValueError(f"head dim d must be <= {DEFAULTS[-1][0]}, got {head_dim}")
 
 
-def micro_for(block_q: int, block_k: int, head_dim: int) -> tuple[int, int]:
-    """(TM, TN): the shipped micro-tile for the default tiles of d, otherwise the largest of 4, 2, 1 that
-    divides each tile side."""
+def micro_for(block_q: int, block_k: int, head_dim: int, order: str = "v1") -> tuple[int, int]:
+    """(TM, TN): the shipped micro-tile of `order` for the default tiles of d, otherwise the largest of 4, 2, 1
+    that divides each tile side."""
     if head_dim <= DEFAULTS[-1][0]:
-        br, bc, tm, tn = default_config(head_dim)
+        br, bc, tm, tn = default_config(head_dim, order)
         if (br, bc) == (block_q, block_k):
             return tm, tn
     return (next(t for t in MICRO_CHOICES if block_q % t == 0), next(t for t in MICRO_CHOICES if block_k % t == 0))
