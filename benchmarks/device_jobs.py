@@ -142,6 +142,14 @@ def job_simt(spec: dict, smoke: bool) -> dict:
     from fa_numba.kernels import VARIANTS, poisoned_outputs
     from fa_numba.kernels import backward as simt_backward
 
+    if spec.get("micro"):  # the A / B of v2's micro-tile: this process builds v2 at the given (TM, TN) only
+        import dataclasses
+        import functools
+
+        from fa_numba.kernels import engine_v2
+
+        VARIANTS["v2"] = dataclasses.replace(VARIANTS["v2"], make=functools.partial(engine_v2.make_v2_engine,
+                                                                                      micro=tuple(spec["micro"])))
     variant, d, causal = spec["variant"], 16 if smoke else spec["d"], spec["causal"]
     b, h, n = (1, 1, 16) if smoke else SHAPE
     n_check = 32 if smoke else CHECK_N
@@ -247,6 +255,9 @@ JOBS = {"mma-fwd": job_mma_fwd, "mma-bwd": job_mma_bwd, "simt": job_simt, "sdpa"
         "decode": job_decode}
 
 
+A_B_FLAGS = ("uncapped", "one_stage", "micro")  # a job timing a kernel as it was before a change, beside it
+
+
 def plan(smoke: bool) -> list[dict]:
     """Every job, slowest compile first (the float32 tensor-core kernels), SDPA and decoding last."""
     jobs = []
@@ -271,6 +282,9 @@ def plan(smoke: bool) -> list[dict]:
         for d in (64, 128):
             for causal in (False, True):
                 jobs.append({"job": "simt", "variant": variant, "dtype": "float32", "d": d, "causal": causal})
+    # v2's micro-tiles before 2026-12-04 (256 threads of 4 x 2 and 4 x 1), timed against layout.V2_MICRO's 128
+    for d, micro in ((64, (4, 2)), (128, (4, 1))):
+        jobs.append({"job": "simt", "variant": "v2", "dtype": "float32", "d": d, "causal": False, "micro": micro})
     for dtype in ("float16", "bfloat16", "float32"):
         for d in (64, 128):
             for causal in (False, True):
@@ -282,11 +296,12 @@ def plan(smoke: bool) -> list[dict]:
             jobs.append({"job": "wide", "dtype": "float16", "d": d, "d_v": d_v, "strided": strided, "causal": causal})
     for batch, n_k in ((1, 32768), (8, 32768), (1, 131072), (8, 131072)):
         jobs.append({"job": "decode", "dtype": "float16", "batch": batch, "n_k": n_k, "exclusive": True})
-    if smoke:  # one of each kind, small (the script end to end: the kernels have their own tests)
-        seen, kept = {}, []
+    if smoke:  # one of each kind and of each A / B, small (the script end to end: the kernels have their own tests)
+        seen, kept = set(), []
         for j in jobs:
-            if j["job"] != "sdpa" and seen.get(j["job"], 0) < 1 and j.get("d", 64) <= 128:
-                seen[j["job"]] = seen.get(j["job"], 0) + 1
+            kind = (j["job"], *(flag for flag in A_B_FLAGS if j.get(flag)))
+            if j["job"] != "sdpa" and kind not in seen and j.get("d", 64) <= 128:
+                seen.add(kind)
                 kept.append(j)
         jobs = kept
     for i, j in enumerate(jobs):
@@ -298,7 +313,7 @@ def name_of(j: dict) -> str:
     what = {"mma-fwd": lambda: f"{j['order']}-mma" + (" uncapped" if j.get("uncapped") else "")
             + (" one-stage" if j.get("one_stage") else ""),
             "mma-bwd": lambda: "bwd-kv-mma" + ("-det" if j["deterministic"] else ""),
-            "simt": lambda: j["variant"], "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",
+            "simt": lambda: j["variant"] + (" {}x{}".format(*j["micro"]) if j.get("micro") else ""), "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",
             "wide": lambda: "v2-mma-strided" if j["strided"] else f"v2-mma d_v={j['d_v']}",
             "decode": lambda: f"decode B={j['batch']} N_k={j['n_k']}"}[j["job"]]()
     return what

@@ -5,7 +5,8 @@
 #     (v2-mma, v1-mma on float16, bfloat16, float32 by 3xTF32 and TF32; the tensor-core backward, atomic and
 #     deterministic, float16 and float32, and float16 at d = 72; v2, v1, bwd-kv on the CUDA cores; d = 192 and
 #     strided views; the causal float16 v2-mma at d = 64 with and without its register cap; the float16 v2-mma
-#     with its copies pipelined and in one stage, at d = 64 and 128 and causal d = 64; split-KV decoding)
+#     with its copies pipelined and in one stage, at d = 64 and 128 and causal d = 64; the CUDA-core v2 on 128
+#     threads (layout.V2_MICRO) and on 256 as before, at d = 64 and 128; split-KV decoding)
 #     checked against the float64 reference with its rule, then timed beside torch SDPA and the
 #     whole-kernel model's estimate, compiles in parallel and timings one at a time; beside them the
 #     warp-primitive and tensor-core tests with the simulator off. BUDGET (default 300) seconds to start jobs.
