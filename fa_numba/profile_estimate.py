@@ -118,7 +118,8 @@ def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
     siblings = _full_tile_counts(profiles)
     for prof in profiles:
         keys = ("variant", "block_q", "block_k", "head_dim", "dtype", "causal") + (
-            ("value_dim",) if prof.config.get("value_dim") else ())  # V's head dim, where it has one of its own
+            ("value_dim",) if prof.config.get("value_dim") else ()) + (  # V's head dim, where it has one of its own
+            ("micro",) if prof.config.get("micro") else ())  # a micro-tile of its own: traced at that layout
         cfg = {k: prof.config[k] for k in keys}
         traced = wavefronts.get(json.dumps(_traced_config(cfg), sort_keys=True))
         if "error" in prof.counts or traced is None:

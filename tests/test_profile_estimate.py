@@ -66,3 +66,16 @@ def test_tracing_is_dealt_among_processes_and_gives_what_one_process_gives(tmp_p
                                                 for c in small)
     assert all(two[k]["total"] == one[k]["total"] and two[k]["total"]["wavefronts"] > 0 for k in one)
     assert profile_estimate.start_wavefronts(small, jobs=2) == (one, [])  # cached: nothing to trace
+
+
+def test_a_configuration_with_a_micro_tile_of_its_own_is_priced_by_its_own_trace():
+    """A configuration that names its micro-tile (decode_estimate's layouts, an exploration of v2's) is traced at
+    that layout, so its estimate reads that trace, never the default layout's nor "no wavefronts traced"."""
+    own = made_up(False, COUNTS, 3)
+    own.config = {**own.config, "micro": [4, 2]}
+    key = json.dumps(profile_estimate._traced_config(own.config), sort_keys=True)
+    assert key not in wavefronts()  # the default layout's trace is another one
+    profile_estimate.attach_estimates([own], {key: {"total": {"wavefronts": 320.0, "accesses": 104 * 4}}}, LAUNCH)
+    plain = made_up(False, COUNTS, 3)
+    profile_estimate.attach_estimates([plain], wavefronts(), LAUNCH)
+    assert "tflops" in own.estimate and own.estimate["wavefronts"] == 320.0 and plain.estimate["wavefronts"] == 640.0
