@@ -313,7 +313,8 @@ def name_of(j: dict) -> str:
     what = {"mma-fwd": lambda: f"{j['order']}-mma" + (" uncapped" if j.get("uncapped") else "")
             + (" one-stage" if j.get("one_stage") else ""),
             "mma-bwd": lambda: "bwd-kv-mma" + ("-det" if j["deterministic"] else ""),
-            "simt": lambda: j["variant"] + (" {}x{}".format(*j["micro"]) if j.get("micro") else ""), "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",
+            "simt": lambda: j["variant"] + (" {}x{}".format(*j["micro"]) if j.get("micro") else ""),
+            "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",
             "wide": lambda: "v2-mma-strided" if j["strided"] else f"v2-mma d_v={j['d_v']}",
             "decode": lambda: f"decode B={j['batch']} N_k={j['n_k']}"}[j["job"]]()
     return what

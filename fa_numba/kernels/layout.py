@@ -16,11 +16,15 @@ from fa_numba.kernels.common import SHARED_BYTES_LIMIT, ValueDim
 
 FLOAT_BYTES = 4
 MICRO_CHOICES = (4, 2, 1)
-# Global loads a thread keeps in flight while loading a tile (registers held until they are stored), by order:
-# v2's 16 cover a whole K_j and V_j at the shipped d <= 128 tiles (d = 256 would otherwise hold 64 and halve
-# its occupancy); v1 runs one block per (batch, head), typically one per SM, so registers cost it no occupancy
-# until a block no longer fits, and its Q_i^T at d = 128 (32 loads per thread) goes in one round trip; but
-# its 128-thread blocks at d = 256 spill at 32 (255 registers, 108 bytes), so they keep 16.
+# Global loads a thread keeps in flight while loading a tile (registers held until they are stored), by order.
+# v2's 256-thread blocks: 16 cover a whole K_j and V_j at d <= 128 (d = 256 would hold 64 and halve its
+# occupancy). v1 runs one block per (batch, head), typically one per SM, so registers cost it no occupancy
+# until a block no longer fits, and its Q_i^T at d = 128 (32 loads per thread) goes in one round trip.
+# Blocks under 256 threads keep 16: v1's at d = 256 spill at 32 (255 registers, 108 bytes). v2's shipped
+# 128-thread layouts (V2_MICRO) therefore load their 32 elements of K_j and V_j in two round trips; 32 in
+# flight would make it one (167 and 208 registers at d = 64 and 128, the latter 2 blocks an SM instead of 3;
+# the model: 38.9 -> 39.6 and 38.0 -> 40.5 TFLOP/s, 2026-12-04), not taken while the decode layouts and
+# d = 256, which this constant also sets, are not re-estimated.
 IN_FLIGHT = {"v1": 32, "v2": 16}
 IN_FLIGHT_SMALL_BLOCKS = 16  # blocks of fewer than 256 threads, either order
 
