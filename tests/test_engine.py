@@ -13,7 +13,7 @@ import pytest
 from fa_numba import backend, iomodel, tiled, tolerance
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.common import SHARED_BYTES_LIMIT, Config
-from fa_numba.kernels.layout import DEFAULTS, Layout, default_config, micro_for
+from fa_numba.kernels.layout import DEFAULTS, Layout, default_config, in_flight, micro_for
 from fa_numba.kernels.engine_v1 import FlashV1Engine
 from fa_numba.kernels.engine_v1 import kernel_source as v1_source
 from fa_numba.kernels.engine_v2 import FlashV2Engine
@@ -204,3 +204,34 @@ def test_any_valid_tile_choice_builds_at_any_head_dim():
                 assert kernel.config.layout.threads >= 1
                 built += 1
     assert built >= 24
+
+
+def test_rows_from_reads_down_a_column_of_a_contiguous_operand():
+    """The V loader's line (kernels.common.rows_from): element k d of the line from (r, x) is src[b, h, r + k, x]
+    (the GPU's version indexes row r's view past its end, which only a C-contiguous slab allows, and
+    `warp.strided` is what keeps the loader off it otherwise: checked here on the simulator's functions; the
+    kernels read V through it in every test that runs them)."""
+    from fa_numba.kernels.common import _rows_python
+    from fa_numba.warp.emulated_tc import strided as strided_view
+
+    src = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)
+    assert not strided_view(src)
+    line = _rows_python(src, 1, 2, 1, 3)
+    assert [line[k * 4] for k in range(4)] == [src[1, 2, 1 + k, 3] for k in range(4)]
+    strided = src.transpose(0, 2, 1, 3)  # a (B, N, H, d) tensor's view as (B, H, N, d): rows H d apart
+    assert strided_view(strided)
+    assert _rows_python(strided, 0, 0, 0, 0) is None
+
+
+def test_loads_in_flight_by_order_block_size_and_head_dim():
+    """layout.in_flight: 256-thread blocks by order (v1 32, v2 16); smaller blocks 16, but v2's up to d = 64
+    32 (its shipped 128-thread layout there loads K_j and V_j in one round trip); decode layouts are v2's."""
+
+    def shipped(order, d):
+        br, bc, tm, tn = default_config(d, order)
+        return Layout(order, br, bc, d, tm, tn)
+
+    assert in_flight(Layout("v1", 64, 32, 64, 4, 2)) == 32 and in_flight(Layout("v2", 64, 32, 64, 4, 2)) == 16
+    assert shipped("v2", 64).threads == shipped("v2", 128).threads == 128
+    assert in_flight(shipped("v2", 64)) == 32 and in_flight(shipped("v2", 128)) == 16
+    assert in_flight(shipped("v2", 256)) == 16 and in_flight(shipped("v1", 256)) == 16

@@ -173,6 +173,22 @@ def test_the_profiled_sass_is_what_a_launch_links(probe):
     assert probe["same_sass_as_numba_launch_path"] is True
 
 
+@pytest.mark.slow  # two v2 compiles, about 20 s
+@NEEDS_NVDISASM
+def test_the_v2_tile_loads_of_a_contiguous_operand_are_global_loads_at_immediate_offsets():
+    """v2's tile loop (d = 64, float32) loads K_j along rows and V_j down columns: compiled for C-contiguous
+    inputs, all 32 of a thread's loads are LDG off two address registers, one per tile, each load an immediate
+    offset (kernels.common.rows_from); compiled for strided views, V's column view takes a run-time stride and
+    the loads spread over many address registers (generic LD: what the contiguous build did until 2026-12-05)."""
+    done = subprocess.run([sys.executable, str(HERE / "tile_loads.py")], env=REAL_CUDA, capture_output=True,
+                          text=True, timeout=900, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout)
+    contiguous = found["contiguous"]
+    assert (contiguous["loads"], contiguous["generic"], len(contiguous["bases"])) == (32, 0, 2), found
+    assert found["strided"]["loads"] == 32 and len(found["strided"]["bases"]) > 2, found
+
+
 # One configuration per registered kernel for the default run, each the one most likely to break what the
 # SASS tests check (spills, float64, the 48 KB shared-memory budget): its kernel's largest register count or
 # shared memory in the last whole table (benchmarks/results/profile_sm90_2026-11-29.json). Together they cover

@@ -46,7 +46,8 @@ from types import SimpleNamespace
 
 from numba import cuda, float32, uint64 as u64
 
-from fa_numba.kernels.common import NEG_INF, ZERO, to_f32
+from fa_numba import warp
+from fa_numba.kernels.common import NEG_INF, ZERO, rows_from, to_f32
 from fa_numba.kernels.layout import Layout, in_flight
 from fa_numba.kernels.mask_mod import pair_visible
 
@@ -54,6 +55,12 @@ GUARD_NONE, GUARD_CAUSAL, GUARD_MARKED = 0, 1, 2  # how `pv` keeps masked value 
 NEG_ZERO = float32(-0.0)
 ONE = float32(1.0)
 UNROLL_BUDGET = 120  # operations per unrolled loop body (see make_engine)
+# P V's body is a rank-1 update per key (TM TD FFMAs from TM + TD loads) and unrolls whole at more: at
+# d = 128's 4 x 2 layout (TD 16) two keys a body (168 operations) cost 11 loop instructions per 128 FFMAs
+# instead of per 64, 3199 -> 3134 a tile iteration (2026-12-05, sm_90a); 176 (four keys at d = 64) was not
+# unrolled (the loop recomputed its addresses: 882 integer instructions an iteration instead of 503), nor was
+# S's body at 192 (STEP 8 at d = 64).
+PV_UNROLL_BUDGET = 170
 
 
 def _per_thread(total: int, threads: int) -> int:
@@ -77,13 +84,13 @@ def make_engine(layout: Layout, kmod=None) -> SimpleNamespace:
     OFF = layout.offsets
     Q, K, V, P, RED = OFF["q"], OFF["k"], OFF["v"], OFF["p"], OFF["red"]
     # Steps unrolled per loop iteration, written as an inner loop the compiler unrolls: as many as keep the
-    # body (FFMAs plus fragment loads per step) within UNROLL_BUDGET operations. A larger body is not
-    # unrolled (and the loop then recomputes every address); a smaller one pays the loop's own branch and
-    # counter more often. `python -m fa_numba profile` shows the result.
+    # body (FFMAs plus fragment loads per step) within UNROLL_BUDGET operations (P V's: PV_UNROLL_BUDGET). A
+    # larger body is not unrolled (and the loop then recomputes every address); a smaller one pays the loop's
+    # own branch and counter more often. `python -m fa_numba profile` shows the result.
     # One step always: a layout whose single step is over the budget (wide micro-tiles at a large d, e.g. 16x16
     # tiles at d = 128) runs that step without unrolling more.
     STEP = next((t for t in (16, 8, 4, 2) if D % t == 0 and t * (TM * TN + TM + TN) <= UNROLL_BUDGET), 1)
-    KSTEP = next((t for t in (8, 4, 2) if BC % t == 0 and t * (TM * TD + TM + TD) <= UNROLL_BUDGET), 1)
+    KSTEP = next((t for t in (8, 4, 2) if BC % t == 0 and t * (TM * TD + TM + TD) <= PV_UNROLL_BUDGET), 1)
 
     HD = layout.head_dim  # the kernel's d: a launch with another is refused (Kernel.__call__)
     HDV = layout.d_v  # V's head dim d_v (d unless the layout names its own)
@@ -128,15 +135,26 @@ def make_engine(layout: Layout, kmod=None) -> SimpleNamespace:
             Where each thread keeps its inner index (KEEP), its elements lie on one line of src: a row of Q or K
             for the transposed tiles, a column of V otherwise. That line is taken as a view once (at a clamped
             index, so that the view itself is always in bounds), and each load is then one step along it
-            instead of the whole 4-d index with its runtime strides."""
+            instead of the whole 4-d index with its runtime strides. A column of a C-contiguous V is read
+            through a line from the thread's first row instead (kernels.common.rows_from), whose steps are
+            compile-time multiples of d."""
             if KEEP:
                 inner = tid % INNER
                 if transposed:  # the thread's row r = inner; its features x = outer vary
                     keep = inner < rows
                     line = src[b, h, u64(row0 + min(inner, rows - 1))]
+                    flat = False
                 else:  # the thread's feature x = inner; its rows r = outer vary
                     keep = not PADDED or inner < HD
-                    line = src[b, h, :, u64(min(inner, HD - 1))]
+                    x = min(inner, HD - 1)
+                    # a C-contiguous operand: the thread's first row as a line that reaches the rows below it,
+                    # so each load is a compile-time offset (the column view below costs a 64-bit multiply by
+                    # the run-time stride, and its predicate, per load: 10 to 12 instructions each, v2 d = 64)
+                    flat = not warp.strided(src)  # a compile-time constant on the GPU
+                    left = rows - tid // INNER  # the tile's rows from the thread's first on
+                    # two names, not one: views of two layouts assigned to one variable unify to the strided one
+                    run = rows_from(src, b, h, u64(row0 + min(tid // INNER, rows - 1)), u64(x))
+                    line = src[b, h, :, u64(x)]
                 for i in range(CHUNK):
                     outer = tid // INNER + (first + i) * (T // INNER)
                     value = ZERO
@@ -144,8 +162,11 @@ def make_engine(layout: Layout, kmod=None) -> SimpleNamespace:
                         if transposed:
                             if not PADDED or outer < HD:
                                 value = to_f32(line[u64(outer)])
-                        elif outer < rows:
-                            value = to_f32(line[u64(row0 + outer)])
+                        elif (first + i) * (T // INNER) < left:  # outer < rows
+                            if flat:
+                                value = to_f32(run[u64((first + i) * (T // INNER) * HD)])
+                            else:
+                                value = to_f32(line[u64(row0 + outer)])
                     values[i] = value
                 return
             for i in range(CHUNK):

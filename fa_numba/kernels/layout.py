@@ -20,18 +20,25 @@ MICRO_CHOICES = (4, 2, 1)
 # v2's 256-thread blocks: 16 cover a whole K_j and V_j at d <= 128 (d = 256 would hold 64 and halve its
 # occupancy). v1 runs one block per (batch, head), typically one per SM, so registers cost it no occupancy
 # until a block no longer fits, and its Q_i^T at d = 128 (32 loads per thread) goes in one round trip.
-# Blocks under 256 threads keep 16: v1's at d = 256 spill at 32 (255 registers, 108 bytes). v2's shipped
-# 128-thread layouts (V2_MICRO) therefore load their 32 elements of K_j and V_j in two round trips; 32 in
-# flight would make it one (167 and 208 registers at d = 64 and 128, the latter 2 blocks an SM instead of 3;
-# the model: 38.9 -> 39.6 and 38.0 -> 40.5 TFLOP/s, 2026-12-04), not taken while the decode layouts and
-# d = 256, which this constant also sets, are not re-estimated.
 IN_FLIGHT = {"v1": 32, "v2": 16}
-IN_FLIGHT_SMALL_BLOCKS = 16  # blocks of fewer than 256 threads, either order
-
+# Blocks under 256 threads keep 16 (v1's at d = 256 spill at 32: 255 registers, 108 bytes; v2's 88 bytes),
+# except v2's up to d = 64, which take 32: its shipped 128-thread layout there (V2_MICRO) then loads its 32
+# elements of K_j and V_j in one round trip, not two (2026-12-05, the whole-kernel model, float32: 96 -> 127
+# registers, 5 -> 4 blocks an SM, 38.1 -> 41.6 TFLOP/s, most of it whole waves: docs/profile.md), as do the
+# decode layouts up to d = 64 (v2's too). At d = 128 32 took 168 registers against 16's 128 (3 blocks an SM
+# against 4) and the estimate fell, 42.1 -> 41.2.
+IN_FLIGHT_SMALL_BLOCKS = 16
+IN_FLIGHT_V2_SMALL_BLOCKS = 32  # v2's blocks under 256 threads at d_pad <= V2_SMALL_BLOCKS_MAX_D
+V2_SMALL_BLOCKS_MAX_D = 64
 
 def in_flight(layout: "Layout") -> int:
-    """Global loads a thread of this layout keeps in flight while it loads a tile (IN_FLIGHT)."""
-    return IN_FLIGHT[layout.order] if layout.threads >= 256 else IN_FLIGHT_SMALL_BLOCKS
+    """Global loads a thread of this layout keeps in flight while it loads a tile (IN_FLIGHT and the two
+    constants after it)."""
+    if layout.threads >= 256:
+        return IN_FLIGHT[layout.order]
+    if layout.order == "v2" and layout.d_pad <= V2_SMALL_BLOCKS_MAX_D:
+        return IN_FLIGHT_V2_SMALL_BLOCKS
+    return IN_FLIGHT_SMALL_BLOCKS
 
 
 @dataclass(frozen=True)
