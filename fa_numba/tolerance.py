@@ -73,7 +73,7 @@ from fa_numba import mods, reference, shapes
 U32 = 2.0**-24  # unit roundoff of float32, the kernels' arithmetic: |fl(x) - x| <= U32 |x|
 # A 16-bit type P is rounded to before P V: (unit roundoff, largest absolute error below its normal range)
 P_ROUNDING = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134)}
-U_TF32 = 2.0**-11  # unit roundoff of tf32 (10 stored significand bits, cvt.rna)
+U_TF32 = 2.0**-11  # unit roundoff of tf32 (10 stored significand bits, round to nearest: cvt.rn)
 # Tensor-core products of float32 inputs (proofs/L6 part 9): (eps, eta), one product a b errs by at most
 # eps |a| |b| + eta (|a| + |b|): eps relative (3xTF32 drops lo_a lo_b and rounds each residual, plain TF32 rounds
 # both operands), eta for the parts below float32's normal range (a subnormal part rounded to tf32, or flushed to

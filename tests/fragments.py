@@ -35,7 +35,7 @@ import numpy as np
 LANES = 32
 F16_NAN = 0x7FFF  # canonical NaN of binary16 (CUDA's host conversion; PTX's plain cvt.rn leaves it unspecified)
 BF16_NAN = 0x7FFF  # canonical NaN of bfloat16 (CUDA Math API CUDART_NAN_BF16)
-TF32_NAN = 0x7FFFE000  # our choice for a NaN input of cvt.rna.tf32.f32: PTX does not say (see tf32_bits)
+TF32_NAN = 0x7FFFE000  # our choice for a NaN input of cvt.rn.tf32.f32: PTX does not say (see tf32_bits)
 
 
 def _lane_ids(lane: int) -> tuple[int, int]:
@@ -127,16 +127,18 @@ def cvt_x2(lo, hi, kind: str) -> np.ndarray:
 
 
 def tf32_bits(x) -> np.ndarray:
-    """What cvt.rna.tf32.f32 gives: x rounded to 10 mantissa bits, nearest, ties away from zero; low 13 bits 0.
+    """What cvt.rn.tf32.f32 gives: x rounded to 10 mantissa bits, nearest, ties to even; low 13 bits 0.
 
-    .rna is "rounding to nearest, with ties away from zero" (PTX cvt, Floating Point Notes). On the magnitude
-    bits that is: add half of the dropped unit (0x1000) and clear the 13 dropped bits; a carry into the exponent
-    is the correct rounding up, and values at or above 0x7F7FF000 in magnitude become infinity. Subnormals are
-    rounded the same way (no .ftz). Infinities stay infinities (their dropped bits are 0).
+    .rn is "mantissa LSB rounds to nearest even" (PTX cvt, Floating Point Notes). On the magnitude bits: keep
+    the top 19, drop the 13 below; round the kept part up when the dropped part is over half a unit (0x1000),
+    or exactly half and the kept part odd. A carry into the exponent is the correct rounding up, and a finite
+    value that rounds past the largest tf32 becomes infinity (no .satfinite). Subnormals are rounded the same
+    way (no .ftz). Infinities stay infinities (their dropped bits are 0). The kernels used .rna (ties away from
+    zero) until 2026-12-05; sm_90 has one instruction for .rn and none for .rna.
 
     What PTX leaves open: "Alternate Floating-Point Data Formats" says the internal layout of tf32 is
     implementation defined (same range as f32, precision >= 10 bits), so "low 13 bits zero" is the expected
-    register pattern, not a documented one; and the cvt section says nothing of a NaN input for .rna without
+    register pattern, not a documented one; and the cvt section says nothing of a NaN input for .rn without
     .satfinite. We return TF32_NAN = 0x7FFFE000 (positive, quiet, every kept mantissa bit set, low 13 bits 0)
     for every NaN, a choice: a test should compare NaN by "is NaN", not by these bits.
     """
@@ -144,8 +146,10 @@ def tf32_bits(x) -> np.ndarray:
     u = x32.view(np.uint32).astype(np.uint64)
     sign = u & np.uint64(0x80000000)
     mag = u & np.uint64(0x7FFFFFFF)
-    rounded = (mag + np.uint64(0x1000)) & np.uint64(0xFFFFE000)
-    out = (sign | rounded).astype(np.uint32)
+    kept, dropped = mag >> np.uint64(13), mag & np.uint64(0x1FFF)
+    half = np.uint64(0x1000)
+    up = (dropped > half) | ((dropped == half) & ((kept & np.uint64(1)) == np.uint64(1)))
+    out = (sign | ((kept + up.astype(np.uint64)) << np.uint64(13))).astype(np.uint32)
     return np.where(np.isnan(x32), np.uint32(TF32_NAN), out).astype(np.uint32)
 
 

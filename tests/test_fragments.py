@@ -299,9 +299,10 @@ def float32_sample(seed) -> np.ndarray:
 
 @pytest.mark.lemma("L10")
 def test_conversions_round_as_the_cvt_section_says():
-    """Claim 6 and 1.: bits_f16 / bits_bf16 are round-to-nearest-even (cvt.rn), tf32_bits nearest-ties-away
-    (cvt.rna) to 10 mantissa bits, on random float32 and on every tie of each format and its neighbours; infinities
-    stay; NaN gives the documented choices; cvt_x2 puts its lo operand in the low half (cvt's source b)."""
+    """Claim 6 and 1.: bits_f16 / bits_bf16 and tf32_bits are round-to-nearest-even (cvt.rn; tf32 to 10 mantissa
+    bits, cvt.rn.tf32.f32 since 2026-12-05, cvt.rna before), on random float32 and on every tie of each format
+    and its neighbours; infinities stay; NaN gives the documented choices; cvt_x2 puts its lo operand in the low
+    half (cvt's source b)."""
     x = float32_sample(3)
     f16_ties, bf16_ties, tf32_ties = ties_and_neighbours(5, 10), ties_and_neighbours(8, 7), ties_and_neighbours(8, 10)
     # the oracle can fail: on the exact ties, nearest-even rounds some up and some down, and differs from ties-away
@@ -318,16 +319,18 @@ def test_conversions_round_as_the_cvt_section_says():
         assert got.dtype == np.uint16 and np.array_equal(got.astype(np.int64), nearest(sample, 8, 7, "even"))
     for sample in (x, tf32_ties):
         got = F.tf32_bits(sample)
-        assert got.dtype == np.uint32 and np.array_equal(got.astype(np.int64), nearest(sample, 8, 10, "away") << 13)
+        assert got.dtype == np.uint32 and np.array_equal(got.astype(np.int64), nearest(sample, 8, 10, "even") << 13)
     # by hand: ties to even and away, overflow, infinities
     assert F.bits_f16(np.float32([1 + 2**-11, 1 + 3 * 2**-11, 65519.996, 65520, -np.inf])).tolist() == \
         [0x3C00, 0x3C02, 0x7BFF, 0x7C00, 0xFC00]
     assert F.bits_bf16(np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7F7FFF, 0x7F7F8000, 0xFF800000],
                                 dtype=np.uint32).view(np.float32)).tolist() == [0x3F80, 0x3F82, 0xBF80, 0x7F7F, 0x7F80,
                                                                                 0xFF80]
-    assert F.tf32_bits(np.array([0x3F801000, 0xBF801000, 0x3F800FFF, 0x7F7FEFFF, 0x7F7FF000, 0x7F800000],
-                                dtype=np.uint32).view(np.float32)).tolist() == [0x3F802000, 0xBF802000, 0x3F800000,
-                                                                                0x7F7FE000, 0x7F800000, 0x7F800000]
+    # tf32: 1 + half a unit is a tie onto the even 1 (down), 1 + 3 halves onto the even 1 + 2 units (up); the
+    # largest tf32 plus half a unit rounds to infinity (its kept part is odd), just under half stays
+    assert F.tf32_bits(np.array([0x3F801000, 0xBF801000, 0x3F803000, 0x3F801001, 0x3F800FFF, 0x7F7FEFFF,
+                                 0x7F7FF000, 0x7F800000], dtype=np.uint32).view(np.float32)).tolist() == \
+        [0x3F800000, 0xBF800000, 0x3F804000, 0x3F802000, 0x3F800000, 0x7F7FE000, 0x7F800000, 0x7F800000]
     # a float64 input is taken as float32 first (cvt.rn.f16.f32 reads a float32): 1 + 2^-11 + 2^-40 becomes the tie
     assert int(F.bits_f16(np.float64(1 + 2**-11 + 2**-40))) == 0x3C00
     # NaN: any payload, either sign -> the canonical 0x7FFF for f16 / bf16 (a choice, 10.), a NaN for tf32

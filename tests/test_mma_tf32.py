@@ -28,7 +28,7 @@ FLOAT32_MAX = np.finfo(np.float32).max
 
 
 def host_split(x):
-    """(hi, lo) as float32 values, read from the module docstring of kernels.mma.tf32 with fragments.py's cvt.rna
+    """(hi, lo) as float32 values, read from the module docstring of kernels.mma.tf32 with fragments.py's cvt.rn
     (fr.tf32_bits): hi of x clamped to the largest finite tf32, lo the residual's tf32."""
     x = np.asarray(x, np.float32)
     top = np.float32((2 - 2.0**-10) * 2.0**127)
@@ -53,15 +53,16 @@ def split_dot(a, b, three=True):
 def test_a_split_product_errs_by_at_most_eps_times_the_magnitudes(three):
     """|sum_x split(a_x b_x) - sum_x a_x b_x| <= eps sum_x |a_x| |b_x| (tolerance.SPLIT_ROUNDING), on random
     vectors over a wide exponent range and on an adversarial pattern whose errors all have one sign: for 3xTF32
-    x = 1 - 2^-13 - 2^-24 (its residual rounds away from zero, so the dropped lo lo and both residual roundings
-    add up), for plain TF32 x = 1 + 2^-11 - 2^-23 (rounded down by almost half a tf32 unit). There the error is
-    above 0.15 of the 3xTF32 bound (a float32 x has too few bits below its tf32 part to reach it all) and above
-    0.9 of the TF32 one: eps is not loose by more than that."""
+    x = 1 - 2^-13 - 2^-23 - 2^-24 (hi = 1; its residual -2^-13 (1 + 2^-10 + 2^-11) is a tie whose kept part is odd,
+    so cvt.rn rounds it away from zero, and the dropped lo lo and both residual roundings add up; under cvt.rna,
+    used until 2026-12-05, 1 - 2^-13 - 2^-24 did this, and under cvt.rn its error partly cancels), for plain TF32
+    x = 1 + 2^-11 - 2^-23 (rounded down by almost half a tf32 unit). There the error is above 0.15 of the 3xTF32
+    bound (a float32 x has too few bits below its tf32 part to reach it all) and above 0.9 of the TF32 one: eps is not loose by more than that."""
     eps = tolerance.SPLIT_ROUNDING["3xtf32" if three else "tf32"][0]
     rng = np.random.default_rng(5)
     a = (rng.standard_normal((200, 64)) * 2.0 ** rng.integers(-60, 60, (200, 64))).astype(np.float32)
     b = (rng.standard_normal((200, 64)) * 2.0 ** rng.integers(-60, 60, (200, 64))).astype(np.float32)
-    pattern = 1 - 2.0**-13 - 2.0**-24 if three else 1 + 2.0**-11 - 2.0**-23
+    pattern = 1 - 2.0**-13 - 2.0**-23 - 2.0**-24 if three else 1 + 2.0**-11 - 2.0**-23
     worst = np.full((1, 64), pattern, np.float32)
     a, b = np.vstack([a, worst]), np.vstack([b, worst])
     exact = (a.astype(np.float64) * b.astype(np.float64)).sum(axis=-1)  # products of float32: exact in float64
@@ -73,7 +74,7 @@ def test_a_split_product_errs_by_at_most_eps_times_the_magnitudes(three):
 
 
 def test_the_split_clamps_so_a_finite_input_never_gives_a_non_finite_part():
-    """Near float32's largest value cvt.rna rounds to infinity; the clamp keeps hi finite and hi + lo = x.
+    """Near float32's largest value cvt.rn rounds to infinity; the clamp keeps hi finite and hi + lo = x.
     inf keeps an infinite residual and NaN a NaN one, so non-finite inputs still reach the products."""
     x = np.array([FLOAT32_MAX, -FLOAT32_MAX, np.float32(3.4025e38), 1.0, -2.5e-40, np.inf, -np.inf, np.nan],
                  np.float32)
@@ -101,7 +102,7 @@ _split_probe, _split_weight_probe = _probe(tf32.split), _probe(tf32.split_weight
 
 
 def test_the_device_split_is_the_host_reading():
-    """kernels.mma.tf32.split (the kernels' split, cvt.rna through fa_numba.warp) gives the bits of the host
+    """kernels.mma.tf32.split (the kernels' split, cvt.rn through fa_numba.warp) gives the bits of the host
     reading above, specials included (NaN compared as NaN: PTX leaves a NaN's bits open)."""
     rng = np.random.default_rng(2)
     x = np.concatenate([(rng.standard_normal(58) * 2.0 ** rng.integers(-140, 127, 58)).astype(np.float32),

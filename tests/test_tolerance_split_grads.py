@@ -2,7 +2,7 @@
 
 An independent emulation of a backward whose every product is taken by tf32 parts, written here in float64
 NumPy apart from the kernels and the rule: a value's tf32 high part is it rounded to 11 significant bits with
-ties away from zero (cvt.rna), its residual the same rounding of what is left, and a b is
+ties to even (cvt.rn; cvt.rna, ties away, until 2026-12-05), its residual the same rounding of what is left, and a b is
 lo_a hi_b + hi_a lo_b + hi_a hi_b (3xTF32) or hi_a hi_b (plain TF32); everything else is exact float64 (the
 float32 roundings are the 3x rule's, not this term's). The term must bound how far those products move each
 gradient from the float64 reference, and must not be loose by orders of magnitude.
@@ -15,9 +15,9 @@ from fa_numba import reference, tolerance_backward
 
 
 def _tf32(x):
-    """x rounded to 11 significant bits, ties away from zero (cvt.rna.tf32.f32's rounding, in float64)."""
+    """x rounded to 11 significant bits, ties to even (cvt.rn.tf32.f32's rounding, in float64)."""
     m, e = np.frexp(x)  # |m| in [0.5, 1)
-    return np.ldexp(np.sign(m) * np.floor(np.abs(m) * 2.0**11 + 0.5) / 2.0**11, e)
+    return np.ldexp(np.round(m * 2.0**11) / 2.0**11, e)  # np.round: half to even
 
 
 def _product(a, b, three: bool):

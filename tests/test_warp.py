@@ -206,6 +206,22 @@ def test_the_ex2_emulation_at_its_edges():
     assert emulated_tc.ex2(np.float32(128.0)) == np.inf and emulated_tc.ex2(np.float32(np.inf)) == np.inf
     assert all(type(emulated_tc.ex2(x)) is np.float32 for x in (0.5, np.nan, 1e-40, -200.0, 200.0))
 
+def test_min_and_max_keep_a_nan():
+    """warp.min_nan / max_nan (min.NaN.f32, max.NaN.f32) against NumPy's minimum and maximum, which propagate a NaN
+    as PTX's .NaN forms say: a NaN in either operand gives a NaN, infinities order as numbers. Signed zeros are left
+    out (PTX orders -0 below +0; NumPy may return either)."""
+    rng = np.random.default_rng(7)
+    a = np.concatenate([rng.standard_normal(20) * 1e3, [np.nan, 1.0, np.nan, np.inf, -np.inf, 3e38, -3e38, 5.0,
+                                                        np.inf, -2.0, 1e-40, np.nan]]).astype(np.float32)
+    b = np.concatenate([rng.standard_normal(20), [1.0, np.nan, np.nan, 2.0, 7.0, -np.inf, np.inf, 5.0, -np.inf,
+                                                   -np.inf, -1e-40, -np.inf]]).astype(np.float32)
+    mins, maxs = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    launch("min_max_nan_probe", a, b, mins, maxs)
+    np.testing.assert_array_equal(mins, np.minimum(a, b))  # NaN positions must agree (assert_array_equal's rule)
+    np.testing.assert_array_equal(maxs, np.maximum(a, b))
+    assert np.isnan(mins[20:23]).all() and np.isnan(maxs[20:23]).all()  # the check can fail: a dropped NaN shows
+
+
 def test_shuffles():
     vals = (np.arange(32, dtype=np.int32) * 37 + 11) % 101
     outs = [np.zeros(32, np.int32) for _ in range(5)]
@@ -272,8 +288,9 @@ EXPECTED_SASS = {  # probe -> opcodes its SASS must hold (the instruction each p
     "qk_pv_probe": ["LDSM.16.M88.4", "LDSM.16.M88.2", "LDSM.16.MT88.2", "HMMA.16816.F32"],
     "cp_async_probe": ["LDGSTS.E.BYPASS.128.ZFILL", "LDGDEPBAR", "DEPBAR.LE"],
     "cp_async_groups_probe": ["LDGSTS.E.BYPASS.128", "LDGDEPBAR", "DEPBAR.LE"],
-    "conversions_probe": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2"],
+    "conversions_probe": ["F2FP.F16.F32.PACK_AB", "F2FP.BF16.F32.PACK_AB", "F2FP.TF32.F32", "MUFU.EX2"],  # to_tf32: cvt.rn
     "shuffles_probe": ["SHFL.BFLY", "SHFL.IDX", "SHFL.UP", "SHFL.DOWN"],
+    "min_max_nan_probe": ["FMNMX.NAN"],
 }
 
 

@@ -146,6 +146,13 @@ def conversions_probe(x, f16x2, bf16x2, tf32, tf32_back, exp2):
     exp2[lane] = warp.ex2(x[lane, 0])
 
 
+def min_max_nan_probe(a, b, mins, maxs):
+    """Per thread, no warp operation: min.NaN and max.NaN of (a[l], b[l])."""
+    lane = cuda.threadIdx.x
+    mins[lane] = warp.min_nan(a[lane], b[lane])
+    maxs[lane] = warp.max_nan(a[lane], b[lane])
+
+
 def shuffles_probe(vals, xor1, xor16, idx, up3, down5):
     lane = cuda.threadIdx.x
     v = vals[lane]
@@ -174,6 +181,7 @@ SIGNATURES = {
     "cp_async_groups_probe": _arrays((u16, 1), (u16, 1), (u16, 1)),
     "conversions_probe": _arrays((f32, 2), (u32, 1), (u32, 1), (u32, 1), (f32, 1), (f32, 1)),
     "shuffles_probe": _arrays((i32, 1), (i32, 1), (i32, 1), (i32, 1), (i32, 1), (i32, 1)),
+    "min_max_nan_probe": _arrays((f32, 1), (f32, 1), (f32, 1), (f32, 1)),
 }
 
 

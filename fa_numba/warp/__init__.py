@@ -1,5 +1,5 @@
 """Warp-level operations for the kernels: tensor-core products (mma.sync f16, bf16, tf32), ldmatrix,
-cp.async with its commit and waits, 16-bit and tf32 conversions, ex2.
+cp.async with its commit and waits, 16-bit and tf32 conversions, ex2, NaN-keeping min and max.
 
 One name, two implementations, chosen once at import by the backend (`fa_numba.backend`):
 - on a real numba.cuda (a GPU, or compiling SASS on a CPU), `ptx`: @intrinsics that emit inline PTX;
@@ -34,3 +34,5 @@ pack_bf16x2 = implementation.pack_bf16x2
 to_tf32 = implementation.to_tf32
 tf32_value = implementation.tf32_value
 ex2 = implementation.ex2
+min_nan = implementation.min_nan
+max_nan = implementation.max_nan

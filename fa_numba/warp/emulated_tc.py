@@ -282,12 +282,30 @@ def pack_bf16x2(lo, hi):
     return np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
 
 
+def min_nan(a, b):
+    """min.NaN.f32: the smaller of a and b as float32, a NaN if either is NaN."""
+    a, b = np.float32(a), np.float32(b)
+    if a != a or b != b:
+        return np.float32(np.nan)
+    return a if a < b else b
+
+
+def max_nan(a, b):
+    """max.NaN.f32: the larger of a and b as float32, a NaN if either is NaN."""
+    a, b = np.float32(a), np.float32(b)
+    if a != a or b != b:
+        return np.float32(np.nan)
+    return a if a > b else b
+
+
 def to_tf32(x):
-    """cvt.rna.tf32.f32: round to nearest, ties away from zero, to 10 mantissa bits (low 13 bits zero)."""
+    """cvt.rn.tf32.f32: round to nearest, ties to even, to 10 mantissa bits (low 13 bits zero); a finite value
+    that rounds past the largest tf32 becomes infinite; infinities and NaN pass as they are."""
     u = int(np.float32(x).view(np.uint32))
     if (u & 0x7F800000) == 0x7F800000:
         return np.uint32(u)
-    return np.uint32((u + 0x1000) & 0xFFFFE000)
+    keep_odd = (u >> 13) & 1  # the last kept bit: a tie rounds up only onto an even result
+    return np.uint32((u + 0xFFF + keep_odd) & 0xFFFFE000)
 
 
 def tf32_value(bits):

@@ -163,10 +163,12 @@ pack_bf16x2 = _make_pack("bf16")
 
 @intrinsic
 def to_tf32(typingctx, x):
-    """cvt.rna.tf32.f32: x rounded to tf32 (nearest, ties away), as the bits of a float32."""
+    """cvt.rn.tf32.f32: x rounded to tf32 (nearest, ties to even), as the bits of a float32. sm_90's one
+    instruction for it (F2FP.TF32.F32); cvt.rna (ties away, what this was until 2026-12-05) has none there and
+    compiles to three (a NaN test, an add of half a unit, a mask), which the 3xTF32 split pays twice a value."""
     def codegen(context, builder, sig, args):
         x_v = context.cast(builder, args[0], sig.args[0], _f32)
-        return _asm(builder, "cvt.rna.tf32.f32 $0, $1;", "=r,f", _I32, [x_v])
+        return _asm(builder, "cvt.rn.tf32.f32 $0, $1;", "=r,f", _I32, [x_v])
 
     return _u32(x), codegen
 
@@ -193,6 +195,27 @@ def strided(typingctx, ary):
         return ir.Constant(ir.IntType(1), int(flag))
 
     return types.boolean(ary), codegen
+
+
+def _make_nan_extreme(op):
+    text = f"{op}.NaN.f32 $0, $1, $2;"
+
+    @intrinsic
+    def extreme(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            a_v = context.cast(builder, args[0], sig.args[0], _f32)
+            b_v = context.cast(builder, args[1], sig.args[1], _f32)
+            return _asm(builder, text, "=f,f,f", _FLOAT, [a_v, b_v])
+
+        return _f32(a, b), codegen
+
+    extreme.__doc__ = (f"{op}.NaN.f32 (sm_80): the {op}imum of two float32, NaN if either is NaN (the plain {op} and "
+                       f"Python's {op} drop a NaN); one FMNMX.NAN")
+    return extreme
+
+
+min_nan = _make_nan_extreme("min")
+max_nan = _make_nan_extreme("max")
 
 
 @intrinsic

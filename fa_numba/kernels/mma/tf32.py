@@ -5,7 +5,7 @@ everything else of the engine (staging, the online softmax on the fragments, mas
 3xTF32 (proofs/L6 part 9). mma.sync m16n8k8 multiplies tf32 operands (10 stored significand bits) exactly into
 a float32 accumulator. Each float32 operand x is split into a tf32 high part and a tf32 residual,
 
-    hi = tf32(x),  lo = tf32(x - hi)       (cvt.rna: round to nearest, ties away; x - hi is exact in float32),
+    hi = tf32(x),  lo = tf32(x - hi)       (cvt.rn: round to nearest, ties to even; x - hi is exact in float32),
 
 and a b is taken as lo_a hi_b + hi_a lo_b + hi_a hi_b (three mma.sync into one accumulator, the small terms
 first); the dropped lo_a lo_b and the residuals' own rounding leave at most (3 u_t^2 + 2 u_t^3) |a| |b| per
@@ -35,7 +35,7 @@ Layouts (proofs/L10, the m16n8k8 tables; g = lane >> 2, t = lane & 3):
 
 Cost, per k-step of 8 and key block: three mma.sync and four 32-bit shared loads; Q's split is made once per
 query tile at d <= 64 (kept in registers), else once per (key tile, k-step), and P's once per key block
-(cvt.rna.tf32 is three instructions on sm_90, not one).
+(cvt.rn.tf32 is one instruction on sm_90, F2FP.TF32.F32; cvt.rna, used until 2026-12-05, is three).
 """
 
 from __future__ import annotations
@@ -58,15 +58,12 @@ def split(x):
     """(hi, lo): the tf32 bits of x's high part and of its residual, hi + lo = x up to u_t^2 |x| (|x| <= TF32_MAX;
     plain TF32 uses hi alone, and the residual's instructions are dropped as dead code). hi is taken of x clamped
     to +-TF32_MAX, so a finite x cannot round to an infinite hi; inf keeps an infinite residual, NaN a NaN hi and
-    residual. The clamp is two comparisons, false for NaN: min(max(x, -T), T) compiles to fmaxf / fminf (FMNMX),
-    which drop a NaN (hi = -TF32_MAX), and the first H200 run (2026-12-04) failed tests/test_mma_tf32.py's device
-    split test on it (the simulator, then running Python's min and max, had not; fa_numba.simulator_builtins now
-    gives it the device's). One instruction more a split (FSETP, FMNMX.NAN, FSEL)."""
-    clamped = x
-    if x > TF32_MAX:
-        clamped = TF32_MAX
-    if x < -TF32_MAX:
-        clamped = -TF32_MAX
+    residual. The clamp must keep a NaN: min(max(x, -T), T) compiles to fmaxf / fminf (FMNMX), which drop one
+    (hi = -TF32_MAX), and the first H200 run (2026-12-04) failed tests/test_mma_tf32.py's device split test on it
+    (the simulator, then running Python's min and max, had not). It is min.NaN and max.NaN (warp.min_nan,
+    max_nan: two FMNMX.NAN); two comparisons did the same in three instructions (FSETP, FMNMX.NAN, FSEL) until
+    2026-12-05. With cvt.rn's one instruction a split is five: two FMNMX.NAN, F2FP.TF32, FADD, F2FP.TF32."""
+    clamped = warp.max_nan(warp.min_nan(x, TF32_MAX), -TF32_MAX)
     hi = warp.to_tf32(clamped)
     return hi, warp.to_tf32(x - warp.tf32_value(hi))
 
