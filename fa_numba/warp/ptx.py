@@ -141,18 +141,23 @@ cp_async_wait_all = _void("cp.async.wait_group 0;", "cp.async.wait_group 0: all 
 cp_async_wait_1 = _void("cp.async.wait_group 1;", "cp.async.wait_group 1: all but the newest group have landed")
 
 
+def _two_floats(text, result, result_ir, constraint, swap=False):
+    """An intrinsic op(a, b) of two float32 operands emitting `text` ($1, $2: a, b, or b, a where swap)."""
+    @intrinsic
+    def op(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            a_v = context.cast(builder, args[0], sig.args[0], _f32)
+            b_v = context.cast(builder, args[1], sig.args[1], _f32)
+            return _asm(builder, text, constraint, result_ir, [b_v, a_v] if swap else [a_v, b_v])
+
+        return result(a, b), codegen
+
+    return op
+
+
 def _make_pack(kind):
     text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # the first source goes to the upper half
-
-    @intrinsic
-    def pack(typingctx, lo, hi):
-        def codegen(context, builder, sig, args):
-            lo_v = context.cast(builder, args[0], sig.args[0], _f32)
-            hi_v = context.cast(builder, args[1], sig.args[1], _f32)
-            return _asm(builder, text, "=r,f,f", _I32, [hi_v, lo_v])
-
-        return _u32(lo, hi), codegen
-
+    pack = _two_floats(text, _u32, _I32, "=r,f,f", swap=True)  # pack(lo, hi)
     pack.__doc__ = f"{text.split(' ')[0]}: {kind}(lo) in the low half, {kind}(hi) in the high half"
     return pack
 
@@ -198,17 +203,7 @@ def strided(typingctx, ary):
 
 
 def _make_nan_extreme(op):
-    text = f"{op}.NaN.f32 $0, $1, $2;"
-
-    @intrinsic
-    def extreme(typingctx, a, b):
-        def codegen(context, builder, sig, args):
-            a_v = context.cast(builder, args[0], sig.args[0], _f32)
-            b_v = context.cast(builder, args[1], sig.args[1], _f32)
-            return _asm(builder, text, "=f,f,f", _FLOAT, [a_v, b_v])
-
-        return _f32(a, b), codegen
-
+    extreme = _two_floats(f"{op}.NaN.f32 $0, $1, $2;", _f32, _FLOAT, "=f,f,f")
     extreme.__doc__ = (f"{op}.NaN.f32 (sm_80): the {op}imum of two float32, NaN if either is NaN (the plain {op} and "
                        f"Python's {op} drop a NaN); one FMNMX.NAN")
     return extreme
