@@ -52,7 +52,7 @@ def test_the_small_layout_is_one_warp(small):
 
 @pytest.mark.parametrize("widths", smem_trace.WIDTH_MODES)
 def test_k_transpose_and_v_stores_are_conflict_free_one_element_per_lane(small, widths):
-    # engine.tile_loader, transposed: T = 32 is a multiple of the inner extent W = B_c = 32, so lane t keeps
+    # tile_loads.tile_loader, transposed: T = 32 is a multiple of the inner extent W = B_c = 32, so lane t keeps
     # inner index t and walks the outer (feature) index: step s stores smem[K + t + 32 s], 32 consecutive
     # words, 32 banks: 1 wavefront. D B_c / T = 16 steps per tile; a lane's own addresses are 32 apart, so
     # nothing merges. V_j (d fastest, B_c D / T = 16 steps of consecutive words) likewise.

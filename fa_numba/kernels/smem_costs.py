@@ -74,7 +74,7 @@ BACKWARD_REGIONS = {"q": "Q", "do": "dO", "k": "K", "v": "V", "p": "P", "ds": "d
 _BACKWARD_KINDS = {"bwd-kv": "kv", "bwd-kv-det": "kv", "bwd-q-dq": "q", "bwd-q": "q",  # the main kernel's kind
                    "bwd-kv-mma": "kv", "bwd-kv-mma-det": "kv", "bwd-dq-mma": "q"}
 OPERANDS = ("q", "k", "v")  # the engine regions its loaders and `scores` touch
-OPERAND_FUNCTIONS = ("put", "scores")  # engine.tile_loader's `put` (the stores of Q^T, K^T, V) and engine.scores
+OPERAND_FUNCTIONS = ("put", "scores")  # tile_loads.tile_loader's `put` (the stores of Q^T, K^T, V) and engine.scores
 CAUSAL_NOTE = ("causal cfg measured on its non-causal kernel: a FULL tile runs the same code (the causal kernel "
                "differs only in PARTIAL tiles and in the tiles it visits)")
 SEED = 0
