@@ -207,11 +207,11 @@ def test_any_valid_tile_choice_builds_at_any_head_dim():
 
 
 def test_rows_from_reads_down_a_column_of_a_contiguous_operand():
-    """The V loader's line (kernels.common.rows_from): element k d of the line from (r, x) is src[b, h, r + k, x]
+    """The V loader's line (kernels.tile_loads.rows_from): element k d of the line from (r, x) is src[b, h, r + k, x]
     (the GPU's version indexes row r's view past its end, which only a C-contiguous slab allows, and
     `warp.strided` is what keeps the loader off it otherwise: checked here on the simulator's functions; the
     kernels read V through it in every test that runs them)."""
-    from fa_numba.kernels.common import _rows_python
+    from fa_numba.kernels.tile_loads import _rows_python
     from fa_numba.warp.emulated_tc import strided as strided_view
 
     src = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)

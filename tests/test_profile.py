@@ -178,7 +178,7 @@ def test_the_profiled_sass_is_what_a_launch_links(probe):
 def test_the_v2_tile_loads_of_a_contiguous_operand_are_global_loads_at_immediate_offsets():
     """v2's tile loop (d = 64, float32) loads K_j along rows and V_j down columns: compiled for C-contiguous
     inputs, all 32 of a thread's loads are LDG off two address registers, one per tile, each load an immediate
-    offset (kernels.common.rows_from); compiled for strided views, V's column view takes a run-time stride and
+    offset (kernels.tile_loads.rows_from); compiled for strided views, V's column view takes a run-time stride and
     the loads spread over many address registers (generic LD: what the contiguous build did until 2026-12-05)."""
     done = subprocess.run([sys.executable, str(HERE / "tile_loads.py")], env=REAL_CUDA, capture_output=True,
                           text=True, timeout=900, cwd=HERE.parent)

@@ -290,27 +290,6 @@ def _to_f32_intrinsic():
 to_f32 = _to_f32_python if backend.name() == "simulator" else _to_f32_intrinsic()
 
 
-def _rows_python(src, b, h, r, x):
-    """rows_from as the CUDA simulator runs it: src[b, h] from element (r, x) on, as one flat NumPy view, where
-    src is C-contiguous (else None: the simulator runs the other path)."""
-    if not src.flags.c_contiguous:
-        return None
-    return src[b, h].reshape(-1)[r * src.shape[3] + x:]
-
-
-@cuda.jit(device=True, inline=True)
-def _rows_cuda(src, b, h, r, x):
-    """rows_from for the CUDA compiler: row r's 1-d view from column x on, whose index k d reaches (r + k, x)
-    (Numba does not check a view's bounds, and a C-contiguous slab's rows are d elements apart)."""
-    return src[b, h, r][x:]
-
-
-#: rows_from(src, b, h, r, x): where src is C-contiguous (`not warp.strided(src)`, compile-time on the GPU), a
-#: line whose element k d is src[b, h, r + k, x], so that a thread reading down a column indexes it at
-#: compile-time offsets (immediate offsets of its loads) instead of a run-time stride per load. Pass it only
-#: r < src.shape[2] and x < src.shape[3].
-rows_from = _rows_python if backend.name() == "simulator" else _rows_cuda
-
 
 @cuda.jit(device=True, inline=True)
 def load_kv_tile(k, v, b, h_kv, c0, cols, d, k_tile, v_tile, tid, n_threads):

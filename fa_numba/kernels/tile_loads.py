@@ -17,15 +17,36 @@ from __future__ import annotations
 
 from numba import cuda, float32, uint64 as u64
 
-from fa_numba import warp
-from fa_numba.kernels.common import ZERO, rows_from, to_f32
+from fa_numba import backend, warp
+from fa_numba.kernels.common import ZERO, to_f32
 from fa_numba.kernels.layout import Layout, in_flight
+
+
+def _rows_python(src, b, h, r, x):
+    """rows_from as the CUDA simulator runs it: src[b, h] from element (r, x) on, as one flat NumPy view, where
+    src is C-contiguous (else None: the simulator runs the other path)."""
+    if not src.flags.c_contiguous:
+        return None
+    return src[b, h].reshape(-1)[r * src.shape[3] + x:]
+
+
+@cuda.jit(device=True, inline=True)
+def _rows_cuda(src, b, h, r, x):
+    """rows_from for the CUDA compiler: row r's 1-d view from column x on, whose index k d reaches (r + k, x)
+    (Numba does not check a view's bounds, and a C-contiguous slab's rows are d elements apart)."""
+    return src[b, h, r][x:]
+
+
+#: rows_from(src, b, h, r, x): where src is C-contiguous (`not warp.strided(src)`, compile-time on the GPU), a
+#: line whose element k d is src[b, h, r + k, x], so that a thread reading down a column indexes it at
+#: compile-time offsets (immediate offsets of its loads) instead of a run-time stride per load. Pass it only
+#: r < src.shape[2] and x < src.shape[3].
+rows_from = _rows_python if backend.name() == "simulator" else _rows_cuda
 
 
 def _per_thread(total: int, threads: int) -> int:
     """Steps for `threads` threads to cover `total` elements, one element per thread per step."""
     return -(-total // threads)
-
 
 
 def make_loaders(layout: Layout):
@@ -75,7 +96,7 @@ def make_loaders(layout: Layout):
             for the transposed tiles, a column of V otherwise. That line is taken as a view once (at a clamped
             index, so that the view itself is always in bounds), and each load is then one step along it
             instead of the whole 4-d index with its runtime strides. A column of a C-contiguous V is read
-            through a line from the thread's first row instead (kernels.common.rows_from), whose steps are
+            through a line from the thread's first row instead (kernels.tile_loads.rows_from), whose steps are
             compile-time multiples of d."""
             if KEEP:
                 inner = tid % INNER
