@@ -142,6 +142,32 @@ def test_a_branch_into_its_own_region_is_paired_per_site():
         "few": (1, 1, 1), "all_": (1, 1, 1)}  # 4 lanes, words 0..3; 32 lanes, words 0..31
 
 
+@pytest.mark.parametrize("variant", ["bwd-kv", "bwd-q"])
+def test_the_cuda_core_backward_meets_every_bank_once(variant):
+    # backward.py's ownership at B = 32, d = 32: t = 4, side = 8 (T = 64 threads, 2 warps of 4 rows ty of 8
+    # threads tx), TD = 4 features a thread in one run (RUN = 4). S and dP: thread (ty, tx) reads Q / dO rows
+    # ty + 8 a and K / V rows tx + 8 c; rows are QS = 36 floats apart, so the 8 tx of a row group hit banks
+    # 4 tx + k (all different) and the 4 ty of a warp broadcast within theirs: 1 wavefront a scalar access
+    # (with t consecutive rows a thread, tx t + c, the 8 tx met 2 banks: 4-way). P, dS rows are PS = 40
+    # floats: the store of element (ty + 8 a, tx + 8 c) by the warp's 32 lanes meets banks 8 ty + tx, once each.
+    # Scalar K loads an iteration: S reads t K values per feature (32 features), dQ = dS K reads TD per key
+    # (32 keys), per warp: (32 t + 32 TD) x 2 warps = 512, one wavefront each.
+    cfg = dict(variant=variant, block_q=32, block_k=32, head_dim=32, dtype="float32", causal=False)
+    from fa_numba.kernels import backward
+
+    config = backward.BackwardConfig({"bwd-kv": "kv", "bwd-q": "q"}[variant], 32, 32, False)
+    assert (config.t, config.side, config.p_stride, config.run) == (4, 8, 40, 4)
+    for widths, result in smem_costs.per_iteration_modes(cfg).items():
+        assert result["total"]["wavefronts"] == result["total"]["ideal"], widths
+        assert all(r["wavefronts"] == r["ideal"] for r in result["rows"]), (widths, result["rows"])
+        stores = {(r["region"], r["width"]): (r["accesses"], r["wavefronts"]) for r in result["rows"]
+                  if r["kind"] == "store" and r["region"] in ("P", "dS")}
+        assert stores == {("P", 4): (32, 32), ("dS", 4): (32, 32)}, widths
+        if widths == "scalar":
+            (k_loads,) = [r for r in result["rows"] if r["region"] == "K" and r["kind"] == "load"]
+            assert (k_loads["accesses"], k_loads["wavefronts"]) == (512, 512)
+
+
 def test_the_command_line_prints_one_result_per_configuration(capsys):
     # a backward q kernel of 8 x 8 tiles at d = 8: micro-tile 4 (backward.micro_for), 2 x 2 = 4 threads
     tiny = [dict(variant="bwd-q-dq", block_q=8, block_k=8, head_dim=8, dtype="float32", causal=True),

@@ -35,16 +35,17 @@ of them above has d_v where it says d), Q, K, dQ and dK keep d; the tiles are st
 up to the threads' side), each operand zero past its own width, so the zero columns add 0 x 0 terms to S and
 dP and give gradient columns that are never written. With value_dim = 0 the kernels compile the code of d_v = d.
 
-Thread layout: square tiles B_r = B_c = B; T = (B / t)^2 threads; thread (ty, tx) owns the t x t
-micro-tile of S and dP (query rows ty t.., key columns tx t..), and TD = D / (B / t) features of the
-B x D products: dV_j and dK_j (key rows ty t..), dQ_i (query rows ty t..). Shared memory holds Q, dO, K,
-V row-major with rows of D + 4 floats (16-byte aligned rows, fewer bank conflicts than D) and P, dS as
-B x (B + 4); every matrix product is one `make_gemm` loop over its reduction index with register
-micro-tiles, like the forward engine's.
+Thread layout: square tiles B_r = B_c = B; T = side^2 threads, side = B / t; thread (ty, tx) owns a t x t
+micro-tile of S and dP, interleaved (query rows ty + side a, key columns tx + side c), and TD = D / side
+features of the B x D products (runs of `BackwardConfig.run`, the side threads' runs side by side): dV_j and
+dK_j (key rows ty t..), dQ_i (query rows ty + side a, as S). Shared memory holds Q, dO, K, V row-major with
+rows of D + 4 floats (16-byte aligned, an odd number of 16-byte units) and P, dS as B x PS
+(`BackwardConfig.p_stride`); with these, at the shipped tiles, one warp's access meets each bank once
+(tests/test_smem_costs.py counts it). Every matrix product is one `make_gemm` loop over its reduction index
+with register micro-tiles, like the forward engine's.
 
-Limits: FP32 CUDA cores; the S and dP products read their fragments with scalar loads (the B x D
-products with vector loads); B = 32 up to d = 64, 16 up to 128, 8 up to 256 (static shared memory
-<= 48 KB); block_q must equal block_k.
+Limits: FP32 CUDA cores; B = 32 up to d = 64, 16 up to 128, 8 up to 256 (static shared memory <= 48 KB);
+block_q must equal block_k.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_g
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
 FLOAT_BYTES = 4
+WARP = 32  # threads of a warp, and banks of shared memory
 # (largest head dim, (B, t)) : square tiles of B rows and keys, t x t micro-tiles of S per thread
 DEFAULTS = ((64, (32, 4)), (128, (16, 2)), (256, (8, 1)))
 PRE_THREADS = 128  # one query row per thread in `preprocess`
@@ -125,8 +127,31 @@ class BackwardConfig(ValueDim):
         return -(-max(self.head_dim, self.d_v) // self.side) * self.side
 
     @property
+    def run(self) -> int:
+        """The features a thread owns side by side in a B x D product (`feature_column`): 4 (one 16-byte
+        load) where its TD = D / side features divide into fours, else 2 or 1."""
+        td = self.d_pad // self.side
+        return next(r for r in (4, 2, 1) if td % r == 0)
+
+    @property
+    def p_stride(self) -> int:
+        """PS, the row of P and dS in floats: the shortest multiple of 4 from B + PAD at which one store of
+        the S micro-tile's (`recompute`: thread (ty, tx) at row ty + side a, column tx + side c) meets
+        each bank once, unless that does not fit the shared-memory limit (then B + PAD)."""
+        lanes = [divmod(lane, self.side) for lane in range(min(WARP, self.side * self.side))]
+        for stride in range(self.block + PAD, self.block + PAD + WARP, 4):
+            if len({(ty * stride + tx) % WARP for ty, tx in lanes}) == len(lanes):
+                if self._floats(stride) * FLOAT_BYTES <= SHARED_BYTES_LIMIT:
+                    return stride
+                break
+        return self.block + PAD
+
+    def _floats(self, ps: int) -> int:
+        return 4 * self.block * (self.d_pad + PAD) + 2 * self.block * ps + 2 * self.block
+
+    @property
     def offsets(self) -> dict[str, int]:
-        qs, ps, b = self.d_pad + PAD, self.block + PAD, self.block
+        qs, ps, b = self.d_pad + PAD, self.p_stride, self.block
         sizes = {"q": b * qs, "do": b * qs, "k": b * qs, "v": b * qs, "p": b * ps, "ds": b * ps, "lse": b, "dd": b}
         offsets, end = {}, 0
         for name, size in sizes.items():
@@ -155,9 +180,11 @@ class BackwardConfig(ValueDim):
         return self
 
 
-def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False):
+def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False, B_RUN=0, B_GS=0):
     """acc[a, e] += sum_{k < KLEN} A(k, a) B(k, e), A(k, a) = smem[a_base + a A_RS + k A_KS] and
-    B(k, e) = smem[b_base + e B_CS + k B_KS]: one register micro-tile of a product of two shared tiles.
+    B(k, e) = smem[b_base + col(e) + k B_KS]: one register micro-tile of a product of two shared tiles.
+    col(e) = e B_CS, or with B_RUN (> 0) the columns in runs of B_RUN, B_GS apart:
+    col(e) = (e // B_RUN) B_GS + (e % B_RUN) B_CS (`feature_column`); compile-time offsets either way.
 
     guarded (PARTIAL tiles only): gemm(smem, acc, a_base, b_base, g_base) forms the products of (k, a) only
     where the guard G(k, a) = smem[g_base + a A_RS + k A_KS] (P of the same pair, laid out like A) is not
@@ -168,6 +195,7 @@ def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False):
 
     The reduction runs in chunks of STEP (an inner loop the compiler unrolls; see engine.make_engine)."""
     loads = MA * MB + (2 * MA if guarded else MA) + MB
+    RUN = B_RUN if B_RUN > 0 else MB
     STEP = next((t for t in (8, 4, 2) if KLEN % t == 0 and t * loads <= UNROLL_BUDGET), 1)  # >= 1 step
 
     if guarded:
@@ -187,7 +215,7 @@ def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False):
                         af[a] = av[u64(a * A_RS + k * A_KS)]
                         gf[a] = gv[u64(a * A_RS + k * A_KS)]
                     for e in range(MB):
-                        bf[e] = bv[u64(e * B_CS + k * B_KS)]
+                        bf[e] = bv[u64((e // RUN) * B_GS + (e % RUN) * B_CS + k * B_KS)]
                     for a in range(MA):
                         if gf[a] != ZERO or math.copysign(ONE, gf[a]) > ZERO:  # not the -0.0 of a masked pair
                             for e in range(MB):
@@ -209,7 +237,7 @@ def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False):
                 for a in range(MA):
                     af[a] = av[u64(a * A_RS + k * A_KS)]
                 for e in range(MB):
-                    bf[e] = bv[u64(e * B_CS + k * B_KS)]
+                    bf[e] = bv[u64((e // RUN) * B_GS + (e % RUN) * B_CS + k * B_KS)]
                 for a in range(MA):
                     for e in range(MB):
                         acc[a, e] += af[a] * bf[e]
@@ -221,21 +249,37 @@ def make_gemm(MA, MB, KLEN, A_RS, A_KS, B_CS, B_KS, guarded=False):
 def _kernel_parts(config: BackwardConfig):
     """The device functions and constants a kv or q kernel of this configuration is built from."""
     B, D, t, side = config.block, config.d_pad, config.t, config.side
-    TD, T, QS, PS = D // side, config.threads, D + PAD, B + PAD
+    TD, T, QS, PS, RUN = D // side, config.threads, D + PAD, config.p_stride, config.run
     off = config.offsets
     Q, DO, K, V = off["q"], off["do"], off["k"], off["v"]  # closed over by the device functions below
     P, DS, LSE, DD = off["p"], off["ds"], off["lse"], off["dd"]
-    parts = dict(B=B, D=D, t=t, side=side, TD=TD, T=T, QS=QS, PS=PS, SMEM=off["_total"], Q=off["q"], DO=off["do"],
-                 K=off["k"], V=off["v"], P=off["p"], DS=off["ds"], LSE=off["lse"], DD=off["dd"])
-    # S, dP (t x t): rows of Q / dO and rows of K / V, reduced over the features
-    parts["gemm_rows"] = make_gemm(t, t, D, QS, 1, QS, 1)
+    parts = dict(B=B, D=D, t=t, side=side, TD=TD, T=T, QS=QS, PS=PS, RUN=RUN, SMEM=off["_total"], Q=off["q"],
+                 DO=off["do"], K=off["k"], V=off["v"], P=off["p"], DS=off["ds"], LSE=off["lse"], DD=off["dd"])
+    # Who owns what (a warp is 32 / side rows ty of side threads tx), for shared memory's banks:
+    # - S, dP: thread (ty, tx) owns query rows ty + side a and keys tx + side c (a, c < t), interleaved: the side
+    #   threads of a row ty read side consecutive rows of K or V, QS / 4 (odd) 16-byte units apart, so one load
+    #   meets every bank once (with t consecutive rows a thread, tx t + c, 8 threads met 2 of a row's 8
+    #   16-byte slots at t = 4: 4-way). dQ's rows are S's.
+    # - dK, dV: key rows ty t + a (P^T, dS^T read t consecutive keys of one row of P, dS: one vector load).
+    # - features of the B x D products: runs of RUN (one vector load), the side threads' runs side by side
+    #   (`feature_column`): their loads of a row of Q, dO or K cover consecutive bytes.
+    parts["gemm_rows"] = make_gemm(t, t, D, side * QS, 1, side * QS, 1)  # S, dP: Q / dO rows by K / V rows
+    columns = dict(B_RUN=RUN, B_GS=side * RUN)
     # dV, dK (t x TD, key rows): P or dS [r][c] against dO or Q [r][x], reduced over the query rows
-    parts["gemm_keys"] = make_gemm(t, TD, B, 1, PS, 1, QS)
-    # dQ (t x TD, query rows): dS [r][c] against K [c][x], reduced over the keys
-    parts["gemm_queries"] = make_gemm(t, TD, B, PS, 1, 1, QS)
-    # the same three in PARTIAL tiles, skipping the masked pairs (their guard: P, marked -0.0 there)
-    parts["gemm_keys_guarded"] = make_gemm(t, TD, B, 1, PS, 1, QS, guarded=True)
-    parts["gemm_queries_guarded"] = make_gemm(t, TD, B, PS, 1, 1, QS, guarded=True)
+    parts["gemm_keys"] = make_gemm(t, TD, B, 1, PS, 1, QS, **columns)
+    # dQ (t x TD, query rows ty + side a): dS [r][c] against K [c][x], reduced over the keys
+    parts["gemm_queries"] = make_gemm(t, TD, B, side * PS, 1, 1, QS, **columns)
+    # the same two in PARTIAL tiles, skipping the masked pairs (their guard: P, marked -0.0 there)
+    parts["gemm_keys_guarded"] = make_gemm(t, TD, B, 1, PS, 1, QS, guarded=True, **columns)
+    parts["gemm_queries_guarded"] = make_gemm(t, TD, B, side * PS, 1, 1, QS, guarded=True, **columns)
+
+    GS = side * RUN
+
+    @cuda.jit(device=True, inline=True)
+    def feature_column(tx, e):
+        """The feature of column e < TD of thread column tx in a B x D product: runs of RUN features a
+        thread, the side threads' runs side by side (gemm's col(e) with B_RUN = RUN, B_GS = side RUN)."""
+        return tx * RUN + (e // RUN) * GS + e % RUN
 
     STEPS = (B * D + T - 1) // T  # elements of a tile per thread
     CHUNK = min(STEPS, IN_FLIGHT)
@@ -291,11 +335,11 @@ def _kernel_parts(config: BackwardConfig):
         With a score mod (proofs/L13): P = exp(mod(scale S) - sigma(LSE)) and dS = P (dP - D) mod'(scale S),
         the mod and its derivative called at the visible pairs only, at (b, h, r0 + r, c0 + col)."""
         for a in range(t):
-            r = ty * t + a
+            r = ty + side * a
             shift = smem[u64(LSE + r)]
             dd = smem[u64(DD + r)]
             for c in range(t):
-                col = tx * t + c
+                col = tx + side * c
                 visible = r < rows and col < cols and (not causal or c0 + col <= r0 + r + delta)
                 if visible and partial_lists:
                     key = c0 + col
@@ -331,12 +375,12 @@ def _kernel_parts(config: BackwardConfig):
             for c in range(t):
                 s[a, c] = ZERO
                 dp[a, c] = ZERO
-        gemm_rows(smem, s, Q + ty * t * QS, K + tx * t * QS)  # S / scale
-        gemm_rows(smem, dp, DO + ty * t * QS, V + tx * t * QS)  # dP
+        gemm_rows(smem, s, Q + ty * QS, K + tx * QS)  # S / scale
+        gemm_rows(smem, dp, DO + ty * QS, V + tx * QS)  # dP
         probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
                       scale, marked, store_p, b, h, captured)
 
-    parts.update(load_tile=load_tile, load_stats=load_stats, recompute=recompute)
+    parts.update(load_tile=load_tile, load_stats=load_stats, recompute=recompute, feature_column=feature_column)
     return parts
 
 
@@ -344,11 +388,12 @@ def kv_source(config: BackwardConfig):
     """The K/V-outer backward kernel (FlashAttention-2's): dK_j, dV_j on chip, dQ added into HBM unless
     deterministic (config.flag), when the q kernel computes dQ instead."""
     p = _kernel_parts(config)
-    B, t, side, TD, PS = p["B"], p["t"], p["side"], p["TD"], p["PS"]
+    B, t, side, TD, PS, RUN = p["B"], p["t"], p["side"], p["TD"], p["PS"], p["RUN"]
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
     gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
     gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
+    feature_column = p["feature_column"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
     VALUE_DIM = config.value_dim != 0  # V's head dim its own (compile-time: else the code of d_v = d, unchanged)
@@ -430,31 +475,31 @@ def kv_source(config: BackwardConfig):
                 # P and dS are complete in shared memory before the products read them
                 cuda.syncthreads()
                 if marked:
-                    gemm_keys_guarded(smem, dv_acc, P + ty * t, DO + tx * TD, P + ty * t)  # dV_j += P^T dO_i
-                    gemm_keys_guarded(smem, dk_acc, DS + ty * t, Q + tx * TD, P + ty * t)  # dK_j += dS^T Q_i
+                    gemm_keys_guarded(smem, dv_acc, P + ty * t, DO + tx * RUN, P + ty * t)  # dV_j += P^T dO_i
+                    gemm_keys_guarded(smem, dk_acc, DS + ty * t, Q + tx * RUN, P + ty * t)  # dK_j += dS^T Q_i
                 else:
-                    gemm_keys(smem, dv_acc, P + ty * t, DO + tx * TD)  # dV_j += P^T dO_i
-                    gemm_keys(smem, dk_acc, DS + ty * t, Q + tx * TD)  # dK_j += dS^T Q_i (scale at the end)
+                    gemm_keys(smem, dv_acc, P + ty * t, DO + tx * RUN)  # dV_j += P^T dO_i
+                    gemm_keys(smem, dk_acc, DS + ty * t, Q + tx * RUN)  # dK_j += dS^T Q_i (scale at the end)
                 if not DETERMINISTIC:
                     for a in range(t):
                         for e in range(TD):
                             dq_part[a, e] = ZERO
                     if marked:
-                        gemm_queries_guarded(smem, dq_part, DS + ty * t * PS, K + tx * TD, P + ty * t * PS)
+                        gemm_queries_guarded(smem, dq_part, DS + ty * PS, K + tx * RUN, P + ty * PS)
                     else:
-                        gemm_queries(smem, dq_part, DS + ty * t * PS, K + tx * TD)  # dS K_j
+                        gemm_queries(smem, dq_part, DS + ty * PS, K + tx * RUN)  # dS K_j
                     for a in range(t):
-                        r = ty * t + a
+                        r = ty + side * a
                         if r < rows:
                             for e in range(TD):
-                                x = tx * TD + e
+                                x = feature_column(tx, e)
                                 if x < d:
                                     cuda.atomic.add(dq, (b, h, r0 + r, x), scale * dq_part[a, e])
         for a in range(t):  # dK_j, dV_j written once
             c = ty * t + a
             if c < cols:
                 for e in range(TD):
-                    x = tx * TD + e
+                    x = feature_column(tx, e)
                     if x < d:
                         dk[b, h_kv, c0 + c, x] = scale * dk_acc[a, e]
                     if x < d_v:
@@ -467,11 +512,12 @@ def q_source(config: BackwardConfig):
     """The Q-outer backward kernel: dQ_i on chip and written once; with config.flag (dq_only) that is all
     (the deterministic dQ of order kv), else dK, dV are added into HBM per visit (order q)."""
     p = _kernel_parts(config)
-    B, t, side, TD, PS = p["B"], p["t"], p["side"], p["TD"], p["PS"]
+    B, t, side, TD, PS, RUN = p["B"], p["t"], p["side"], p["TD"], p["PS"], p["RUN"]
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
     gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
     gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
     load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
+    feature_column = p["feature_column"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
     VALUE_DIM = config.value_dim != 0  # V's head dim its own (compile-time: else the code of d_v = d, unchanged)
@@ -535,43 +581,43 @@ def q_source(config: BackwardConfig):
             # dS (and P) are complete in shared memory before the products read them
             cuda.syncthreads()
             if marked:
-                gemm_queries_guarded(smem, dq_acc, DS + ty * t * PS, K + tx * TD, P + ty * t * PS)
+                gemm_queries_guarded(smem, dq_acc, DS + ty * PS, K + tx * RUN, P + ty * PS)
             else:
-                gemm_queries(smem, dq_acc, DS + ty * t * PS, K + tx * TD)  # dQ_i += dS K_j (scale at the end)
+                gemm_queries(smem, dq_acc, DS + ty * PS, K + tx * RUN)  # dQ_i += dS K_j (scale at the end)
             if not DQ_ONLY:
                 for a in range(t):
                     for e in range(TD):
                         part[a, e] = ZERO
                 if marked:
-                    gemm_keys_guarded(smem, part, DS + ty * t, Q + tx * TD, P + ty * t)
+                    gemm_keys_guarded(smem, part, DS + ty * t, Q + tx * RUN, P + ty * t)
                 else:
-                    gemm_keys(smem, part, DS + ty * t, Q + tx * TD)  # dS^T Q_i
+                    gemm_keys(smem, part, DS + ty * t, Q + tx * RUN)  # dS^T Q_i
                 for a in range(t):
                     c = ty * t + a
                     if c < cols:
                         for e in range(TD):
-                            x = tx * TD + e
+                            x = feature_column(tx, e)
                             if x < d:
                                 cuda.atomic.add(dk, (b, h_kv, c0 + c, x), scale * part[a, e])
                 for a in range(t):
                     for e in range(TD):
                         part[a, e] = ZERO
                 if marked:
-                    gemm_keys_guarded(smem, part, P + ty * t, DO + tx * TD, P + ty * t)
+                    gemm_keys_guarded(smem, part, P + ty * t, DO + tx * RUN, P + ty * t)
                 else:
-                    gemm_keys(smem, part, P + ty * t, DO + tx * TD)  # P^T dO_i
+                    gemm_keys(smem, part, P + ty * t, DO + tx * RUN)  # P^T dO_i
                 for a in range(t):
                     c = ty * t + a
                     if c < cols:
                         for e in range(TD):
-                            x = tx * TD + e
+                            x = feature_column(tx, e)
                             if x < d_v:
                                 cuda.atomic.add(dv, (b, h_kv, c0 + c, x), part[a, e])
         for a in range(t):  # dQ_i written once
-            r = ty * t + a
+            r = ty + side * a
             if r < rows:
                 for e in range(TD):
-                    x = tx * TD + e
+                    x = feature_column(tx, e)
                     if x < d:
                         dq[b, h, r0 + r, x] = scale * dq_acc[a, e]
 
