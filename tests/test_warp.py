@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, uint16
 
 import fragments as fr
 import warp_probes as wp
-from fa_numba import backend, profile
+from fa_numba import backend, profile, warp
 
 HERE = Path(__file__).parent
 SIMULATOR = backend.name() == "simulator"
@@ -265,6 +265,32 @@ def test_a_divergent_warp_operation_fails_at_once(fn, says):
 
     with pytest.raises(WarpDivergence, match=says.replace("(", r"\(").replace(")", r"\)")):
         cuda.jit(fn)[1, 64](np.zeros(64, np.int32))
+
+
+def _last_lane_reads_past_shared(out):
+    smem = cuda.shared.array(256, uint16)
+    lane = cuda.threadIdx.x
+    frags = warp.ldmatrix_x4(smem, 8 * lane if lane < 31 else 4096)  # lane 31: past the array
+    out[lane] = frags[0]
+
+
+@ONLY_EMULATION
+def test_a_warp_operation_that_fails_releases_every_lane():
+    """Whichever lane computes the ldmatrix (the last to arrive) raises the IndexError, and the other 31, whose
+    operands were all deposited, raise with it instead of waiting out TIMEOUT (300 s) for a result."""
+    import threading
+    import time
+
+    from numba.cuda.simulator.kernel import BlockThread
+
+    from fa_numba.warp.emulation import WarpDivergence
+
+    with pytest.raises((IndexError, WarpDivergence), match="outside the shared array"):
+        cuda.jit(_last_lane_reads_past_shared)[1, 32](np.zeros(32, np.uint32))
+    deadline = time.monotonic() + 10.0
+    while any(isinstance(th, BlockThread) for th in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(isinstance(th, BlockThread) for th in threading.enumerate())
 
 
 @ONLY_EMULATION

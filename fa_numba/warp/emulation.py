@@ -92,7 +92,12 @@ class _Warp:
             self.slots[lane] = value
             self.arrived += 1
             if self.arrived == self.size:
-                self.result = combine(self.slots) if combine is not None else list(self.slots)
+                try:
+                    self.result = combine(self.slots) if combine is not None else list(self.slots)
+                except Exception as error:  # the waiting lanes raise it too instead of waiting for TIMEOUT
+                    self.broken = f"{op}: lane {lane} of warp {self.warp} failed computing it: {error!r}"
+                    self.cond.notify_all()
+                    raise
                 self.arrived = 0
                 self.generation += 1
                 self.cond.notify_all()
