@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint64 as u64
 
-from fa_numba import backend
+from fa_numba import backend, warp
 from fa_numba.kernels.block_lists import LIST_FORMS, PAIR_FORMS
 from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, ValueDim,
                                      check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
@@ -64,6 +64,7 @@ from fa_numba.tiling import PARTIAL
 from fa_numba.kernels.engine import NEG_ZERO, ONE, UNROLL_BUDGET
 from fa_numba.kernels.mask_mod import mask_slice, pair_visible
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, apply_fn, apply_grad, has_scores, tuple_type
+from fa_numba.kernels.tile_loads import row_tile_loader, rows_from
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
 FLOAT_BYTES = 4
@@ -281,44 +282,60 @@ def _kernel_parts(config: BackwardConfig):
         thread, the side threads' runs side by side (gemm's col(e) with B_RUN = RUN, B_GS = side RUN)."""
         return tx * RUN + (e // RUN) * GS + e % RUN
 
-    STEPS = (B * D + T - 1) // T  # elements of a tile per thread
-    CHUNK = min(STEPS, IN_FLIGHT)
+    def adder(ROW_STEP, HDX, SCALED):
+        """add(dst, b, h, row0, first, rows, tx, part, scale): atomically dst[b, h, row0 + first + ROW_STEP a,
+        feature_column(tx, e)] += part[a, e] (times scale if SCALED) for rows below `rows` and features below
+        HDX, dst's head dim (compile-time: the kernel's d or d_v). Where dst is C-contiguous, through one line
+        from the thread's first element (`rows_from`): each add is a compile-time offset along it, not a 4-d
+        index with run-time strides (12-15 instructions an add at d = 64, 32 adds a visit)."""
+        UNPADDED = D == HDX  # every feature a thread owns is below HDX: the check is compiled out
 
-    @cuda.jit(device=True, inline=True)
-    def load_tile(src, b, h, row0, rows, d, smem, dst, tid):
-        """smem[dst + r QS + x] = src[b, h, row0 + r, x] for r < rows, x < d; zeros up to B x D (coalesced).
+        @cuda.jit(device=True, inline=True)
+        def add(dst, b, h, row0, first, rows, tx, part, scale):
+            flat = not warp.strided(dst)  # a compile-time constant on the GPU
+            # clamped so that the line starts inside dst; a thread whose first row or feature is past the
+            # edge adds nothing (its other rows and features are further past it)
+            line = rows_from(dst, b, h, u64(row0 + min(first, rows - 1)), u64(min(tx * RUN, HDX - 1)))
+            for a in range(t):
+                if first + ROW_STEP * a < rows:
+                    for e in range(TD):
+                        x = feature_column(tx, e)
+                        if UNPADDED or x < HDX:
+                            value = scale * part[a, e] if SCALED else part[a, e]
+                            if flat:
+                                cuda.atomic.add(line, u64(ROW_STEP * a * HDX + (e // RUN) * GS + e % RUN), value)
+                            else:
+                                cuda.atomic.add(dst, (u64(b), u64(h), u64(row0 + first + ROW_STEP * a), u64(x)),
+                                                value)
 
-        Chunks of CHUNK loads are in flight together (all issued into registers, then stored): one round trip
-        to memory per chunk instead of one per element (the tile engine's loaders do the same)."""
-        values = cuda.local.array(CHUNK, float32)
-        for first in range(0, STEPS, CHUNK):
-            for i in range(CHUNK):
-                idx = tid + (first + i) * T
-                value = ZERO
-                if first + i < STEPS and idx < B * D:
-                    r = idx // D
-                    x = idx - r * D
-                    if r < rows and x < d:
-                        value = to_f32(src[b, h, u64(row0 + r), u64(x)])
-                values[i] = value
-            for i in range(CHUNK):
-                idx = tid + (first + i) * T
-                if first + i < STEPS and idx < B * D:
-                    r = idx // D
-                    smem[u64(dst + r * QS + idx - r * D)] = values[i]
+        return add
+
+    # kv: dQ_i's rows of S (ty + side a); q: dK_j's and dV_j's key rows (ty t + a)
+    add_dq = adder(side, config.head_dim, True)
+    add_dk, add_dv = adder(1, config.head_dim, True), adder(1, config.d_v, False)
+
+    # Q_i, K_j (d features) and V_j, dO_i (d_v), into rows of QS floats: kernels.tile_loads.row_tile_loader
+    load_qk = row_tile_loader(B, D, QS, T, config.head_dim, IN_FLIGHT)
+    load_vo = row_tile_loader(B, D, QS, T, config.d_v, IN_FLIGHT)
+
+    STATS_STEPS = -(-B // T)
 
     @cuda.jit(device=True, inline=True)
     def load_stats(lse, dvec, b, h, row0, rows, smem, tid):
-        """sigma(LSE_i) (0 where LSE = -inf: a row that sees no key) and D_i of the tile's rows, 0 past N_q."""
-        for r in range(tid, B, T):
-            shift = ZERO
-            dd = ZERO
-            if r < rows:
-                value = lse[b, h, row0 + r]
-                shift = value if value != NEG_INF else ZERO
-                dd = dvec[b, h, row0 + r]
-            smem[u64(LSE + r)] = shift
-            smem[u64(DD + r)] = dd
+        """sigma(LSE_i) (0 where LSE = -inf: a row that sees no key) and D_i of the tile's rows, 0 past N_q.
+        Row tid + step T at each of a compile-time number of steps (one at the shipped tiles: B <= T), not a
+        run-time loop from tid (ptxas unrolled that four times, 180 instructions a visit at d = 64)."""
+        for step in range(STATS_STEPS):
+            r = tid + step * T
+            if r < B:
+                shift = ZERO
+                dd = ZERO
+                if r < rows:
+                    value = lse[b, h, row0 + r]
+                    shift = value if value != NEG_INF else ZERO
+                    dd = dvec[b, h, row0 + r]
+                smem[u64(LSE + r)] = shift
+                smem[u64(DD + r)] = dd
 
     MOD = has_scores(config.mod)
     modded, slope = apply_fn(config.mod), apply_grad(config.mod)  # fn and d fn / d score (identity, 1 without)
@@ -380,7 +397,8 @@ def _kernel_parts(config: BackwardConfig):
         probabilities(smem, s, dp, ty, tx, r0, rows, c0, cols, delta, causal, partial_lists, lohi, use_dense, dense,
                       scale, marked, store_p, b, h, captured)
 
-    parts.update(load_tile=load_tile, load_stats=load_stats, recompute=recompute, feature_column=feature_column)
+    parts.update(load_qk=load_qk, load_vo=load_vo, load_stats=load_stats, recompute=recompute,
+                 feature_column=feature_column, add_dq=add_dq, add_dk=add_dk, add_dv=add_dv)
     return parts
 
 
@@ -392,8 +410,8 @@ def kv_source(config: BackwardConfig):
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
     gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
     gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
-    load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
-    feature_column = p["feature_column"]
+    load_qk, load_vo, load_stats, recompute = p["load_qk"], p["load_vo"], p["load_stats"], p["recompute"]
+    feature_column, add_dq = p["feature_column"], p["add_dq"]
     CAUSAL, DETERMINISTIC = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
     VALUE_DIM = config.value_dim != 0  # V's head dim its own (compile-time: else the code of d_v = d, unchanged)
@@ -444,8 +462,8 @@ def kv_source(config: BackwardConfig):
                 dv_acc[a, e] = ZERO
 
         if visited:  # a key tile no query tile sees is never read
-            load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read once
-            load_tile(v, b, h_kv, c0, cols, d_v, smem, V, tid)  # V_j: read once
+            load_qk(k, b, h_kv, c0, cols, smem, K, tid)  # K_j: read once
+            load_vo(v, b, h_kv, c0, cols, smem, V, tid)  # V_j: read once
         for hq in range(group):  # the query heads that read K/V head h_kv
             h = h_kv * group + hq
             if LISTS:  # this query head's mask slice
@@ -462,8 +480,8 @@ def kv_source(config: BackwardConfig):
                 # every thread has finished the last visit's products (reads of Q, dO, P, dS) before they are
                 # overwritten
                 cuda.syncthreads()
-                load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read per visit
-                load_tile(dout, b, h, r0, rows, d_v, smem, DO, tid)  # dO_i: read per visit
+                load_qk(q, b, h, r0, rows, smem, Q, tid)  # Q_i: read per visit
+                load_vo(dout, b, h, r0, rows, smem, DO, tid)  # dO_i: read per visit
                 load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read per visit
                 # Q_i, dO_i, LSE_i, D_i (and on the first visit K_j, V_j) are complete before any thread reads them
                 cuda.syncthreads()
@@ -488,13 +506,7 @@ def kv_source(config: BackwardConfig):
                         gemm_queries_guarded(smem, dq_part, DS + ty * PS, K + tx * RUN, P + ty * PS)
                     else:
                         gemm_queries(smem, dq_part, DS + ty * PS, K + tx * RUN)  # dS K_j
-                    for a in range(t):
-                        r = ty + side * a
-                        if r < rows:
-                            for e in range(TD):
-                                x = feature_column(tx, e)
-                                if x < d:
-                                    cuda.atomic.add(dq, (b, h, r0 + r, x), scale * dq_part[a, e])
+                    add_dq(dq, b, h, r0, ty, rows, tx, dq_part, scale)  # dQ_i += scale dS K_j
         for a in range(t):  # dK_j, dV_j written once
             c = ty * t + a
             if c < cols:
@@ -516,11 +528,10 @@ def q_source(config: BackwardConfig):
     SMEM, Q, DO, K, V, P, DS = p["SMEM"], p["Q"], p["DO"], p["K"], p["V"], p["P"], p["DS"]
     gemm_keys, gemm_queries = p["gemm_keys"], p["gemm_queries"]
     gemm_keys_guarded, gemm_queries_guarded = p["gemm_keys_guarded"], p["gemm_queries_guarded"]
-    load_tile, load_stats, recompute = p["load_tile"], p["load_stats"], p["recompute"]
-    feature_column = p["feature_column"]
+    load_qk, load_vo, load_stats, recompute = p["load_qk"], p["load_vo"], p["load_stats"], p["recompute"]
+    feature_column, add_dk, add_dv = p["feature_column"], p["add_dk"], p["add_dv"]
     CAUSAL, DQ_ONLY = config.causal, config.flag
     LISTS, DENSE, PARTIAL_KIND = config.lists, config.mask_form in PAIR_FORMS, int(PARTIAL)
-    VALUE_DIM = config.value_dim != 0  # V's head dim its own (compile-time: else the code of d_v = d, unchanged)
 
     def flash_backward_q(q, k, v, dout, lse, dvec, dq, dk, dv, scale, row_ptrs, col_idxs, col_kinds, col_ptrs,
                          row_idxs, row_kinds, lohis, denses, captured):
@@ -530,7 +541,6 @@ def q_source(config: BackwardConfig):
         ty = cuda.threadIdx.y
         tid = ty * side + tx
         heads, n_q, n_k, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
-        d_v = v.shape[3] if VALUE_DIM else d
         b = bh // heads
         h = bh - b * heads
         h_kv = h // (heads // k.shape[1])
@@ -559,8 +569,8 @@ def q_source(config: BackwardConfig):
             for e in range(TD):
                 dq_acc[a, e] = ZERO
         if stop > start:  # a query tile that sees no key reads nothing and writes dQ_i = 0
-            load_tile(q, b, h, r0, rows, d, smem, Q, tid)  # Q_i: read once
-            load_tile(dout, b, h, r0, rows, d_v, smem, DO, tid)  # dO_i: read once
+            load_qk(q, b, h, r0, rows, smem, Q, tid)  # Q_i: read once
+            load_vo(dout, b, h, r0, rows, smem, DO, tid)  # dO_i: read once
             load_stats(lse, dvec, b, h, r0, rows, smem, tid)  # LSE_i, D_i: read once
         for idx in range(start, stop):  # invariant: dQ_i holds the terms of the visited key tiles so far (L7)
             j = col_idx[idx] if LISTS else idx
@@ -569,8 +579,8 @@ def q_source(config: BackwardConfig):
             cols = min(B, n_k - c0)
             # every thread has finished the last tile's products (reads of K, V, P, dS) before they are overwritten
             cuda.syncthreads()
-            load_tile(k, b, h_kv, c0, cols, d, smem, K, tid)  # K_j: read per visit
-            load_tile(v, b, h_kv, c0, cols, d_v, smem, V, tid)  # V_j: read per visit
+            load_qk(k, b, h_kv, c0, cols, smem, K, tid)  # K_j: read per visit
+            load_vo(v, b, h_kv, c0, cols, smem, V, tid)  # V_j: read per visit
             # K_j, V_j (and Q_i, dO_i, LSE_i, D_i) are complete before any thread reads them
             cuda.syncthreads()
             # a PARTIAL tile takes the guarded products (P is stored there even in dq-only mode: their
@@ -592,13 +602,7 @@ def q_source(config: BackwardConfig):
                     gemm_keys_guarded(smem, part, DS + ty * t, Q + tx * RUN, P + ty * t)
                 else:
                     gemm_keys(smem, part, DS + ty * t, Q + tx * RUN)  # dS^T Q_i
-                for a in range(t):
-                    c = ty * t + a
-                    if c < cols:
-                        for e in range(TD):
-                            x = feature_column(tx, e)
-                            if x < d:
-                                cuda.atomic.add(dk, (b, h_kv, c0 + c, x), scale * part[a, e])
+                add_dk(dk, b, h_kv, c0, ty * t, cols, tx, part, scale)  # dK_j += scale dS^T Q_i
                 for a in range(t):
                     for e in range(TD):
                         part[a, e] = ZERO
@@ -606,13 +610,7 @@ def q_source(config: BackwardConfig):
                     gemm_keys_guarded(smem, part, P + ty * t, DO + tx * RUN, P + ty * t)
                 else:
                     gemm_keys(smem, part, P + ty * t, DO + tx * RUN)  # P^T dO_i
-                for a in range(t):
-                    c = ty * t + a
-                    if c < cols:
-                        for e in range(TD):
-                            x = feature_column(tx, e)
-                            if x < d_v:
-                                cuda.atomic.add(dv, (b, h_kv, c0 + c, x), part[a, e])
+                add_dv(dv, b, h_kv, c0, ty * t, cols, tx, part, scale)  # dV_j += P^T dO_i (unscaled)
         for a in range(t):  # dQ_i written once
             r = ty + side * a
             if r < rows:

@@ -1,16 +1,20 @@
-"""The tile engine's loaders: Q_i^T, K_j^T and V_j from HBM into shared memory, for one `layout.Layout`.
+"""Tile loaders from HBM into shared memory: the tile engine's Q_i^T, K_j^T and V_j for one `layout.Layout`, and
+the CUDA-core backward's row-major tiles.
 
     load_q, load_kv = make_loaders(layout)
     load_q(q, b, h, row0, rows, smem, off, tid)                       # Q_i^T at off
     load_kv(k, v, b, h, row0, rows, smem, k_off, v_off, tid)          # K_j^T at k_off, V_j at v_off
+    load = row_tile_loader(W, D, stride, T, HD, in_flight)            # the backward's Q, dO, K or V
+    load(src, b, h, row0, rows, smem, off, tid)
 
 Tiles are loaded cooperatively: Q^T and K^T with the tile's row index fastest across threads (stores to
 consecutive banks, conflict-free; the strided global reads hit the same cache lines, so HBM traffic is
-unchanged), V with d fastest (coalesced). Each element is read from HBM once per load, rows past `rows` and
-columns past d are never read (zeros instead), and float16 / bfloat16 become float32 once, on load. A thread
-issues a chunk of its loads (`layout.in_flight`) into registers before it stores any, so a tile costs a round
-trip to memory per chunk, not one per element; where both fit, K_j and V_j travel in the same round trip. The
-engine (`kernels.engine`) builds its kernels' other device functions around these.
+unchanged), V and the backward's tiles with d fastest (coalesced). Each element is read from HBM once per
+load, rows past `rows` and columns past d are never read (zeros instead), and float16 / bfloat16 become float32
+once, on load. A thread issues a chunk of its loads (`layout.in_flight`, the backward's IN_FLIGHT) into
+registers before it stores any, so a tile costs a round trip to memory per chunk, not one per element; where
+both fit, K_j and V_j travel in the same round trip. The engine (`kernels.engine`) and the backward
+(`kernels.backward`) build their kernels' other device functions around these.
 """
 
 from __future__ import annotations
@@ -47,6 +51,20 @@ rows_from = _rows_python if backend.name() == "simulator" else _rows_cuda
 def _per_thread(total: int, threads: int) -> int:
     """Steps for `threads` threads to cover `total` elements, one element per thread per step."""
     return -(-total // threads)
+
+
+def chunked(fetch, put, steps, chunk):
+    """load(src, b, h, row0, rows, smem, off, tid): the tile chunk by chunk, a chunk's loads in flight, then
+    its stores. The chunks are written out (generated source: a few lines of fetch and put calls, each first
+    a compile-time constant): a loop over them stayed rolled where a chunk's body is large (16-bit inputs at
+    d = 256), and its run-time first left every bound check and conversion in the loop: 14 load waits for
+    V's 16 loads a chunk, 53 branches, v2 d = 256 float16."""
+    calls = "".join(f"    fetch(src, b, h, row0, rows, values, tid, {first})\n"
+                    f"    put(values, smem, off, tid, {first})\n" for first in range(0, steps, chunk))
+    namespace = {"fetch": fetch, "put": put, "cuda": cuda, "float32": float32, "CHUNK": chunk}
+    exec("def load(src, b, h, row0, rows, smem, off, tid):\n"  # our own text: the chunks' calls
+         f"    values = cuda.local.array(CHUNK, float32)\n{calls}", namespace)
+    return cuda.jit(device=True, inline=True)(namespace["load"])
 
 
 def make_loaders(layout: Layout):
@@ -158,19 +176,6 @@ def make_loaders(layout: Layout):
 
         return fetch, put, STEPS, CHUNK
 
-    def chunked(fetch, put, steps, chunk):
-        """load(src, b, h, row0, rows, smem, off, tid): the tile chunk by chunk, a chunk's loads in flight, then
-        its stores. The chunks are written out (generated source: a few lines of fetch and put calls, each first
-        a compile-time constant): a loop over them stayed rolled where a chunk's body is large (16-bit inputs at
-        d = 256), and its run-time first left every bound check and conversion in the loop: 14 load waits for
-        V's 16 loads a chunk, 53 branches, v2 d = 256 float16."""
-        calls = "".join(f"    fetch(src, b, h, row0, rows, values, tid, {first})\n"
-                        f"    put(values, smem, off, tid, {first})\n" for first in range(0, steps, chunk))
-        namespace = {"fetch": fetch, "put": put, "cuda": cuda, "float32": float32, "CHUNK": chunk}
-        exec("def load(src, b, h, row0, rows, smem, off, tid):\n"  # our own text: the chunks' calls
-             f"    values = cuda.local.array(CHUNK, float32)\n{calls}", namespace)
-        return cuda.jit(device=True, inline=True)(namespace["load"])
-
     fetch_q, put_q, Q_STEPS, Q_CHUNK = tile_loader(BR, True, HD)  # Q_i^T
     fetch_k, put_k, K_STEPS, K_CHUNK = tile_loader(BC, True, HD)  # K_j^T
     fetch_v, put_v, V_STEPS, V_CHUNK = tile_loader(BC, False, HDV)  # V_j
@@ -194,3 +199,58 @@ def make_loaders(layout: Layout):
             load_v(v, b, h, row0, rows, smem, v_off, tid)
 
     return load_q, load_kv
+
+
+def row_tile_loader(W: int, D: int, stride: int, T: int, HD: int, in_flight: int):
+    """load(src, b, h, row0, rows, smem, off, tid): the backward's tiles (Q, dO, K, V): rows row0 .. row0 + W - 1
+    of src, D features wide, row-major into smem, element (r, x) at off + r stride + x; rows past `rows` and
+    features past HD (the operand's own head dim) are zeros, never read. Consecutive threads take consecutive
+    features (coalesced reads, consecutive banks), STEPS elements a thread in chunks of at most in_flight loads
+    (`chunked`).
+
+    Where T divides D or D divides T, a step's tile row and feature are compile-time offsets from the thread's
+    first (no division per element); where also D = HD and src is C-contiguous, the tile's rows lie end to end
+    in HBM and each load is a compile-time offset along one line from the tile's first row (`rows_from`). Else
+    each element takes the 4-d index (a strided view, or padding features)."""
+    STEPS = _per_thread(W * D, T)
+    CHUNK = min(STEPS, in_flight)
+    RAGGED = (W * D) % T != 0  # a step can fall past the tile: checked; else compiled out
+    UNPADDED = D == HD
+
+    @cuda.jit(device=True, inline=True)
+    def place(tid, step):
+        """(r, x): the tile row and feature of the thread's step-th element, tid + step T in row-major order."""
+        if T % D == 0:
+            return tid // D + step * (T // D), tid % D
+        if D % T == 0:
+            return (step * T) // D, (step * T) % D + tid
+        idx = tid + step * T
+        r = idx // D
+        return r, idx - r * D
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(src, b, h, row0, rows, values, tid, first):
+        flat = UNPADDED and not warp.strided(src)  # a compile-time constant on the GPU
+        run = rows_from(src, b, h, u64(row0), u64(0))
+        left = rows * HD - tid  # the tile's elements from the thread's first on
+        for i in range(CHUNK):
+            step = first + i
+            r, x = place(tid, step)
+            value = ZERO
+            if step < STEPS and (not RAGGED or tid + step * T < W * D):
+                if flat:
+                    if step * T < left:  # r < rows
+                        value = to_f32(run[u64(tid + step * T)])
+                elif r < rows and (UNPADDED or x < HD):
+                    value = to_f32(src[b, h, u64(row0 + r), u64(x)])
+            values[i] = value
+
+    @cuda.jit(device=True, inline=True)
+    def put(values, smem, off, tid, first):
+        for i in range(CHUNK):
+            step = first + i
+            r, x = place(tid, step)
+            if step < STEPS and (not RAGGED or tid + step * T < W * D):
+                smem[u64(off + r * stride + x)] = values[i]
+
+    return chunked(fetch, put, STEPS, CHUNK)
