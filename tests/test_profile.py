@@ -189,6 +189,22 @@ def test_the_v2_tile_loads_of_a_contiguous_operand_are_global_loads_at_immediate
     assert found["strided"]["loads"] == 32 and len(found["strided"]["bases"]) > 2, found
 
 
+@pytest.mark.slow  # one bwd-kv compile, about 20 s
+@NEEDS_NVDISASM
+def test_the_backward_visit_loads_its_tiles_at_immediate_offsets():
+    """bwd-kv's visit loop (d = 64, float32, 64 threads): Q_i's and dO_i's 32 elements a thread each, LSE_i and
+    D_i, all LDG in the loop itself (their chunks written out, no loop of their own) off at most three address
+    registers (kernels.tile_loads.row_tile_loader; until 2026-12-05 a loop over chunks held 24 of them, with a
+    division and a 4-d index per element), and its 32 atomic adds into dQ. The other registers' counts are the
+    compiler's; these are the loaders' shape."""
+    done = subprocess.run([sys.executable, str(HERE / "tile_loads.py"), "backward"], env=REAL_CUDA,
+                          capture_output=True, text=True, timeout=900, cwd=HERE.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout)
+    assert (found["loads"], found["generic"], found["nested_loads"], found["adds"]) == (2 * 32 + 2, 0, 0, 32), found
+    assert len(found["bases"]) <= 3, found
+
+
 # One configuration per registered kernel for the default run, each the one most likely to break what the
 # SASS tests check (spills, float64, the 48 KB shared-memory budget): its kernel's largest register count or
 # shared memory in the last whole table (benchmarks/results/profile_sm90_2026-11-29.json). Together they cover
@@ -208,13 +224,14 @@ REPRESENTATIVES = [
     (dict(variant="v2-mma", head_dim=64, dtype="float16", causal=False),
      "the tensor-core v2 on FULL tiles only: no exact path, the fragment loops unrolled (the estimate's case)"),
     (dict(variant="bwd-kv", head_dim=64, dtype="float32", causal=True),
-     "the backward's largest shared memory (43.3 KB, d = 64 tiles) and 167 registers, causal, dQ by atomics"),
+     "the backward's largest shared memory (44.3 KB, d = 64 tiles) and most registers (250), causal, dQ by atomics"),
     (dict(variant="bwd-kv-det", head_dim=64, dtype="float32", causal=False),
-     "the deterministic K/V pass at its most registers (168) and largest shared memory"),
+     "the deterministic K/V pass at its largest shared memory, FULL tiles only (168 registers; 221 causal)"),
     (dict(variant="bwd-q-dq", head_dim=64, dtype="float32", causal=True),
-     "the dQ-only pass of deterministic=True at its most registers (128) and largest shared memory, causal"),
+     "the dQ-only pass of deterministic=True at its largest shared memory (128 registers), causal"),
     (dict(variant="bwd-q", head_dim=256, dtype="float32", causal=True),
-     "255 registers, the hardware's cap, with no spill: where a spill shows first"),
+     "the q order at its smallest tile (8 x 8, d = 256), causal (255 registers before its loads and adds went to "
+     "compile-time offsets, 128 since)"),
     (dict(variant="bwd-kv-mma", head_dim=128, dtype="float16", causal=True),
      "the tensor-core kv backward at 254 registers and its largest shared memory (46 KB), causal: its exact path"),
     (dict(variant="bwd-kv-mma-det", head_dim=64, dtype="float16", causal=False),
