@@ -18,19 +18,18 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 from fa_numba import profile, sass  # noqa: E402
 
 
+def _bases(instructions) -> list:
+    return sorted({re.search(r"\[(R\d+)\.64", i.operands).group(1) for i in instructions})
+
+
 def tile_loads(strided: bool) -> dict:
     cfg = next(profile.configurations(orders=["v2"], head_dims=(64,), dtypes=("float32",), causals=(False,)))
     prof = profile.profile_configuration(dict(cfg, strided=True) if strided else cfg)
     tree = sass.loop_tree(prof.sass)
     tile = max(tree, key=lambda loop: loop.end - loop.start)  # the tile loop holds every other loop
     loads = [i for i in tile.own if i.opcode.split(".")[0] in ("LDG", "LD")]
-    bases = {re.search(r"\[(R\d+)\.64", i.operands).group(1) for i in loads}
     return {"loads": len(loads), "generic": sum(i.opcode.split(".")[0] == "LD" for i in loads),
-            "bases": sorted(bases)}
-
-
-def _bases(instructions) -> list:
-    return sorted({re.search(r"\[(R\d+)\.64", i.operands).group(1) for i in instructions})
+            "bases": _bases(loads)}
 
 
 def backward_loads() -> dict:

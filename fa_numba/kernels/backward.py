@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32, uint64 as u64
 
-from fa_numba import backend, warp
+from fa_numba import backend, banks, warp
 from fa_numba.kernels.block_lists import LIST_FORMS, PAIR_FORMS
 from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, ValueDim,
                                      check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
@@ -68,7 +68,6 @@ from fa_numba.kernels.tile_loads import row_tile_loader, rows_from
 
 PAD = 4  # floats added to every shared-memory row: keeps rows 16-byte aligned
 FLOAT_BYTES = 4
-WARP = 32  # threads of a warp, and banks of shared memory
 # (largest head dim, (B, t)) : square tiles of B rows and keys, t x t micro-tiles of S per thread
 DEFAULTS = ((64, (32, 4)), (128, (16, 2)), (256, (8, 1)))
 PRE_THREADS = 128  # one query row per thread in `preprocess`
@@ -134,26 +133,30 @@ class BackwardConfig(ValueDim):
         td = self.d_pad // self.side
         return next(r for r in (4, 2, 1) if td % r == 0)
 
-    @property
-    def p_stride(self) -> int:
-        """PS, the row of P and dS in floats: the shortest multiple of 4 from B + PAD at which one store of
-        the S micro-tile's (`recompute`: thread (ty, tx) at row ty + side a, column tx + side c) meets
-        each bank once, unless that does not fit the shared-memory limit (then B + PAD)."""
-        lanes = [divmod(lane, self.side) for lane in range(min(WARP, self.side * self.side))]
-        for stride in range(self.block + PAD, self.block + PAD + WARP, 4):
-            if len({(ty * stride + tx) % WARP for ty, tx in lanes}) == len(lanes):
-                if self._floats(stride) * FLOAT_BYTES <= SHARED_BYTES_LIMIT:
-                    return stride
-                break
-        return self.block + PAD
+    def _store_p_wavefronts(self, stride: int) -> int:
+        """Wavefronts (banks' rule) of `probabilities`' P / dS stores for the first warp, rows `stride` floats
+        apart: lane (ty, tx) writes element (ty + side a, tx + side c), one store per (a, c)."""
+        side = self.side
+        lanes = [divmod(lane, side) for lane in range(min(banks.WARP, self.threads))]
+        return sum(banks.wavefronts([4 * ((ty + side * a) * stride + tx + side * c) for ty, tx in lanes], 4, "store")
+                   for a in range(self.t) for c in range(self.t))
 
-    def _floats(self, ps: int) -> int:
-        return 4 * self.block * (self.d_pad + PAD) + 2 * self.block * ps + 2 * self.block
+    @functools.cached_property
+    def p_stride(self) -> int:
+        """PS, the row of P and dS in floats: B + PAD, or padded by fours to the stride whose stores cost the
+        fewest wavefronts (the least padding of ties; as the forward's `Layout.p_stride`), if it still fits
+        the shared-memory limit."""
+        best = min((self.block + PAD + 4 * i for i in range(banks.WARP // 4)), key=self._store_p_wavefronts)
+        fits = sum(self._sizes(best).values()) * FLOAT_BYTES <= SHARED_BYTES_LIMIT
+        return best if fits else self.block + PAD
+
+    def _sizes(self, ps: int) -> dict[str, int]:
+        qs, b = self.d_pad + PAD, self.block
+        return {"q": b * qs, "do": b * qs, "k": b * qs, "v": b * qs, "p": b * ps, "ds": b * ps, "lse": b, "dd": b}
 
     @property
     def offsets(self) -> dict[str, int]:
-        qs, ps, b = self.d_pad + PAD, self.p_stride, self.block
-        sizes = {"q": b * qs, "do": b * qs, "k": b * qs, "v": b * qs, "p": b * ps, "ds": b * ps, "lse": b, "dd": b}
+        sizes = self._sizes(self.p_stride)
         offsets, end = {}, 0
         for name, size in sizes.items():
             offsets[name] = end
@@ -303,7 +306,7 @@ def _kernel_parts(config: BackwardConfig):
                         if UNPADDED or x < HDX:
                             value = scale * part[a, e] if SCALED else part[a, e]
                             if flat:
-                                cuda.atomic.add(line, u64(ROW_STEP * a * HDX + (e // RUN) * GS + e % RUN), value)
+                                cuda.atomic.add(line, u64(ROW_STEP * a * HDX + feature_column(0, e)), value)
                             else:
                                 cuda.atomic.add(dst, (u64(b), u64(h), u64(row0 + first + ROW_STEP * a), u64(x)),
                                                 value)
