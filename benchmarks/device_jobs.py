@@ -130,6 +130,10 @@ def job_mma_bwd(spec: dict, smoke: bool) -> dict:
     return {k: v for k, v in row.items() if k not in ("order", "kind", "d", "causal", "deterministic")}
 
 
+# the CUDA-core backward jobs: profile's name -> compare's backward variant (its order and deterministic flag)
+SIMT_BACKWARD = {"bwd-kv": "kv", "bwd-q": "q", "bwd-kv-det": "kv-deterministic"}
+
+
 def job_simt(spec: dict, smoke: bool) -> dict:
     """The CUDA-core kernels (float32): checked by compare.run / run_backward at the check shape, with the tiles
     the timed launch takes, then timed on their own at the timing shape."""
@@ -158,13 +162,14 @@ def job_simt(spec: dict, smoke: bool) -> dict:
                       block_q=big.block_q, block_k=big.block_k, tiles="chosen")
     tiny = replace(small, heads=1, n_q=32)  # compiles (outside the lock), then the check with the GPU alone
     lock = gpu_lock() if not smoke else contextlib.nullcontext()
-    if variant == "bwd-kv":
+    if variant in SIMT_BACKWARD:
         block = cmp.backward_block(big)[0]
         small = cmp.Shape(batch=1, heads=1 if smoke else 2, n_q=n_check, head_dim=d, causal=causal, block_q=block,
                           block_k=block, tiles="chosen")
-        cmp.run_backward(replace(small, heads=1, n_q=32), ["kv"], repeats=0, count=False)
+        order, deterministic, _ = cmp.BACKWARD_VARIANTS[SIMT_BACKWARD[variant]]
+        cmp.run_backward(replace(small, heads=1, n_q=32), [SIMT_BACKWARD[variant]], repeats=0, count=False)
         with lock:
-            result = cmp.run_backward(small, ["kv"], repeats=0, count=False)
+            result = cmp.run_backward(small, [SIMT_BACKWARD[variant]], repeats=0, count=False)
         r = result["rows"][0]
         row = {"block_q": block, "block_k": block, "passed": bool(r.get("passed")),
                "err": [r.get("err_dq"), r.get("err_dk"), r.get("err_dv")],
@@ -183,14 +188,15 @@ def job_simt(spec: dict, smoke: bool) -> dict:
     rng = np.random.default_rng(1)
     q, k, v, dout = (cuda.to_device(rng.standard_normal((b, h, n, d), dtype=np.float32)) for _ in range(4))
     scale = 1 / math.sqrt(d)
-    if variant == "bwd-kv":
+    if variant in SIMT_BACKWARD:
         o = cuda.to_device(rng.standard_normal((b, h, n, d), dtype=np.float32))
         lse = cuda.to_device(np.full((b, h, n), 4.0, np.float32))
         grads = [cuda.device_array((b, h, n, d), np.float32) for _ in range(3)] + [cuda.device_array((b, h, n),
                                                                                                      np.float32)]
 
         def call():
-            simt_backward.run(q, k, v, o, lse, dout, *grads, scale, causal=causal, order="kv", block=row["block_q"])
+            simt_backward.run(q, k, v, o, lse, dout, *grads, scale, causal=causal, order=order,
+                              deterministic=deterministic, block=row["block_q"])
     else:
         kernel = VARIANTS[variant].build(big.block_q, big.block_k, d, causal)
         out, lse, workspace = poisoned_outputs((b, h, n, d))
@@ -278,6 +284,9 @@ def plan(smoke: bool) -> list[dict]:
     # FlashAttention-2's copy order (V_j beside S, K_j+1 beside the softmax and P V), timed against one stage
     for d, causal in ((64, False), (128, False), (64, True)):
         jobs.append({"job": "mma-fwd", "order": "v2", "dtype": "float16", "d": d, "causal": causal, "one_stage": True})
+    # the other backward orders (their layout, loads and adds since 2026-12-05), first: --smoke runs these two
+    for variant in ("bwd-q", "bwd-kv-det"):
+        jobs.append({"job": "simt", "variant": variant, "dtype": "float32", "d": 64, "causal": False})
     for variant in ("bwd-kv", "v2", "v1"):
         for d in (64, 128):
             for causal in (False, True):

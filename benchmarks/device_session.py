@@ -16,7 +16,7 @@ Jobs, in the order they start (the slowest compiles first):
 - mma-fwd: v2-mma and v1-mma on float16, bfloat16, float32 (3xTF32) and plain TF32, d in {64, 128}, causal
   and not, at the tiles `engines.mma_tiles` gives (what `fa_numba.attention` launches);
 - mma-bwd: the tensor-core backward, atomic dQ and deterministic, float16 and float32 (3xTF32);
-- simt: the CUDA-core v2, v1 (float32) and bwd-kv, d in {64, 128}, causal and not;
+- simt: the CUDA-core v2, v1 (float32) and bwd-kv, d in {64, 128}, causal and not; bwd-q and bwd-kv-det at d = 64;
 - sdpa: torch SDPA forward (float16, bfloat16, float32) and backward (float16, float32), backend named;
 - wide: v2-mma float16 at d = 192 (d_v = 128 and 192) and on strided views;
 - decode (exclusive): split-KV decoding, benchmarks/decode_gpu.py's shapes.

@@ -29,8 +29,8 @@ def model_for(j: dict, models: dict):
         parts = [f"{j['order']}-mma"]
     elif j["job"] == "mma-bwd":
         parts = ["bwd-kv-mma-det", "bwd-dq-mma"] if j["deterministic"] else ["bwd-kv-mma"]
-    elif j["job"] == "simt":
-        parts = [j["variant"]]
+    elif j["job"] == "simt":  # the deterministic CUDA-core backward: its kv pass and its dQ-only pass
+        parts = ["bwd-kv-det", "bwd-q-dq"] if j["variant"] == "bwd-kv-det" else [j["variant"]]
     else:
         return None
     found = [models.get(key(p)) for p in parts]
@@ -43,7 +43,7 @@ def flops(j: dict) -> float | None:
     b, h, n = SHAPE
     if j["job"] in ("mma-fwd", "simt", "sdpa", "mma-bwd"):
         f = 4.0 * b * h * n * n * j["d"] / (2 if j["causal"] else 1)
-        backward = j["job"] == "mma-bwd" or j.get("backward") or j.get("variant") == "bwd-kv"
+        backward = j["job"] == "mma-bwd" or j.get("backward") or j.get("variant", "").startswith("bwd-")
         return f * (2.5 if backward else 1)
     if j["job"] == "wide":
         return 2.0 * b * h * n * n * (j["d"] + j["d_v"]) / (2 if j["causal"] else 1)
