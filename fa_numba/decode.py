@@ -18,7 +18,7 @@ from fa_numba import arrays, backend, engines, machine, shapes, split_kv
 from fa_numba.kernels import decode as kernels
 from fa_numba.kernels.mma import decode as mma_decode
 from fa_numba.kernels.mma.staging import aligned16
-from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, MAX_SEQUENCE
+from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, MAX_SEQUENCE, check_grid
 
 
 def _host_ints(name: str, x, shape_text: str) -> np.ndarray:
@@ -30,6 +30,8 @@ def _host_ints(name: str, x, shape_text: str) -> np.ndarray:
     elif hasattr(x, "get") and type(x).__module__.partition(".")[0] == "cupy":
         x = x.get()
     value = np.asarray(x)
+    if value.size == 0 and not hasattr(x, "dtype"):
+        value = value.astype(np.int64)  # an empty sequence (B = 0): NumPy reads it as float64, but it holds no float
     if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
         raise TypeError(f"{name} must be an integer array {shape_text}, got dtype {value.dtype}")
     return value.astype(np.int64)
@@ -110,7 +112,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
 
     Checked before anything is written or launched, each error naming the argument: shapes and dtypes, the
     lengths (0 <= cache_seqlens[b], cache_seqlens[b] + N_new <= the request's capacity), and every page-table
-    entry a request uses (0 <= entry < num_pages), so no kernel reads or writes outside the cache.
+    entry a request uses (0 <= entry < num_pages), so no kernel reads or writes outside the cache; device arrays
+    C-contiguous, host caches writable when k, v are given, the grids within CUDA's limits: a refused call
+    leaves the caches as they were. B = 0 gives empty results (cache_seqlens an empty sequence or array).
 
     >>> import numpy as np, fa_numba
     >>> rng = np.random.default_rng(0)
@@ -161,6 +165,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
             if tuple(x.shape) != want:
                 raise ValueError(f"{name} must have shape {want} (B of q, H_kv of the cache, {source}), got "
                                  f"{tuple(x.shape)}")
+    _check_in_place(call, named, n_new)
     if paged:
         table = _host_ints("block_table", block_table, "(B, max_pages)")
         if table.ndim != 2 or table.shape[0] != batch or table.shape[1] == 0:
@@ -212,22 +217,21 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     scale = shapes.resolve_scale(scale, d)
     causal = shapes.check_causal(causal)
     key_tiles = -(-int(lengths.max(initial=0)) // block_k)
-    splits = _resolve_splits(num_splits, split_size, batch * heads_kv * -(-max(rows, 1) // block_q), key_tiles,
-                             layout)
+    # at least one block: an empty batch (B = 0) still checks num_splits and split_size, by the rule of one request
+    blocks = max(batch, 1) * heads_kv * -(-max(rows, 1) // block_q)
+    splits = _resolve_splits(num_splits, split_size, blocks, key_tiles, layout)
     if batch == 0 or n_q == 0:
         out = _empty(call, (batch, heads, n_q, d_v))
         return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
     backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
-
+    _check_launches(batch, heads_kv, rows, n_new, block_q, splits.count)
+    # every check is above: from here on the caches are written
     lohi = split_kv.row_intervals(lengths, n_q, group, causal)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         table_dev = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32), stream=call.stream)
         if n_new:
             _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page)
         if call.on_device:
-            for name, x in (("q", q_), ("k_cache", kc), ("v_cache", vc)):
-                if not x.is_c_contiguous():
-                    raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
             q_dev, k_dev, v_dev = q_.reshape(batch, heads_kv, rows, d), kc, vc
         else:
             q_dev = cuda.to_device(np.ascontiguousarray(q_).reshape(batch, heads_kv, rows, d), stream=call.stream)
@@ -244,6 +248,30 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
                     tiles_per_split=splits.tiles, stream=call.stream)
         out = call.output(out, (batch, heads, n_q, d_v))
         return (out, call.output(lse, (batch, heads, n_q))) if return_lse else out
+
+
+def _check_in_place(call, named: dict, n_new: int) -> None:
+    """The arrays the call reads or writes in place can take it: on the device q and the caches C-contiguous
+    (the kernels take C-layout arrays); with new keys, host caches writable (the append assigns into k_cache
+    first, so NumPy would find a read-only v_cache only after k_cache was written)."""
+    for name, x in zip(named, call.arrays):
+        if name in ("k", "v"):
+            continue
+        if call.on_device and not x.is_c_contiguous():
+            raise ValueError(f"{name} must be C-contiguous on the device (make it .contiguous() first)")
+        if n_new and name != "q" and not call.on_device and not np.asarray(x).flags.writeable:
+            raise ValueError(f"{name} must be writable: the new keys and values k, v are written into the caches "
+                             "in place")
+
+
+def _check_launches(batch: int, heads_kv: int, rows: int, n_new: int, block_q: int, splits: int) -> None:
+    """The grids of the append, split and combine launches (kernels.decode.append, run) fit CUDA's limits,
+    checked before the append writes into the caches."""
+    if n_new:
+        check_grid((batch * heads_kv, n_new), ("batch * heads_kv", "new keys"), "cache append")
+    check_grid((-(-rows // block_q) * splits, batch * heads_kv), ("ceil(R / block_q) * num_splits", "batch * heads_kv"),
+               "decode split")
+    check_grid((batch * heads_kv * rows,), ("batch * heads_kv * rows",), "decode combine")
 
 
 def _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page) -> None:

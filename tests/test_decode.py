@@ -260,6 +260,89 @@ def test_page_tables_that_would_read_outside_the_cache_are_refused():
         fa_numba.attention_with_kvcache(q, pages, pages, [16, 9], block_table=table, block_k=16)
 
 
+def strided_on_device(x):
+    """x on the device as a view that is not C-contiguous: every other feature of a twice as wide array."""
+    from numba import cuda
+
+    wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
+    wide[..., ::2] = x
+    view = cuda.to_device(wide)[..., ::2]
+    assert not view.is_c_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("case, words", [
+    ("control", None),
+    ("k_cache strided on the device", "k_cache must be C-contiguous on the device"),
+    ("v_cache strided on the device", "v_cache must be C-contiguous on the device"),
+    ("q strided on the device", "q must be C-contiguous on the device"),
+    ("v_cache read-only", "v_cache must be writable"),
+    ("the split grid over CUDA's limit", "batch * heads_kv = 2 is more blocks than CUDA's grid y allows (1)"),
+])
+def test_a_refused_call_leaves_the_caches_untouched(case, words, monkeypatch):
+    """Every check comes before the new keys are written: a refusal leaves both caches bit for bit as they were
+    (k_cache is appended first, so each case here would otherwise find the caches written)."""
+    from numba import cuda
+
+    from fa_numba.kernels import common
+
+    rng = np.random.default_rng(17)
+    q, k, v = problem(rng, 2, 2, 1, 1, 16)
+    new_k, new_v = (rng.standard_normal((2, 1, 1, D)).astype(np.float32) for _ in range(2))
+    device = case == "control" or case.endswith("on the device")
+    if device:
+        place = {name: strided_on_device(x) if case.startswith(name + " ") else cuda.to_device(x)
+                 for name, x in dict(q=q, k_cache=k, v_cache=v).items()}
+        new_k, new_v = cuda.to_device(new_k), cuda.to_device(new_v)
+    else:
+        place = dict(q=q, k_cache=k, v_cache=v)
+        if case == "v_cache read-only":
+            v.setflags(write=False)
+        else:  # grid y = batch * heads_kv = 2 over a limit of 1; the append's grid (2, 1) is within it
+            monkeypatch.setattr(common, "GRID_LIMITS", (2**31 - 1, 1, 65535))
+
+    def contents():
+        return [(x.copy_to_host() if device else x).tobytes() for x in (place["k_cache"], place["v_cache"])]
+
+    before = contents()
+    call = dict(place, cache_seqlens=[4, 9], k=new_k, v=new_v, split_size=16, block_k=BLOCK_K)
+    if words is None:  # the same call with nothing wrong writes both caches, so an unchanged cache means something
+        fa_numba.attention_with_kvcache(**call)
+        after = [np.frombuffer(b, np.float32).reshape(k.shape) for b in contents()]
+        assert np.array_equal(after[0][[0, 1], 0, [4, 9]], new_k.copy_to_host()[:, 0, 0])
+        assert np.array_equal(after[1][[0, 1], 0, [4, 9]], new_v.copy_to_host()[:, 0, 0])
+        return
+    with pytest.raises(ValueError) as caught:
+        fa_numba.attention_with_kvcache(**call)
+    assert words in str(caught.value)
+    assert contents() == before
+
+
+@pytest.mark.parametrize("lengths", ["list", "numpy", "torch"])
+def test_an_empty_batch_gives_empty_results(lengths):
+    """B = 0 is an empty problem: O (0, H, N_q, d_v) and LSE (0, H, N_q), float32 as every decode result, in q's
+    library, with no launch; an empty list of lengths is read as the B = 0 integers it stands for."""
+    q, k, v = (np.zeros(shape, np.float32) for shape in ((0, 2, 3, D), (0, 1, 16, D), (0, 1, 16, 4)))
+    new = dict(k=np.zeros((0, 1, 1, D), np.float32), v=np.zeros((0, 1, 1, 4), np.float32))
+    if lengths == "list":
+        seqlens = []
+    elif lengths == "numpy":
+        seqlens = np.zeros(0, np.int32)
+    else:
+        torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+        new = {name: torch.from_numpy(x) for name, x in new.items()}
+        seqlens = torch.zeros(0, dtype=torch.int32)
+    for extra in ({}, new):
+        out, lse = fa_numba.attention_with_kvcache(q, k, v, seqlens, block_k=BLOCK_K, return_lse=True, **extra)
+        assert tuple(out.shape) == (0, 2, 3, 4) and tuple(lse.shape) == (0, 2, 3)
+        assert type(out) is type(q) and type(lse) is type(q)
+        assert str(out.dtype).endswith("float32") and str(lse.dtype).endswith("float32")
+        assert fa_numba.attention_with_kvcache(q, k, v, seqlens, block_k=BLOCK_K, **extra).shape == out.shape
+    with pytest.raises(TypeError, match="cache_seqlens must be an integer array"):  # a float array says float
+        fa_numba.attention_with_kvcache(q, k, v, np.zeros(0), block_k=BLOCK_K)
+
+
 @pytest.mark.lemma("L11")
 @pytest.mark.slow  # ~1.3 s an example; test_cli's compare --decode compares a count with the model by default
 @settings(max_examples=6)
