@@ -1,6 +1,7 @@
-"""Command-line arguments checked before a long run, shared by compare / sweep (cli.py) and profile
-(profile.py): positive integers within int32, and output paths (so a command never computes for minutes
-and then fails to write). Each command turns the message into its parser's usage error.
+"""Command-line arguments checked before a long run, shared by compare / sweep (cli.py), profile (profile.py)
+and the ring demo (distributed.py): positive integers within int32, head dims, and output paths (so a command
+never computes for minutes and then fails to write). Each command turns the message into its parser's usage
+error.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ def positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     if value > INT32_MAX:
         raise argparse.ArgumentTypeError(f"expected a positive integer <= {INT32_MAX} (the kernels index in int32), "
+                                         f"got {value}")
+    return value
+
+
+def head_dim(text: str) -> int:
+    """argparse type: a head dim d in [1, MAX_HEAD_DIM], the largest any kernel takes."""
+    from fa_numba.kernels.common import MAX_HEAD_DIM
+
+    value = positive(text)
+    if value > MAX_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"expected a head dim of at most {MAX_HEAD_DIM} (the kernels' largest), "
                                          f"got {value}")
     return value
 

@@ -22,7 +22,9 @@ import numpy as np
 
 from fa_numba import arguments, backend, iomodel, masks, tiling
 from fa_numba import compare as cmp
+from fa_numba import compare_decode
 from fa_numba.kernels import VARIANTS
+from fa_numba.kernels.common import MAX_HEAD_DIM
 
 GPU_DEFAULTS = dict(batch=4, heads=16, n_q=1024, head_dim=64, block_q=None, block_k=None, decode_n_k=32768)
 SIM_DEFAULTS = dict(batch=1, heads=2, n_q=64, head_dim=16, block_q=None, block_k=None,  # tiles: compare.Shape
@@ -39,6 +41,10 @@ _positive = arguments.positive
 
 def _positive_list(text: str) -> list[int]:
     return [_positive(part) for part in text.split(",") if part.strip()] or [_positive("")]
+
+
+def _head_dim_list(text: str) -> list[int]:
+    return [arguments.head_dim(part) for part in text.split(",") if part.strip()] or [_positive("")]
 
 
 def _variants(text: str) -> list[str]:
@@ -92,8 +98,8 @@ def _shape_arguments(p: argparse.ArgumentParser, sweep: bool) -> None:
                        help=f"queries N_q (default {where}: {defaults['n_q']}; with --decode 1)")
         p.add_argument("--n-k", type=_positive, default=None,
                        help=f"keys N_k (default: --n-q; with --decode {defaults['decode_n_k']})")
-        p.add_argument("--head-dim", type=_positive, default=defaults["head_dim"],
-                       help=f"head dim d (default {where}: %(default)s)")
+        p.add_argument("--head-dim", type=arguments.head_dim, default=defaults["head_dim"],
+                       help=f"head dim d, at most {MAX_HEAD_DIM} (default {where}: %(default)s)")
         p.add_argument("--causal", action="store_true",
                        help="bottom-right causal, the same as --mask causal (default: off)")
     p.add_argument("--mask", type=_mask_spec, metavar="SPEC",
@@ -139,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     _shape_arguments(s, sweep=True)
     s.add_argument("--n", type=_positive_list, required=True,
                    help="sequence lengths N_q = N_k, e.g. 256,512,1024 (required: no default)")
-    s.add_argument("--head-dims", type=_positive_list, default=None,
+    s.add_argument("--head-dims", type=_head_dim_list, default=None,
                    help="head dims (default: 16 in the simulator, 64 on a GPU)")
     s.add_argument("--causal", choices=["off", "on", "both"], default="off",
                    help="unmasked, causal, or both (default: %(default)s)")
@@ -173,13 +179,37 @@ def _check_mask_fits(args, top, sizes) -> None:
             top.error(f"argument --mask: {err}")
 
 
-def _run_decode(args, top) -> int:
-    from fa_numba import compare_decode
+# compare options that --decode and --ring do not use, and why: each is refused by name rather than ignored
+WHY_DECODE = "decoding is causal, its row tile is derived"
+NOT_WITH_DECODE = {"backward": WHY_DECODE, "mask": WHY_DECODE, "causal": WHY_DECODE, "block_q": WHY_DECODE,
+                   "orders": f"decoding compares its own variants, {', '.join(compare_decode.VARIANTS)}"}
+NO_KERNEL = "the ring model runs no kernel"
+NOT_WITH_RING = {"decode": "the ring model is not a decoding comparison: pass one of them",
+                 "backward": "the ring model's table has the forward and the backward already",
+                 "split_size": "only with --decode", "block_q": NO_KERNEL, "block_k": NO_KERNEL, "orders": NO_KERNEL,
+                 "repeats": NO_KERNEL, "seed": NO_KERNEL, "no_count": NO_KERNEL,
+                 "json": "the ring model prints its table only"}
 
-    for flag, given in (("--backward", args.backward), ("--mask", args.mask), ("--causal", args.causal),
-                        ("--block-q", args.block_q is not None)):
-        if given:
-            top.error(f"argument --decode: not allowed with {flag} (decoding is causal, its row tile is derived)")
+
+def _given(argv: list[str]) -> set[str]:
+    """The dests of the options argv names, whatever their values (argparse fills in defaults and keeps no
+    record of what was typed): argv parsed again with every subcommand's defaults suppressed."""
+    top = parser()
+    for sub in top.get_default("usage_of").values():
+        for action in sub._actions:
+            action.default = argparse.SUPPRESS
+    return set(vars(top.parse_args(argv))) - {"command", "usage_of"}
+
+
+def _refuse_unused(top, option: str, given: set[str], unused: dict[str, str]) -> None:
+    """A usage error naming `option` and the first given option it does not use."""
+    for dest, why in unused.items():
+        if dest in given:
+            top.error(f"argument {option}: not allowed with {_option(dest)} ({why})")
+
+
+def _run_decode(args, top, given: set[str]) -> int:
+    _refuse_unused(top, "--decode", given, NOT_WITH_DECODE)
     defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
     shape = compare_decode.Shape(args.batch, args.heads, args.heads_kv or args.heads, args.n_q or 1,
                                  args.n_k or defaults["decode_n_k"], args.head_dim, args.dtype, args.split_size,
@@ -197,9 +227,10 @@ def _run_decode(args, top) -> int:
     return 0 if compare_decode.all_passed(result) else 1
 
 
-def _run_ring(args, top) -> int:
+def _run_ring(args, top, given: set[str]) -> int:
     from fa_numba import ring_model
 
+    _refuse_unused(top, "--ring", given, NOT_WITH_RING)
     defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
     n = args.n_q or defaults["n_q"]
     if args.n_k not in (None, n) or args.mask:
@@ -215,11 +246,11 @@ def _run_ring(args, top) -> int:
     return 0
 
 
-def _run_compare(args, top) -> int:
+def _run_compare(args, top, given: set[str]) -> int:
     if args.ring:
-        return _run_ring(args, top)
+        return _run_ring(args, top, given)
     if args.decode:
-        return _run_decode(args, top)
+        return _run_decode(args, top, given)
     if args.split_size is not None:
         top.error("argument --split-size: only with --decode")
     defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
@@ -385,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         # before the run: a long sweep must never run and then fail to write
         _check_output(top, _option(name), getattr(args, name), figure=name in figures)
     if args.command == "compare":
-        return _run_compare(args, top)
+        return _run_compare(args, top, _given(argv))
     return _run_sweep(args, top)
 
 

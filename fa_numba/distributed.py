@@ -310,17 +310,18 @@ def main(argv=None) -> int:
     import numpy as np
     import torch.multiprocessing as mp
 
-    from fa_numba import tolerance, tolerance_backward
+    from fa_numba import arguments, tolerance, tolerance_backward
 
     p = argparse.ArgumentParser(prog="python -m fa_numba.distributed", description=main.__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2, help="ranks W (default: %(default)s)")
-    p.add_argument("--n", type=int, default=32, help="sequence length, divisible by 2W (default: %(default)s)")
+    p.add_argument("--world", type=arguments.positive, default=2, help="ranks W (default: %(default)s)")
+    p.add_argument("--n", type=arguments.positive, default=32,
+                   help="sequence length, divisible by 2W (W with --layout contiguous) (default: %(default)s)")
     p.add_argument("--layout", choices=LAYOUTS, default="zigzag")
     p.add_argument("--no-causal", action="store_true", help="unmasked (default: causal)")
     args = p.parse_args(argv)
     count = args.world * len(chunk_ids(0, 1, args.layout))
-    if args.world < 1 or args.n % count:
-        p.error(f"--n must be divisible by {count} chunks (layout {args.layout} on {args.world} ranks), "
+    if args.n % count:
+        p.error(f"argument --n: must be divisible by {count} chunks (layout {args.layout} on {args.world} ranks), "
                 f"got {args.n}")
     causal = not args.no_causal
     with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:

@@ -160,7 +160,7 @@ def test_sweep_writes_csv_json_and_plots(tmp_path, capsys):
     (["compare", "--dtype", "int8"], "--dtype: invalid choice"),
     ([], "required: command"),
     (["compare", "--heads", "3", "--heads-kv", "2"], "--heads-kv: 2 must divide --heads (3)"),
-    (["compare", "--head-dim", "512"], "head_dim must be <= 256"),
+    (["compare", "--head-dim", "512"], "argument --head-dim: expected a head dim of at most 256"),
     (["compare", "--head-dim", "64", "--block-k", "512"], "block_k = 512 with d = 64 need"),
     (["compare", "--head-dim", "64", "--block-q", "64", "--block-k", "64"], "block_q = 64, block_k = 64 with d = 64 need"),
     (["sweep"], "the following arguments are required: --n"),
@@ -242,6 +242,50 @@ def no_run(monkeypatch):
 
     monkeypatch.setattr(cmp, "run", refuse)
     monkeypatch.setattr(cmp, "run_backward", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--decode", "--ring", "2"], "--ring: not allowed with --decode"),
+    (["--ring", "2", "--decode"], "--ring: not allowed with --decode"),
+    (["--ring", "2", "--backward"], "--ring: not allowed with --backward"),
+    (["--ring", "2", "--split-size", "16"], "--ring: not allowed with --split-size"),
+    (["--ring", "2", "--block-q", "16"], "--ring: not allowed with --block-q"),
+    (["--ring", "2", "--block-k", "16"], "--ring: not allowed with --block-k"),
+    (["--ring", "2", "--orders", "v2"], "--ring: not allowed with --orders"),
+    (["--ring", "2", "--rep", "3"], "--ring: not allowed with --repeats"),  # an abbreviation is the option
+    (["--ring", "2", "--seed", "0"], "--ring: not allowed with --seed"),  # so is the default value, typed
+    (["--ring", "2", "--no-count"], "--ring: not allowed with --no-count"),
+    (["--ring", "2", "--json", "{tmp}/ring.json"], "--ring: not allowed with --json"),
+    (["--decode", "--orders", "v2"], "--decode: not allowed with --orders"),
+    (["--decode", "--block-q", "4"], "--decode: not allowed with --block-q"),
+    (["--ring", "2", "--head-dim", "1000"], "--head-dim: expected a head dim of at most 256"),
+    (["--decode", "--head-dim", "257"], "--head-dim: expected a head dim of at most 256"),
+    (["--head-dim", "0"], "--head-dim: expected a positive integer"),
+])
+def test_options_decode_and_ring_do_not_use_are_refused_before_anything_runs(argv, message, tmp_path, capsys, no_run,
+                                                                            monkeypatch):
+    """--decode and --ring each take a part of compare's options: any other is refused by name (exit 2, one line
+    naming both options), never silently dropped, and before a kernel or the ring model runs."""
+    from fa_numba import compare_decode, ring_model
+
+    monkeypatch.setattr(compare_decode, "run", lambda *a, **k: pytest.fail("decoding ran before refusing"))
+    monkeypatch.setattr(ring_model, "ring_steps", lambda *a, **k: pytest.fail("the ring model ran before refusing"))
+    line = _usage_error(["compare", *(a.format(tmp=tmp_path) for a in argv)], capsys)
+    assert line.startswith(f"fa_numba compare: error: argument {message}"), line
+    assert not (tmp_path / "ring.json").exists()
+
+
+def test_sweep_refuses_a_head_dim_over_the_cap(capsys, no_run):
+    line = _usage_error(["sweep", "--n", "16", "--head-dims", "16,300"], capsys)
+    assert "argument --head-dims: expected a head dim of at most 256" in line and line.endswith("got 300")
+
+
+def test_compare_ring_takes_the_options_it_models(capsys):
+    """The control of the refusals above: the options the ring model reads, the largest head dim included."""
+    argv = ["compare", "--ring", "2", "--n-q", "64", "--batch", "2", "--heads", "2", "--heads-kv", "1", "--head-dim",
+            "256", "--dtype", "float16", "--causal"]
+    assert cli.main(argv) == 0
+    assert "ring attention, W=2, zigzag: B=2 H=2 N=64 d=256 float16, causal" in capsys.readouterr().out
 
 
 OUTPUTS = [("compare", [*TINY], "--json", "out.json"), ("sweep", SWEEP_TINY, "--json", "out.json"),

@@ -204,6 +204,33 @@ def test_compare_ring_prints_the_model(capsys):
     assert "divisible by 6 chunks" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "0"], "argument --n: expected a positive integer, got 0"),
+    (["--n", "-4"], "argument --n: expected a positive integer, got -4"),
+    (["--world", "0"], "argument --world: expected a positive integer, got 0"),
+    (["--n", "30"], "argument --n: must be divisible by 4 chunks (layout zigzag on 2 ranks), got 30"),
+])
+def test_the_demo_refuses_bad_sizes_before_spawning_ranks(argv, message, capsys, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(mp, "start_processes", lambda *a, **k: pytest.fail("spawned ranks before refusing"))
+    with pytest.raises(SystemExit) as exit_info:
+        fd.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.rstrip("\n").splitlines()[-1] == f"python -m fa_numba.distributed: error: {message}"
+
+
+def test_the_demo_entry_point_exits_2_on_a_size_of_zero():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fa_numba.distributed", "--n", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.rstrip("\n").splitlines()[-1].endswith("error: argument --n: expected a positive integer, got 0")
+
+
 @pytest.mark.slow
 def test_the_readme_two_process_example_runs_and_passes():
     import subprocess
