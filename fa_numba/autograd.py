@@ -17,6 +17,10 @@ CUDA simulator on a machine without a GPU (slowly: keep them small). Outputs and
 torch tensors on the inputs' device, in the inputs' dtype (computed in float32; out_dtype=torch.float32 keeps
 the float32 O).
 
+Forward mode: a tangent on q, k or v (torch.func.jvp, torch.func.jacfwd, a torch.autograd.forward_ad dual
+tensor) is a NotImplementedError, since the operators have no JVP formula and torch would return a zero
+tangent (`torch_ops.refuse_forward_ad`).
+
 Strides: a CUDA tensor in any layout whose last axis has unit stride is read where it is by the CUDA-core kernels
 and the tensor-core ones (the (B, N, H, d) view `x.view(B, N, H, d).transpose(1, 2)` costs no copy; each kernel
 is compiled a second time for strided arrays; the tensor-core kernels' cp.async copies find rows by the strides,
@@ -99,6 +103,7 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (use fa_numba.attention "
                             "for other arrays)")
+    torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v))
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
     if backward_order not in BACKWARD_ORDERS:

@@ -24,11 +24,15 @@ take float32 too). A float attn_mask, softcap and alibi_slopes are score mods (`
 into the CUDA-core kernels; their mod is built in eager Python from the tensors' values (a graph break
 under torch.compile, which fullgraph=True refuses) and cached by value, so repeated calls reuse one mod
 and one compiled graph; no gradient reaches the float mask or the slopes (a float attn_mask that requires
-grad is refused). A value head dim other than q's (d_v != d, MLA's 192 / 128) is taken: natively by the
-16-bit tensor-core forwards and backward, the tile engine's CUDA-core forwards and the CUDA-core backward, by
-the other kernels (rowwise, 3xTF32) at max(d, d_v) with the narrower operands padded with zeros, which is
-exact (fa_numba.value_dims). What is
-refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba is exact), float64.
+grad is refused). The mask and the slopes may have any real floating dtype (SDPA's mask in the query's dtype,
+bfloat16 included), widened to float64 exactly. A row whose float attn_mask holds no finite entry sees no key,
+as in torch SDPA: O = 0 and zero gradients (the row is masked, not computed from its -inf scores). A value
+head dim other than q's (d_v != d, MLA's 192 / 128) is taken: natively by the 16-bit tensor-core forwards
+and backward, the tile engine's CUDA-core forwards and the CUDA-core backward, by the other kernels (rowwise,
+3xTF32) at max(d, d_v) with the narrower operands padded with zeros, which is exact (fa_numba.value_dims).
+What is refused, with a message naming the argument: dropout (dropout_p != 0: fa_numba is exact), float64
+q, k, v, an integer or complex attn_mask or alibi_slopes, and forward-mode AD (a NotImplementedError: the operators
+have no JVP formula, `torch_ops.refuse_forward_ad`).
 """
 
 from __future__ import annotations
@@ -46,12 +50,26 @@ _MOD_CACHE: "collections.OrderedDict" = collections.OrderedDict()  # value -> Sc
 CACHED_MODS = 32
 
 
+_ARGUMENTS = {"additive": "attn_mask", "flash_attn": "alibi_slopes"}  # the argument each mod's tensor comes from
+
+
+def _host(name: str, array) -> np.ndarray:
+    """array's values as a float64 NumPy array. Every real floating dtype widens to float64 exactly (bfloat16,
+    which torch cannot hand to NumPy, included); an integer, bool or complex tensor is a TypeError naming the
+    argument."""
+    if not array.is_floating_point():
+        raise TypeError(f"{name} must be a real floating tensor (float32, float16, bfloat16 or float64), got "
+                        f"dtype {array.dtype}")
+    return np.ascontiguousarray(array.detach().to(device="cpu", dtype=torch.float64).numpy())
+
+
 @torch.compiler.disable
 def _cached_mod(kind: str, array, **params):
     """The drop-in's ScoreMod for these values (`mods.conventions.<kind>`), made once per distinct value and
     kept while among the latest CACHED_MODS used: an equal mod keeps its key, so a compiled graph that bakes
-    the key in is reused. Eager (a graph break under torch.compile): it reads the tensor's values."""
-    host = None if array is None else np.ascontiguousarray(array.detach().cpu().numpy(), dtype=np.float64)
+    the key in is reused (a bfloat16 tensor and its float32 copy are one value). Eager (a graph break under
+    torch.compile): it reads the tensor's values."""
+    host = None if array is None else _host(_ARGUMENTS[kind], array)
     digest = None if host is None else (host.shape, hashlib.sha256(host.tobytes()).hexdigest())
     key = (kind, digest, tuple(sorted(params.items())))
     if key not in _MOD_CACHE:
@@ -84,12 +102,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     SDPA takes it), the same leading axes; attn_mask a bool tensor
     broadcastable to (..., H, L, S), True where the query takes part in attention with the key (a mask that
     differs by batch or head is one launch reading each slice's tile lists), or a float tensor
-    broadcastable to it, added to the scores (-inf masks a pair; a score mod, `mods.conventions.additive`,
-    taking no gradient); is_causal the top-left causal mask (query
-    i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d); H_kv < H (GQA) only with
-    enable_gqa=True, as SDPA. A row that sees no key gets O = 0 (so does torch SDPA's, since torch 2.5).
-    Returns O, (..., H, L, d_v), in query's dtype. Differentiable and traced by torch.compile (see the module
-    docstring for what is refused)."""
+    broadcastable to it, in any real floating dtype, added to the scores (-inf masks a pair, and a row with no
+    finite entry sees no key; a score mod, `mods.conventions.additive`, taking no gradient); is_causal the
+    top-left causal mask (query i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d);
+    H_kv < H (GQA) only with enable_gqa=True, as SDPA. A row that sees no key gets O = 0 (so does torch SDPA's,
+    since torch 2.5). Returns O, (..., H, L, d_v), in query's dtype. Differentiable and traced by torch.compile
+    (see the module docstring for what is refused)."""
     _float_inputs(("query", query), ("key", key), ("value", value))
     _no_dropout(dropout_p)
     if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
@@ -98,8 +116,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if is_causal and attn_mask is not None:
         raise ValueError("pass attn_mask or is_causal=True, not both (torch SDPA refuses both too)")
     mask, causal, mod = attn_mask, False, None
-    if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
-        mask, mod = None, _additive(query, key, attn_mask)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype != torch.bool:
+        mod = _additive(query, key, attn_mask)
+        mask = _rows_without_a_key(key, attn_mask)
     if is_causal:
         n_q, n_k = query.shape[-2], key.shape[-2]
         if n_q == n_k:
@@ -114,8 +133,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 def _additive(query, key, attn_mask):
     """The ScoreMod of a float attn_mask broadcastable to (..., H, L, S): (B_m, H_m, L, S) with the batch axes
     flattened, B_m in {1, B}, H_m in {1, H}."""
+    if not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be a bool tensor (True: the query sees the key) or a real floating tensor "
+                        f"added to the scores, got dtype {attn_mask.dtype}")
     if attn_mask.requires_grad:
         raise ValueError("attn_mask: a float mask that requires grad is not supported (no gradient reaches it)")
+    torch_ops.refuse_forward_ad(("attn_mask", attn_mask))
     lead, n_q, n_k = tuple(query.shape[:-2]), query.shape[-2], key.shape[-2]
     full = lead + (n_q, n_k)
     aligned = torch_ops.aligned_mask("attn_mask", attn_mask, full, "query's axes before d, then S")
@@ -128,6 +151,19 @@ def _additive(query, key, attn_mask):
     bias = aligned.reshape(batch if per_batch else 1, per_head, aligned.shape[-2], aligned.shape[-1])
     bias = bias.expand(bias.shape[0], per_head, n_q, n_k)
     return _cached_mod("additive", bias, batch=batch, heads=heads, n_q=n_q, n_k=n_k)
+
+
+@torch.compiler.disable
+def _rows_without_a_key(key, attn_mask):
+    """None, or a bool mask broadcastable as attn_mask is that hides every key of each row whose float mask
+    holds no finite entry (all -inf: NaN and +inf are refused by the mod). Such a row sees no key, decided by
+    the mask structurally as for a bool mask: O = 0, LSE = -inf and zero gradients, as torch SDPA gives;
+    through the additive mod alone its weights would be exp(-inf - (-inf)) = NaN. Eager, like the mod: the
+    answer depends on the mask's values."""
+    alive = torch.isfinite(attn_mask.detach()).any(dim=-1, keepdim=True)
+    if bool(alive.all()):
+        return None
+    return alive.expand(tuple(attn_mask.shape[:-1]) + (key.shape[-2],))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -154,6 +190,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
             raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
                             f"{type(alibi_slopes).__name__}")
+        torch_ops.refuse_forward_ad(("alibi_slopes", alibi_slopes))
         mod = _cached_mod("flash_attn", alibi_slopes, softcap=softcap, delta=k.shape[1] - q.shape[1],
                           batch=q.shape[0], heads=q.shape[2])
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2

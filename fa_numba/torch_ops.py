@@ -34,6 +34,13 @@ keeps it alive as long as a call (or a compiled graph) may run it, and the autog
 forward to the backward; a key whose mod is gone is a clear error, never another mod. Its captured arrays are
 NumPy arrays, not tensors: they take no torch gradient (`fa_numba.attention_backward(..., captured_grads=True)`
 computes theirs).
+
+Forward mode: the operators have no JVP formula, and torch would drop a tangent at them without a word (a
+zero or missing tangent). So the entry points above them (`fa_numba.autograd.attention`, `fa_numba.sdpa`,
+`fa_numba.flash_attn_func`) refuse an input that carries one (`refuse_forward_ad`): a dual tensor of
+torch.autograd.forward_ad, or an input of torch.func.jvp or torch.func.jacfwd. Not checked: a direct call
+of `attention_op`, and a torch.compile'd function called on dual tensors (the check runs on the trace's fake
+tensors, which carry no tangent).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from fa_numba import api, backend, masks, mods, shapes, slice_masks
 
@@ -58,6 +66,22 @@ def mod_key(score_mod) -> str:
 def _score_mod(key: str):
     """The ScoreMod whose key this is (None for ""), or mods.lookup's RuntimeError if it is gone."""
     return mods.lookup(key) if key else None
+
+
+FORWARD_AD_MESSAGE = ("forward-mode AD (torch.func.jvp, torch.func.jacfwd, torch.autograd.forward_ad dual tensors) "
+                      "is not supported by fa_numba's attention: its operators have no JVP formula, and torch would "
+                      "return a zero tangent instead of the true one. Use reverse mode: loss.backward() or "
+                      "torch.autograd.grad (torch.autograd.functional.jacobian for a Jacobian)")
+
+
+def refuse_forward_ad(*named) -> None:
+    """A NotImplementedError (FORWARD_AD_MESSAGE) if a tensor of the (name, tensor) pairs carries a forward-mode
+    tangent at the current dual level (torch.func.jvp and jacfwd make their inputs such duals too); non-tensors
+    and plain tensors pass. Checked here, above the operators: torch.library's autograd kernel for them takes
+    the no-grad path for a dual tensor (nothing requires grad) and offers no JVP hook."""
+    for name, x in named:
+        if isinstance(x, Tensor) and forward_ad.unpack_dual(x).tangent is not None:
+            raise NotImplementedError(f"{name} carries a forward-mode tangent: {FORWARD_AD_MESSAGE}")
 
 
 def _tile(block: int):

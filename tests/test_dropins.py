@@ -81,6 +81,10 @@ def test_sdpa_gradients_match_torch_and_the_dtype_comes_back():
     (dict(attn_mask=torch.zeros(4, 4, requires_grad=True)), ValueError, "attn_mask: a float mask that requires grad"),
     (dict(attn_mask=torch.zeros(3, 4)), ValueError, r"attn_mask must be broadcastable to \(1, 2, 4, 4\)"),
     (dict(attn_mask=torch.full((4, 4), float("nan"))), ValueError, "attn_mask must hold no NaN"),
+    (dict(attn_mask=torch.zeros(4, 4, dtype=torch.int64)), TypeError,
+     "attn_mask must be a bool tensor .* or a real floating tensor added to the scores, got dtype torch.int64"),
+    (dict(attn_mask=torch.zeros(4, 4, dtype=torch.complex64)), TypeError,
+     "attn_mask must be a bool tensor .* or a real floating tensor added to the scores, got dtype torch.complex64"),
 ])
 def test_sdpa_refuses_what_it_does_not_do_by_name(kwargs, error, message):
     q = torch.zeros(1, 2, 4, 4)
@@ -197,6 +201,73 @@ def test_sdpa_adds_a_float_attn_mask_as_torch_does(shape):
         tolerance.assert_close(ours.grad.numpy(), theirs.grad.numpy(), atol, name=f"sdpa float mask d{name}")
 
 
+@pytest.mark.parametrize("shape", [(5, 6), (1, 2, 5, 6)], ids=["one", "per-head"])
+def test_sdpa_float_mask_rows_of_only_minus_inf_see_no_key_as_in_torch(shape):
+    """A row whose float mask holds no finite entry: torch SDPA (every backend, the math one included) gives
+    O = 0 and zero gradients there; so does sdpa (the row is masked, not computed as exp(-inf + inf))."""
+    from fa_numba.dropins import _additive, _rows_without_a_key
+
+    q, k, v = _tensors((1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), seed=21)
+    g = torch.Generator().manual_seed(22)
+    bias = torch.randn(shape, generator=g)
+    bias[..., 3, :2] = -np.inf  # some keys of a row masked: the row still sees the others
+    bias[..., 1, :] = -np.inf  # no finite entry: the row sees no key
+    if len(shape) == 4:
+        bias[0, 1, 4, :] = -np.inf  # a row without a key in one head only
+    dead = ~torch.isfinite(bias).any(-1).expand(1, 2, 5)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = fa_numba.sdpa(*leaves, attn_mask=bias)
+    wide = [x.double().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*wide, attn_mask=bias.double())
+    assert not want.detach()[dead].any()  # torch's answer, the one matched: 0, not NaN
+    assert torch.isfinite(out).all() and not out.detach()[dead].any()
+    mod = _additive(q, k, bias)
+    visible = np.broadcast_to((~dead)[..., None].numpy(), (1, 2, 5, 6))  # the float64 reference's mask
+    base = tolerance.baseline(q.numpy(), k.numpy(), v.numpy(), mask=fa_numba.masks.from_dense(visible),
+                              score_mod=mod)
+    tolerance.assert_close(out.detach().double().numpy(), want.detach().numpy(), base.atol_out, name="out vs SDPA")
+    tolerance.assert_close(out.detach().double().numpy(), base.out, base.atol_out, name="out vs the reference")
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    want.backward(dout.double())
+    assert not leaves[0].grad[dead].any() and not wide[0].grad[dead].any()
+    bb = tolerance_backward.baseline_backward(q.numpy(), k.numpy(), v.numpy(), dout.numpy(),
+                                              mask=fa_numba.masks.from_dense(visible), score_mod=mod)
+    for name, ours, theirs, atol in zip("qkv", leaves, wide, (bb.atol_dq, bb.atol_dk, bb.atol_dv)):
+        tolerance.assert_close(ours.grad.numpy(), theirs.grad.numpy(), atol, name=f"d{name} vs SDPA")
+    # LSE (sdpa returns none): the mask and mod sdpa builds, through attention_with_lse, against logsumexp
+    _, lse = fa_numba.autograd.attention_with_lse(q, k, v, mask=_rows_without_a_key(k, bias), score_mod=mod)
+    want_lse = torch.logsumexp(q.double() @ k.double().transpose(-1, -2) / 2 + bias.double(), -1)
+    assert torch.equal(want_lse[dead], torch.full((int(dead.sum()),), -np.inf, dtype=torch.float64))
+    tolerance.assert_close(lse.numpy(), want_lse.numpy(), base.atol_lse, name="lse vs logsumexp")
+
+
+def test_sdpa_takes_a_bfloat16_float_mask_as_sdpa_does():
+    """SDPA's convention: a float mask in the query's dtype. The bfloat16 mask widens exactly: the same O as
+    its float32 copy, within the rule of torch SDPA in float64 on the same values (a row of only -inf: 0)."""
+    from fa_numba.dropins import _additive, _rows_without_a_key
+
+    q, k, v = _tensors((1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8), seed=23, dtype=torch.bfloat16)
+    bias = torch.randn(4, 5, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16)
+    bias[2, 1] = -np.inf
+    bias[0, :] = -np.inf
+    out = fa_numba.sdpa(q, k, v, attn_mask=bias)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fa_numba.sdpa(q, k, v, attn_mask=bias.float()))  # one value, one mod
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double())
+    assert not want[:, :, 0].any() and not out[:, :, 0].any()
+    visible = np.ones((4, 5), bool)
+    visible[0] = False
+    mod = _additive(q, k, bias)
+    base = tolerance.baseline(*(x.float().numpy() for x in (q, k, v)), p_dtype="bfloat16", score_mod=mod,
+                              mask=fa_numba.masks.from_dense(visible))
+    wide = fa_numba.autograd.attention(q, k, v, mask=_rows_without_a_key(k, bias), score_mod=mod,
+                                       out_dtype=torch.float32)
+    assert torch.equal(out, wide.to(torch.bfloat16))  # O is the float32 O, rounded once
+    tolerance.assert_close(wide.double().numpy(), want.numpy(), base.tolerances()[0],
+                           name="bfloat16 mask out vs SDPA")
+
+
 def _flash_reference(q, k, v, softcap, slopes, causal):
     """flash-attn's attention_ref as its docstring states it, float64, (B, N, H, d) inputs: softcap on the
     scaled scores, then the ALiBi bias -slope |i + N_k - N_q - j|, then the bottom-right causal mask."""
@@ -229,6 +300,26 @@ def test_flash_attn_func_softcap_and_alibi_as_flash_attn_states_them(softcap, sl
     mod = _cached_mod("flash_attn", slopes, softcap=softcap, delta=3, batch=2, heads=3)
     _rule_check(out.transpose(1, 2), lse, want.transpose(1, 2), want_lse, *(x.transpose(1, 2) for x in (q, k, v)),
                 mod, f"flash_attn_func softcap={softcap} slopes={slopes_shape}", causal=causal)
+
+
+def test_flash_attn_func_takes_16_bit_alibi_slopes_and_refuses_other_dtypes_by_name():
+    """Slopes in bfloat16 or float16 widen exactly: the result is the one of their float32 copy, within the
+    rule of flash-attn's reference on their values. Integer and complex slopes are refused by name."""
+    q, k, v = _tensors((1, 6, 2, 8), (1, 7, 2, 8), (1, 7, 2, 8), seed=25)
+    slopes = torch.tensor([0.5, 0.1875], dtype=torch.bfloat16)
+    out, lse, _ = fa_numba.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True)
+    wide, wide_lse, _ = fa_numba.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes.float(),
+                                                 return_attn_probs=True)
+    assert torch.equal(out, wide) and torch.equal(lse, wide_lse)
+    assert torch.equal(fa_numba.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes.half()), out)
+    want, want_lse = _flash_reference(q, k, v, 0.0, slopes, True)
+    from fa_numba.dropins import _cached_mod
+    mod = _cached_mod("flash_attn", slopes, softcap=0.0, delta=1, batch=1, heads=2)
+    _rule_check(out.transpose(1, 2), lse, want.transpose(1, 2), want_lse, *(x.transpose(1, 2) for x in (q, k, v)),
+                mod, "flash_attn_func bfloat16 slopes", causal=True)
+    for bad in (torch.tensor([1, 2]), torch.tensor([0.5, 0.25], dtype=torch.complex64)):
+        with pytest.raises(TypeError, match=f"alibi_slopes must be a real floating tensor .*got dtype {bad.dtype}"):
+            fa_numba.flash_attn_func(q, k, v, alibi_slopes=bad)
 
 
 def test_a_drop_in_mod_is_made_once_per_value_and_outlives_its_call():

@@ -342,3 +342,60 @@ def test_bad_autograd_arguments_are_named(kwargs, error, message):
     q = torch.zeros(1, 2, 4, 4)
     with pytest.raises(error, match=message):
         fa_numba.autograd.attention(q, q, q, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward-mode AD: refused, since the operators have no JVP formula and torch would hand back a zero tangent.
+
+
+def _by_jvp(f, x, t):
+    return torch.func.jvp(f, (x,), (t,))[1]
+
+
+def _by_jacfwd(f, x, t):
+    return torch.func.jacfwd(f)(x)
+
+
+def _by_dual(f, x, t):
+    with torch.autograd.forward_ad.dual_level():
+        out = f(torch.autograd.forward_ad.make_dual(x, t))
+        return torch.autograd.forward_ad.unpack_dual(out).tangent
+
+
+_FORWARD_AD = "forward-mode AD .*is not supported by fa_numba's attention.*Use reverse mode"
+# each entry point as a function of one (B, H, N, d) tensor x: its q, and k and v too unless named otherwise
+_ENTRY_POINTS = {
+    "autograd.attention": lambda x: _attention(x, x, x, causal=True),
+    "sdpa": lambda x: fa_numba.sdpa(x, x, x, is_causal=True),
+    "flash_attn_func": lambda x: fa_numba.flash_attn_func(*(x.transpose(1, 2),) * 3, causal=True),
+}
+
+
+@pytest.mark.parametrize("entry", list(_ENTRY_POINTS))
+@pytest.mark.parametrize("transform", [_by_jvp, _by_jacfwd, _by_dual], ids=["jvp", "jacfwd", "forward_ad"])
+def test_forward_mode_ad_is_refused_where_it_would_return_a_zero_tangent(transform, entry):
+    x, t = _inputs((1, 2, 4, 4), (1, 2, 4, 4))[:2]
+    hidden = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    dense = lambda y: torch.softmax((y @ y.transpose(-1, -2) / 2).masked_fill(hidden, -np.inf), -1) @ y  # noqa: E731
+    assert transform(dense, x, t).abs().max() > 0.01  # the dense formula in torch: the true tangent is not zero
+    with pytest.raises(NotImplementedError, match=f"q carries a forward-mode tangent: {_FORWARD_AD}"):
+        transform(_ENTRY_POINTS[entry], x, t)
+
+
+def test_forward_mode_ad_names_the_input_that_carries_the_tangent_and_leaves_plain_tensors_alone():
+    q, k, v = _inputs((1, 2, 4, 4), (1, 2, 4, 4))
+    with pytest.raises(NotImplementedError, match=f"v carries a forward-mode tangent: {_FORWARD_AD}"):
+        torch.func.jvp(lambda y: _attention(q, k, y), (v,), (torch.ones_like(v),))
+    bias = torch.zeros(4, 4)
+    with pytest.raises(NotImplementedError, match=f"attn_mask carries a forward-mode tangent: {_FORWARD_AD}"):
+        torch.func.jvp(lambda b: fa_numba.sdpa(q, k, v, attn_mask=b), (bias,), (torch.ones_like(bias),))
+    slopes = torch.tensor([0.5, 0.25])
+    with pytest.raises(NotImplementedError, match=f"alibi_slopes carries a forward-mode tangent: {_FORWARD_AD}"):
+        torch.func.jvp(lambda s: fa_numba.flash_attn_func(q, k, v, alibi_slopes=s), (slopes,), (slopes,))
+    want = _attention(q, k, v)
+    with torch.autograd.forward_ad.dual_level():  # a dual level alone is no tangent: plain tensors run as outside
+        assert torch.equal(_attention(q, k, v), want)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    base = tolerance.baseline(q.numpy().reshape(2, 4, 4), k.numpy().reshape(2, 4, 4), v.numpy().reshape(2, 4, 4))
+    tolerance.assert_close(want.reshape(2, 4, 4).numpy(), ref.reshape(2, 4, 4).numpy(), base.atol_out,
+                           name="out under a dual level vs SDPA")

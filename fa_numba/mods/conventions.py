@@ -74,8 +74,10 @@ def _additive_grad(score, b, h, i, j, bias, params):
 
 def additive(bias, *, batch: int, heads: int, n_q: int, n_k: int) -> ScoreMod:
     """torch SDPA's float attn_mask as a mod (module docstring): bias (B_m, H_m, N_q, N_k), B_m in {1, batch},
-    H_m in {1, heads}, real (-inf allowed: that pair's weight is 0; a row whose every S' is -inf gets NaN, as the
-    dense formula and torch's math backend do)."""
+    H_m in {1, heads}, real (-inf allowed: that pair's weight is 0). A mod is not a mask: a row whose every S' is
+    -inf gets O = NaN through this mod alone (exp(-inf - (-inf))). torch SDPA gives such a row O = 0, and so does
+    `fa_numba.sdpa`, which passes the rows of bias with no finite entry as masked rows besides the mod (no
+    visible key: O = 0, LSE = -inf, zero gradients); a caller of fa_numba.attention does the same with a mask."""
     table = np.array(bias, dtype=np.float64)
     if table.ndim != 4 or table.shape[2:] != (n_q, n_k) or table.shape[0] not in (1, batch) \
             or table.shape[1] not in (1, heads):
