@@ -521,3 +521,92 @@ def _alibi_fn(score, b, h, i, j, slopes):
 
 def _one_grad(score, b, h, i, j, captured):
     return 1.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# 16-bit captured arrays, and a mod's function that raises (issue 50).
+
+
+def test_a_float16_captured_array_runs_as_its_float32_widening():
+    """A float16 (and bfloat16) table is read as float32 by the kernels: the bits of the float32 copy's
+    result, within the rule of the float64 reference with the 16-bit mod, and read again at every call."""
+    q, k, v, dout = _inputs(60)
+    rng = np.random.default_rng(61)
+    half = rng.standard_normal((H, N_K)).astype(np.float16)
+    tables = [half]
+    try:
+        import ml_dtypes
+    except ImportError:
+        pass
+    else:
+        tables.append(rng.standard_normal((H, N_K)).astype(ml_dtypes.bfloat16))
+    for table in tables:
+        mod = key_bias(table)
+        out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, score_mod=mod)
+        wide_out, wide_lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True,
+                                                score_mod=key_bias(table.astype(np.float32)))
+        assert np.array_equal(out, wide_out) and np.array_equal(lse, wide_lse), table.dtype
+        tolerance.check_attention(out, lse, q, k, v, score_mod=mod, name=f"{table.dtype} table")
+    mod = key_bias(half)
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True, score_mod=mod)
+    grads = fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=mod)
+    tolerance_backward.check_attention_backward(*grads, q, k, v, dout, score_mod=mod)
+    half[:] = np.float16(2.0) * np.arange(N_K) / N_K  # in place: the next call sees it
+    moved = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, score_mod=mod)
+    assert not np.array_equal(moved, out)
+    assert np.array_equal(moved, fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE,
+                                                    score_mod=key_bias(half.astype(np.float32))))
+
+
+def _raises_at(score, b, h, i, j):
+    if b == 0 and h == 1 and i == 3 and j == 2:
+        raise ValueError("bad pair")
+    return score
+
+
+def _raises_grad_at(score, b, h, i, j):
+    if b == 0 and h == 1 and i == 4 and j == 0:
+        raise KeyError("bad grad")
+    return 1.0
+
+
+def _raises_captured_grad_at(score, b, h, i, j, slopes):
+    if h == 0 and i == 2 and j == 1:
+        raise ZeroDivisionError("bad captured grad")
+    return (h,), float(j - i)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a GPU reports no raise in a device function (fa_numba.mods)")
+def test_a_mod_that_raises_in_a_simulated_kernel_is_a_mod_error_naming_the_pair():
+    """The simulator runs the mod as Python: a raise at one pair is a ModError naming the mod, its function,
+    its role and the pair (b, h, i, j), with the function's own exception as __cause__, not the simulator's
+    bare 'tid=[..] ctaid=[..]: bad pair'. Forward (each order), the backward's grad, a captured_grad."""
+    rng = np.random.default_rng(62)
+    q, k, v, dout = (rng.standard_normal((1, 2, 5, 4)).astype(np.float32) for _ in range(4))
+    mod = mods.ScoreMod(_raises_at, _one_grad_plain, name="picky")
+    for order in SIMT_VARIANTS:
+        with pytest.raises(mods.ModError) as caught:
+            fa_numba.attention(q, k, v, order=order, block_q=TILE, block_k=TILE, score_mod=mod)
+        message = str(caught.value)
+        assert message.startswith("score_mod picky: fn (_raises_at) raised ValueError: bad pair at b=0, h=1, i=3, "
+                                  "j=2, score="), (order, message)
+        assert type(caught.value.__cause__) is ValueError and caught.value.__cause__.args == ("bad pair",), order
+    out, lse = fa_numba.attention(q, k, v, block_q=TILE, block_k=TILE, return_lse=True)
+    bad_grad = mods.ScoreMod(_identity, _raises_grad_at, name="picky_grad")
+    for variant in BACKWARD_VARIANTS:
+        with pytest.raises(mods.ModError, match=r"^score_mod picky_grad: grad \(_raises_grad_at\) raised KeyError: "
+                                                r"'bad grad' at b=0, h=1, i=4, j=0, score=") as caught:
+            fa_numba.attention_backward(q, k, v, out, lse, dout, order=variant[0], deterministic=variant[1],
+                                        block_q=TILE, score_mod=bad_grad)
+        assert type(caught.value.__cause__) is KeyError, variant
+    slopes = mods.ScoreMod(_alibi_fn, _one_grad, (_raises_captured_grad_at,), "picky_slopes", (np.zeros(2),),
+                           ("slopes",))
+    with pytest.raises(mods.ModError, match=r"^score_mod picky_slopes: captured_grad\[0\] \(slopes\) "
+                                            r"\(_raises_captured_grad_at\) raised ZeroDivisionError: bad captured "
+                                            r"grad at b=0, h=0, i=2, j=1, score=") as caught:
+        fa_numba.attention_backward(q, k, v, out, lse, dout, block_q=TILE, score_mod=slopes, captured_grads=True)
+    assert type(caught.value.__cause__) is ZeroDivisionError
+
+
+def _one_grad_plain(score, b, h, i, j):
+    return 1.0

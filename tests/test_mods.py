@@ -707,6 +707,80 @@ def test_scoremod_arguments_are_checked_and_named():
     assert mods.ScoreMod(_identity).name == "_identity" and repr(mods.softcap(2.0)) == "ScoreMod(softcap)"
 
 
+def _scaled_key_bias(score, b, h, i, j, bias):
+    return score + bias[h, j] * 3.1  # float16 arithmetic would round the product to 11 bits
+
+
+def _half_widths():
+    """(name, 16-bit array of a (2, 7) table, its float64 twin) for the 16-bit dtypes a captured array may
+    have, the float64 twin made by NumPy's own (exact) conversion."""
+    rng = np.random.default_rng(23)
+    table = rng.standard_normal((2, 7))
+    out = [("float16", table.astype(np.float16))]
+    try:
+        import ml_dtypes
+    except ImportError:
+        pass
+    else:
+        out.append(("bfloat16", table.astype(ml_dtypes.bfloat16)))
+    return [(name, half, half.astype(np.float64)) for name, half in out]
+
+
+def test_16_bit_captured_arrays_are_read_as_their_exact_float32_widening():
+    """float16 and bfloat16 captured arrays are taken (issue 50): the functions read them as float32, by the
+    reference as by the kernels, so a mod gives what it gives with the float32 (or float64) copy of the same
+    values; the captured gradient and `check` take them too."""
+    prob = PROBLEMS["gqa-batch2"]
+    _, q, k, v, dout = prob.inputs(seed=29)
+    q, k, v, dout = (x[:, :2] for x in (q, k, v, dout))  # H = 2 query heads, one per table row
+    for name, half, wide in _half_widths():
+        mod = key_bias(half)
+        assert mod.captured[0] is half  # held as given: read again at every call
+        for ours, want in zip(reference.attention(q, k, v, score_mod=mod),
+                              reference.attention(q, k, v, score_mod=key_bias(wide))):
+            assert np.array_equal(ours, want), name
+        for ours, want in zip(reference.attention_backward_mod(q, k, v, dout, score_mod=mod)[-1],
+                              reference.attention_backward_mod(q, k, v, dout, score_mod=key_bias(wide))[-1]):
+            assert np.array_equal(ours, want), name
+        scaled = mods.ScoreMod(_scaled_key_bias, _key_bias_grad, captured=(half,))
+        as_float32 = mods.ScoreMod(_scaled_key_bias, _key_bias_grad, captured=(wide.astype(np.float32),))
+        for ours, want in zip(reference.attention(q, k, v, score_mod=scaled),
+                              reference.attention(q, k, v, score_mod=as_float32)):
+            assert np.array_equal(ours, want), name
+        mods.check(mod, n_q=prob.n_q, n_k=prob.n_k, heads=2, examples=10)
+
+
+def test_16_bit_torch_tensors_are_captured_and_read_at_every_call():
+    torch = pytest.importorskip("torch", reason=NO_TORCH)
+    pytest.importorskip("ml_dtypes", reason="a bfloat16 tensor is read through ml_dtypes (the 'test' extra)")
+    prob = PROBLEMS["gqa-batch2"]
+    _, q, k, v, _ = prob.inputs(seed=31)
+    q, k, v = (x[:, :2] for x in (q, k, v))
+    for dtype in (torch.float16, torch.bfloat16):
+        table = torch.randn(2, 7, generator=torch.Generator().manual_seed(5)).to(dtype)
+        mod = mods.ScoreMod(_key_bias, _key_bias_grad, captured=(table,))
+        wide = key_bias(table.double().numpy())
+        for ours, want in zip(reference.attention(q, k, v, score_mod=mod),
+                              reference.attention(q, k, v, score_mod=wide)):
+            assert np.array_equal(ours, want), dtype
+        table.mul_(-2)  # in place: the next call reads it
+        moved = key_bias(table.double().numpy())
+        assert np.array_equal(reference.attention(q, k, v, score_mod=mod)[0],
+                              reference.attention(q, k, v, score_mod=moved)[0]), dtype
+
+
+def test_captured_dtypes_the_kernels_cannot_read_are_refused_by_name():
+    accepted = (r"\(accepted: int8, int16, int32, int64, uint8, uint16, uint32, uint64, float32, float64, or "
+                r"float16 and bfloat16, read as float32\)")
+    refused = [np.ones(3, np.complex64), np.array(["a"])]
+    if np.dtype(np.longdouble).itemsize > 8:  # float128 / float96 where the platform has one
+        refused.append(np.ones(3, np.longdouble))
+    for array in refused:
+        with pytest.raises(TypeError, match=rf"captured\[1\] \(table\) must have an integer or floating dtype, "
+                                            rf"got {array.dtype} {accepted}"):
+            mods.ScoreMod(_identity, captured=(np.ones(2), array), captured_names=("", "table"))
+
+
 def test_built_in_parameters_are_checked_and_named():
     with pytest.raises(ValueError, match=r"cap must be a finite number > 0, got 0.0"):
         mods.softcap(0.0)

@@ -10,10 +10,10 @@ the forward's rule takes the mod through `tolerance.baseline(score_mod=)`. A mas
 mod that is undefined or reads out of bounds there (log(i - j + 1) above a causal diagonal, a table index
 past its end for a key past N_k) is never evaluated.
 
-Compile-time identity (`KernelMod`): the function objects (fn, and grad for the backward) and the dtype and
-number of axes of each captured array; the array values are runtime arguments. So the built-ins (module-level
-functions) compile once per kind, whatever slopes or cap they hold, and a kernel is cached per KernelMod
-beside its tiles (`Config.mod`).
+Compile-time identity (`KernelMod`): the function objects (fn, and grad for the backward) and the dtype each
+captured array is read in (float32 for a float16 or bfloat16 one: `mods.core.read_dtype`) and its number of
+axes; the array values are runtime arguments. So the built-ins (module-level functions) compile once per
+kind, whatever slopes or cap they hold, and a kernel is cached per KernelMod beside its tiles (`Config.mod`).
 
 Numba limits this module works around: a kernel cannot call an inlined device function with *args, so the
 call is spelled out per number of captured arrays (`MAX_CAPTURED`); a device function that is not inlined
@@ -24,15 +24,23 @@ machine without one.
 `check_compiles(mod)` compiles fn and grad for the CPU with the kernel's argument types before any launch,
 so a function Numba cannot compile raises `ModCompileError` naming the mod and the function, not a Numba
 traceback from inside the kernel's compilation (the simulator never compiles: this is its only check).
+
+In the simulator, which runs the functions as Python, an exception one raises in a kernel is a `ModError`
+naming the mod, the function, the pair and the score, chained to it (`_guarded`); a GPU has no such report
+(fa_numba.mods says what happens there).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32
+
+from fa_numba.mods.core import ModError, read_dtype
 
 MAX_CAPTURED = 4  # captured arrays a kernel takes (the spelled-out calls below)
 NO_CAPTURED = ()  # the captured-array argument of a kernel without a mod
@@ -41,6 +49,62 @@ NO_CAPTURED = ()  # the captured-array argument of a kernel without a mod
 class ModCompileError(TypeError):
     """Numba cannot compile a score mod's function (the message names the mod, the function and Numba's
     first line of explanation)."""
+
+
+class SimulatedModError(ModError):
+    """A mod's function raised in a kernel the CUDA simulator runs (`_guarded`). The simulator re-raises a
+    thread's exception as a new one, type(e)("tid=[..] ctaid=[..]: " + message), without __cause__: the
+    original exception waits in _PENDING, by message, for that copy, which takes it back as its __cause__."""
+
+    def __init__(self, message, cause=None):
+        prefix, _, inner = message.partition(": ")
+        if cause is None and prefix.startswith("tid="):
+            with _PENDING_LOCK:
+                cause = _PENDING.pop(inner, None)
+            if cause is not None:
+                message = f"{inner} (simulator thread {prefix})"
+        elif cause is not None:
+            with _PENDING_LOCK:
+                _PENDING[message] = cause
+                while len(_PENDING) > 64:  # threads the simulator aborted leave theirs: keep a few
+                    _PENDING.pop(next(iter(_PENDING)))
+        super().__init__(message)
+        if cause is not None:
+            self.__cause__ = cause
+
+
+_PENDING: dict = {}  # message -> the exception a mod's function raised, until the simulator re-raises it
+_PENDING_LOCK = threading.Lock()
+# function -> (the name of the ScoreMod last passed to device_arrays, the function's role there): what a raise in
+# it reports in the simulator, which launches one kernel at a time (a kernel is compiled per function, not per mod)
+_LAUNCHING: dict = {}
+
+
+def _simulated() -> bool:
+    """Whether numba.cuda is the CUDA simulator (kernels run as Python, a Python thread per CUDA thread)."""
+    return "numba.cuda.simulator_init" in sys.modules
+
+
+def _guarded(f, what: str):
+    """f as the simulator runs it, an exception it raises turned into a ModError naming the mod, the function,
+    the pair and the score, chained to it. (A GPU compiles no such report: fa_numba.mods says what it does.)"""
+    function = getattr(f, "__name__", type(f).__name__)
+
+    def guarded(score, b, h, i, j, *captured):
+        try:
+            return f(score, b, h, i, j, *captured)
+        except Exception as exc:  # noqa: BLE001 - a user's function may raise anything
+            name, role = _LAUNCHING.get(f, (function, what))
+            role = role if what == "captured_grad" else what  # fn and grad: the call site knows
+            hint = (" (Python's math raises where a compiled device function returns inf or NaN)"
+                    if isinstance(exc, (OverflowError, ValueError)) else "")
+            error = SimulatedModError(
+                f"score_mod {name}: {role} ({function}) raised {type(exc).__name__}: {exc} at b={int(b)}, "
+                f"h={int(h)}, i={int(i)}, j={int(j)}, score={float(score)!r}{hint}", cause=exc)
+            raise error from exc
+
+    guarded.__name__ = function
+    return guarded
 
 
 @dataclass(frozen=True)
@@ -66,7 +130,7 @@ class KernelMod:
             raise ValueError(f"score_mod {mod.name}: the kernels take at most {MAX_CAPTURED} captured arrays, got "
                              f"{len(mod.captured)} (stack arrays of one dtype into one)")
         fn, grad, kinds = (None, None, ()) if mod is None else (
-            mod.fn, mod.grad, tuple((a.dtype.name, a.ndim) for a in mod.captured))
+            mod.fn, mod.grad, tuple((read_dtype(a.dtype).name, a.ndim) for a in mod.captured))
         if mask_mod is None:
             return cls(fn, grad, kinds)
         return cls(fn, grad, kinds, mask_mod.fn, mask_mod.kinds)
@@ -98,8 +162,12 @@ def tuple_type(kmod: KernelMod | None):
 def device_arrays(mod, stream=0, mask=None) -> tuple:
     """The captured arrays of a ScoreMod (None: none), then those of a mask_mod (`mask`, a slice_masks.MaskMod;
     any other mask or None adds none), as C-contiguous device arrays copied at this call (a hand-built mod
-    reads its arrays as they are now, like q, k, v)."""
-    arrays = (() if mod is None else mod.captured) + tuple(getattr(mask, "captured", ()) if has_mask_fn(mask) else ())
+    reads its arrays as they are now, like q, k, v; float16 and bfloat16 as float32: `ScoreMod.arrays`)."""
+    if mod is not None and _simulated():  # the names a raise in the mod's functions reports (`_guarded`)
+        roles = [(mod.fn, "fn"), (mod.grad, "grad")] + [(cg, f"captured_grad[{k}]{mod._named(k)}")
+                                                        for k, cg in enumerate(mod.captured_grad)]
+        _LAUNCHING.update({f: (mod.name, role) for f, role in roles if f is not None})
+    arrays = (() if mod is None else mod.arrays()) + tuple(getattr(mask, "captured", ()) if has_mask_fn(mask) else ())
     return tuple(cuda.to_device(np.ascontiguousarray(a), stream=stream) for a in arrays)
 
 
@@ -114,11 +182,15 @@ def has_scores(kmod: "KernelMod | None") -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _caller(f, n: int, cast: bool = True):
+def _caller(f, n: int, cast: bool = True, what: str | None = None):
     """An inlined device function call(score, b, h, i, j, captured) -> f(score, b, h, i, j, *captured) for n
     captured arrays (spelled out: an inlined call takes no *args), as float32 with cast (a score or a
-    derivative), as f returns it without (a captured_grad's (index, derivative): kernels.captured_grad)."""
-    g = cuda.jit(device=True, inline=True)(f)
+    derivative), as f returns it without (a captured_grad's (index, derivative): kernels.captured_grad).
+    what: the function's role in messages ("fn", "grad"; default "fn" with cast, else "captured_grad"); in
+    the simulator an exception f raises is a ModError naming it and the pair (`_guarded`)."""
+    if what is None:
+        what = "fn" if cast else "captured_grad"
+    g = cuda.jit(device=True, inline=True)(_guarded(f, what) if _simulated() else f)
     if n == 0:
         def raw(score, b, h, i, j, captured):
             return g(score, b, h, i, j)
@@ -167,7 +239,7 @@ def apply_grad(kmod: KernelMod | None):
         return _one
     if kmod.grad is None:
         raise ValueError("a score_mod without grad has no backward (ScoreMod(fn, grad=...))")
-    return _caller(kmod.grad, len(kmod.captured))
+    return _caller(kmod.grad, len(kmod.captured), what="grad")
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,12 @@ no closures over mutable state; a closure over a Python float or int is compiled
 built-ins below are written so; the reference (`fa_numba.reference`) calls them from Python, on NumPy scalars
 of the computation's dtype (np.float64 in the reference). Python's `math` raises OverflowError or ValueError
 (math.exp(1000), math.log(-1)) where a compiled device function returns inf or NaN: the reference reports
-such a raise as a ModError naming the mod, the function, the pair and the score.
+such a raise, as any other, as a ModError naming the mod, the function, the pair and the score, the
+original exception its __cause__. The CUDA simulator runs the functions as Python too, and a raise in a
+kernel there is a ModError the same way (kernels/score_mod.py). A GPU reports none: numba-cuda compiles a
+raise in device code to an early return of that thread, checked only in kernels compiled with debug=True,
+which fa_numba's are not; the thread's unwritten results stay unwritten. The check before a launch compiles
+the functions and never runs them: the host (the reference, `check`) is where a raise is caught.
 
 Masked pairs (proofs/L13, claim 2): the reference evaluates fn, grad and captured_grad at visible pairs
 only; a masked pair's S' is -inf by the mask, never by fn. So a mod that is undefined, NaN or raises where
@@ -44,6 +49,11 @@ Built-ins (`builtins`), each with the derivative with respect to the score and t
 Their arrays are float64 copies, read-only: a built-in is a value, fixed when it is made (make a new one to
 change it). A ScoreMod built by hand reads its captured arrays as given at every call (like q, k, v), so an
 array changed in place changes the next call. ScoreMods compare and hash by identity.
+
+Captured dtypes: int8 to int64, uint8 to uint64, float32 and float64 are read as they are; float16 and
+bfloat16 (ml_dtypes arrays, CPU torch tensors; a torch bfloat16 tensor is read through ml_dtypes) as their
+float32 widening, exact, made at each call (`ScoreMod.arrays`), by the reference and the kernels alike; any
+other dtype is a TypeError from ScoreMod() naming the array.
 
 ALiBi with N_q != N_k: its bias depends on j - i, not on the bottom-right aligned j - (i + N_k - N_q); the two
 differ by slopes[h] (N_k - N_q), a constant per head and row, which the softmax ignores: O is the same either

@@ -36,6 +36,7 @@ def _disagreements(mod: ScoreMod, example, rtol: float):
     s, b, h, i, j, others = example
     position = (b, h, i, j)
     where = f"score={s!r}, b={b}, h={h}, i={i}, j={j}"
+    read = mod.arrays()  # as the reference and the kernels read them
 
     def fail(argument, claimed, central, tol, entry=None, named=None):
         at = f" entry {entry}" if entry is not None else ""
@@ -48,24 +49,24 @@ def _disagreements(mod: ScoreMod, example, rtol: float):
             entry=entry)
 
     def value(x):
-        return float(_call(mod, "fn", mod.fn, np.float64(x), b, h, i, j))
+        return float(_call(mod, "fn", mod.fn, np.float64(x), b, h, i, j, read))
 
-    claimed = float(_call(mod, "grad", mod.grad, np.float64(s), b, h, i, j))
+    claimed = float(_call(mod, "grad", mod.grad, np.float64(s), b, h, i, j, read))
     central, tol = _central(value, s, claimed, abs(s) * (abs(claimed) + 1), rtol)
     if not (math.isfinite(claimed) and math.isfinite(central) and abs(claimed - central) <= tol):
         return fail("score", claimed, central, tol)
     for (k, cg), other in zip(((k, cg) for k, cg in enumerate(mod.captured_grad) if cg is not None), others):
         argument = f"captured[{k}]{mod._named(k)}"
-        index, claimed = _call(mod, f"captured_grad[{k}]", cg, np.float64(s), b, h, i, j)
+        index, claimed = _call(mod, f"captured_grad[{k}]", cg, np.float64(s), b, h, i, j, read)
         entry = _entry(mod, k, index, b, h, i, j)
         claimed = float(claimed)
         other = tuple(int(x) for x in np.unravel_index(other, mod.captured[k].shape))
         checks = [(entry, claimed, None)] + ([(other, 0.0, entry)] if other != entry else [])
         for at, want, named in checks:
-            base = np.array(mod.captured[k], dtype=np.float64)
+            base = np.array(read[k], dtype=np.float64)
 
             def with_entry(x, at=at, base=base):
-                arrays = list(mod.captured)
+                arrays = list(read)
                 moved = base.copy()
                 moved[at] = x
                 arrays[k] = moved

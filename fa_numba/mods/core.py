@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,19 +42,62 @@ class ModCheckError(AssertionError):
         self.entry = entry
 
 
-def _real_array(name: str, x) -> np.ndarray:
-    """A captured array: anything np.asarray takes, of a real (integer or floating) dtype, at least 1-D."""
+# The dtypes a captured array may have. The kernels take it as a Numba array of its dtype; float16 and bfloat16
+# are read as their float32 widening instead (exact: every value is a float32; Numba has no bfloat16 and its CPU
+# compile check no float16 arithmetic), by the kernels and the reference alike, so both evaluate one function.
+CAPTURED_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64")
+WIDENED_DTYPES = ("float16", "bfloat16")
+
+
+def _accepted() -> str:
+    return f"{', '.join(CAPTURED_DTYPES)}, or {' and '.join(WIDENED_DTYPES)}, read as float32"
+
+
+def _torch_bfloat16(name: str, x) -> np.ndarray | None:
+    """A CPU torch bfloat16 tensor as an ml_dtypes bfloat16 array sharing its memory (np.asarray refuses it:
+    NumPy has no bfloat16), so it is read at every call like any array; None for anything else."""
+    if type(x).__module__.split(".")[0] != "torch" or str(getattr(x, "dtype", "")) != "torch.bfloat16":
+        return None
+    torch = sys.modules["torch"]
     try:
-        array = np.asarray(x)
-    except Exception as exc:  # noqa: BLE001 - what np.asarray raises varies with the object
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}: {exc}") from None
-    if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.integer)
-                                       or np.issubdtype(array.dtype, np.floating)):
-        raise TypeError(f"{name} must have an integer or floating dtype, got {array.dtype}")
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"{name} is a torch bfloat16 tensor: reading it needs ml_dtypes (pip install ml_dtypes, "
+                        "in the 'test' extra), or pass it as float32") from None
+    try:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    except Exception as exc:  # noqa: BLE001 - on a GPU, or requiring grad: torch says which
+        raise TypeError(f"{name} must be an array, got Tensor: {exc}") from None
+
+
+def _real_array(name: str, x) -> np.ndarray:
+    """A captured array: anything np.asarray takes (and CPU torch bfloat16 tensors), of a dtype in
+    CAPTURED_DTYPES or WIDENED_DTYPES, at least 1-D; as given, without a copy."""
+    array = _torch_bfloat16(name, x)
+    if array is None:
+        try:
+            array = np.asarray(x)
+        except Exception as exc:  # noqa: BLE001 - what np.asarray raises varies with the object
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}: {exc}") from None
+    if array.dtype.name not in CAPTURED_DTYPES + WIDENED_DTYPES:
+        raise TypeError(f"{name} must have an integer or floating dtype, got {array.dtype} (accepted: "
+                        f"{_accepted()})")
     if array.ndim == 0:
         raise ValueError(f"{name} must be an array of at least one axis (wrap a scalar: np.array([x])), got a "
                          "0-d array")
     return array
+
+
+def read_dtype(dtype) -> np.dtype:
+    """The dtype a captured array of `dtype` is read in (by the functions, in the kernels and the reference):
+    float32 for float16 and bfloat16, else its own in native byte order."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.name in WIDENED_DTYPES else dtype.newbyteorder("=")
+
+
+def _as_read(array: np.ndarray) -> np.ndarray:
+    dtype = read_dtype(array.dtype)
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +165,7 @@ class ScoreMod:
             if not callable(g):
                 raise TypeError(f"captured_grad[{k}]{self._named(k)} must be a function or None, got "
                                 f"{type(g).__name__}")
-            if not np.issubdtype(self.captured[k].dtype, np.floating):
+            if read_dtype(self.captured[k].dtype).kind != "f":
                 raise ValueError(f"captured_grad[{k}] is given but captured[{k}]{self._named(k)} has dtype "
                                  f"{self.captured[k].dtype}: only a floating array takes a gradient")
         object.__setattr__(self, "captured_grad", tuple(grads))
@@ -130,6 +174,11 @@ class ScoreMod:
                             f"{type(self.fits).__name__}")
         object.__setattr__(self, "key", f"{name}#{next(_SERIAL)}")
         _LIVE[self.key] = self
+
+    def arrays(self) -> tuple:
+        """The captured arrays as fn, grad and captured_grad read them, now: float16 and bfloat16 ones as float32
+        copies (exact), the others as given (in native byte order). What the reference and the kernels pass."""
+        return tuple(_as_read(a) for a in self.captured)
 
     def _named(self, k: int) -> str:
         """The suffix ' (name)' of captured array k in messages, or '' when it has no name."""
@@ -175,11 +224,14 @@ def check_score_mod(score_mod) -> ScoreMod | None:
 # Evaluation over the visible pairs of a (B, H, N_q, N_k) score array (what `reference` calls).
 
 
-def _call(mod: ScoreMod, what: str, f, score, b, h, i, j):
-    """f(score, b, h, i, j, *captured), with the mod, the function, the pair and the score in any error."""
+def _call(mod: ScoreMod, what: str, f, score, b, h, i, j, captured: tuple | None = None):
+    """f(score, b, h, i, j, *captured), with the mod, the function, the pair and the score in any error.
+    captured: mod.arrays() (taken here when None; pass it once for many calls)."""
+    if captured is None:
+        captured = mod.arrays()
     try:
         with np.errstate(all="ignore"):  # IEEE results (inf, NaN) where a device function has them too
-            return f(score, b, h, i, j, *mod.captured)
+            return f(score, b, h, i, j, *captured)
     except Exception as exc:  # noqa: BLE001 - a user's function may raise anything
         hint = (" (Python's math raises where a compiled device function returns inf or NaN)"
                 if isinstance(exc, (OverflowError, ValueError)) else "")
@@ -224,9 +276,9 @@ def scores(mod: ScoreMod, s: np.ndarray, visible: np.ndarray, dtype=np.float64, 
     global positions i = r0 + row, j = c0 + key (proofs/L13, claim 1). fn gets `dtype` scalars and its
     result is rounded to `dtype` (the float32 twin rounds the mod's result once)."""
     out = np.full(s.shape, -np.inf, dtype=dtype)
-    f = mod.fn
+    f, captured = mod.fn, mod.arrays()
     for at, (b, h, i, j) in _pairs(s.shape, visible, origin):
-        out[at] = _real(mod, "fn", _call(mod, "fn", f, dtype(s[at]), b, h, i, j), b, h, i, j, dtype)
+        out[at] = _real(mod, "fn", _call(mod, "fn", f, dtype(s[at]), b, h, i, j, captured), b, h, i, j, dtype)
     return out
 
 
@@ -237,9 +289,9 @@ def derivatives(mod: ScoreMod, s: np.ndarray, visible: np.ndarray, dtype=np.floa
         raise ValueError(f"score_mod {mod.name} has no grad: the backward needs d fn / d score "
                          "(ScoreMod(fn, grad=...))")
     out = np.zeros(s.shape, dtype=dtype)
-    g = mod.grad
+    g, captured = mod.grad, mod.arrays()
     for at, (b, h, i, j) in _pairs(s.shape, visible, origin):
-        out[at] = _real(mod, "grad", _call(mod, "grad", g, dtype(s[at]), b, h, i, j), b, h, i, j, dtype)
+        out[at] = _real(mod, "grad", _call(mod, "grad", g, dtype(s[at]), b, h, i, j, captured), b, h, i, j, dtype)
     return out
 
 
@@ -270,6 +322,7 @@ def captured_gradients(mod: ScoreMod, s: np.ndarray, ds_mod: np.ndarray, visible
     (B, H, rows, keys); visible, origin as in `scores` (a tile's part of the sum). Masked pairs are never
     visited. absolute=True sums |dS'_p| |derivative| instead (the magnitude a bound needs: tolerance's floors)."""
     out = []
+    captured = mod.arrays()
     for k, cg in enumerate(mod.captured_grad):
         if cg is None:
             out.append(None)
@@ -277,7 +330,7 @@ def captured_gradients(mod: ScoreMod, s: np.ndarray, ds_mod: np.ndarray, visible
         total = np.zeros(mod.captured[k].shape, dtype=dtype)
         what = f"captured_grad[{k}]{mod._named(k)}"
         for at, (b, h, i, j) in _pairs(s.shape, visible, origin):
-            result = _call(mod, what, cg, dtype(s[at]), b, h, i, j)
+            result = _call(mod, what, cg, dtype(s[at]), b, h, i, j, captured)
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise ModError(f"score_mod {mod.name}: {what} must return (index, derivative), got "
                                f"{result!r} at b={b}, h={h}, i={i}, j={j}")
