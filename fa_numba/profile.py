@@ -46,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -53,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from fa_numba import arguments, whole_kernel
+from fa_numba import arguments, sources, whole_kernel
 from fa_numba.profile_estimate import WIDTH_AGREEMENT, attach_estimates, finish_wavefronts, start_wavefronts
 from fa_numba.machine import H200, SM90, Device, Limits  # noqa: F401 - profile.Device etc.
 from fa_numba.sass import (CATEGORIES, LSU_CATEGORIES, Instruction, Loop,  # noqa: F401 - profile.Loop etc.
@@ -63,6 +64,10 @@ ARCH = "sm_90a"  # what numba-cuda compiles for on an H100/H200 (compute capabil
 
 # The machine (sm_90 limits, the H200's size and rates) is fa_numba.machine's, imported here by name.
 DEFAULT_LAUNCH = dict(batch=4, heads=16, n=4096)  # the shape the issue's targets are stated at
+# The SASS table of every shipped configuration, committed with the digest of the sources it was compiled from
+# (`sources.kernel_digest`); a default-tier test fails when they differ. Made by:
+#     python -m fa_numba profile --no-estimate --json benchmarks/results/sass_table_sm90a.json
+SHIPPED_TABLE = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "sass_table_sm90a.json"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -570,6 +575,7 @@ def main(argv=None) -> int:
                                "hot-loop bound and the whole-kernel estimate are read from the code, not measured",
                        "date": time.strftime("%Y-%m-%d"), "arch": args.arch, "device_model": dataclasses.asdict(H200),
                        "limits": dataclasses.asdict(SM90), "numba_cuda": _numba_cuda_version(),
+                       "sources": sources.kernel_digest(),
                        "profiles": [p.as_dict() for p in profiles]}, fh, indent=1)
     return 0
 

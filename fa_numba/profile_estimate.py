@@ -5,14 +5,13 @@ decides them, and the estimate attached to each compiled profile (`whole_kernel.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
-from fa_numba import whole_kernel
+from fa_numba import sources, whole_kernel
 from fa_numba.machine import H200, SM90
 
 
@@ -26,16 +25,11 @@ def _traced_config(cfg: dict) -> dict:
 
 def wavefront_cache() -> pathlib.Path:
     """Where traced wavefronts are kept between runs: one file per version of the code that decides them (the
-    kernels, mma/ included, the tracer, the warp emulation and the bank rule, hashed), so an edit to any of
-    them traces again."""
-    package = pathlib.Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    sources = [*package.joinpath("kernels").rglob("*.py"), *package.joinpath("warp").glob("*.py"),
-               package / "banks.py"]  # the tensor-core kernels, and the emulation that records their warp ops
-    for path in sorted(sources):
-        digest.update(path.name.encode() + path.read_bytes())
+    kernels, mma/ included, the tracer, the warp emulation, the bank rule and every package module they
+    import: `sources.closure`), so an edit to any of them traces again."""
+    key = sources.digest(sources.closure(("fa_numba.kernels", "fa_numba.warp", "fa_numba.banks")))
     root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    return root / "fa_numba" / f"wavefronts-{digest.hexdigest()[:16]}.json"
+    return root / "fa_numba" / f"wavefronts-{key}.json"
 
 
 def start_wavefronts(configs: list[dict], jobs: int = 1):
