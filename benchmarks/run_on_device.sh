@@ -10,8 +10,9 @@
 #     checked against the float64 reference with its rule, then timed beside torch SDPA and the
 #     whole-kernel model's estimate, compiles in parallel and timings one at a time; beside them the
 #     warp-primitive and tensor-core tests with the simulator off. BUDGET (default 300) seconds to start jobs.
-#   stage 2 (STAGE=2; timeout about 300 s): the score mods and mask_mods on every kernel family (mods_gpu,
-#     masks_gpu), then gpu_check (the GPU test tier, racecheck) within what is left of BUDGET (default 240).
+#   stage 2 (STAGE=2; timeout about 300 s): the kernel disk cache's first call cold and warm in new processes
+#     (cache_gpu), the score mods and mask_mods on every kernel family (mods_gpu, masks_gpu), then gpu_check
+#     (the GPU test tier, racecheck) within what is left of BUDGET (default 240).
 # Not yet run on hardware (2026-12-05), so read first: tests/test_warp.py's conversion and min.NaN / max.NaN
 # probes and tests/test_mma_tf32.py's device split (the 3xTF32 split's cvt.rn.tf32 and NaN-keeping clamp), then
 # the CUDA-core v2 and decoding rows (V read at compile-time offsets, kernels.tile_loads.rows_from) and bwd-kv
@@ -20,7 +21,7 @@
 # numba-cuda 0.30.4 at import (np.row_stack is gone): carry a numpy 2.4 wheel, install it with
 # `pip install --no-deps --target /tmp/site` and put /tmp/site on PYTHONPATH before running this.
 # Outputs land in $OUT (or benchmarks/results), at most 8 files: device.txt, session.{md,jsonl,log},
-# tests_gpu.log (stage 1); mods_gpu.log, masks_gpu.log, gpu_check.log (stage 2).
+# tests_gpu.log (stage 1); cache.log, mods_gpu.log, masks_gpu.log, gpu_check.log (stage 2; cache.json beside).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout itself, not installed
@@ -33,6 +34,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   python3 benchmarks/device_session.py --out "$out" --budget-s "${BUDGET:-300}" ${SESSION_ARGS:-} 2>&1 | tee "$out/session.log"
 else
   start=$(date +%s)
+  timeout 120 python3 benchmarks/cache_gpu.py --out "$out" 2>&1 | tee "$out/cache.log"
   timeout 90 python3 benchmarks/mods_gpu.py --out "$out" 2>&1 | tee "$out/mods_gpu.log"
   timeout 60 python3 benchmarks/masks_gpu.py --out "$out" 2>&1 | tee "$out/masks_gpu.log"
   left=$(( ${BUDGET:-240} - ($(date +%s) - start) ))

@@ -1,4 +1,4 @@
-"""`python -m fa_numba compare | sweep | profile` (also installed as `fa-numba`).
+"""`python -m fa_numba compare | sweep | profile | cache` (also installed as `fa-numba`).
 
 compare: every registered kernel on the same random inputs, side by side (see fa_numba.compare), with no
          mask, --causal, or any block mask (--mask window:128,0, documents:100,300,...; masks.parse).
@@ -6,6 +6,7 @@ sweep:   compare over a list of sizes (and head dims, causal on/off, or one --ma
          stderr, CSV/JSON, and optional plots (matplotlib, the `plot` extra): HBM bytes vs N and the tile
          map of the mask swept (causal without one).
 profile: the static profile of every kernel from its sm_90 SASS, compiled on the CPU (fa_numba.profile).
+cache:   where compiled kernels are kept on disk and how much (kernels.disk_cache); --clear removes them.
 Exit codes: 0 all checks passed, 1 a variant failed its check, 2 bad arguments (with usage, one line naming
 the option, no traceback; output paths are checked before anything runs).
 """
@@ -159,6 +160,11 @@ def parser() -> argparse.ArgumentParser:
                         "so), PNG or PDF (default: none)")
     sub.add_parser("profile", add_help=False,  # listed here; main() hands its arguments to fa_numba.profile
                    help="static profile of every kernel from its sm_90 SASS (no GPU needed; see fa_numba.profile)")
+    k = sub.add_parser("cache", help="where compiled kernels are kept on disk, and their size",
+                       description="Compiled kernels are kept on disk (on a GPU) so that a new process launches what "
+                                   "an earlier one compiled; FA_NUMBA_CACHE_DIR moves the folder, FA_NUMBA_CACHE=0 "
+                                   "turns the cache off.")
+    k.add_argument("--clear", action="store_true", help="remove every cached kernel (default: only report)")
     top.set_defaults(usage_of={"compare": c, "sweep": s})  # errors found after parsing show the subcommand's usage
     return top
 
@@ -403,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return profile.main(argv[1:])
     args = parser().parse_args(argv)
+    if args.command == "cache":
+        return _run_cache(args)
     top = args.usage_of[args.command]  # its .error prints the subcommand's usage line and exits with 2
     if args.heads_kv and args.heads % args.heads_kv:
         top.error(f"argument --heads-kv: {args.heads_kv} must divide --heads ({args.heads})")
@@ -418,6 +426,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         return _run_compare(args, top, _given(argv))
     return _run_sweep(args, top)
+
+
+def _run_cache(args) -> int:
+    from fa_numba.kernels import disk_cache
+
+    root = disk_cache.cache_root()
+    if args.clear:
+        print(f"removed {disk_cache.clear()} files from {root}")
+        return 0
+    files, size = disk_cache.size()
+    off = disk_cache.why_off()
+    print(f"kernel cache: {root} ({files} files, {size / 2**20:.1f} MiB)")
+    print(f"this code's folder: {disk_cache.generation()}")
+    print("caching: on" if off is None else f"caching: off here ({off})")
+    return 0
 
 
 def _option(dest: str) -> str:

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from numba import cuda, float32, uint64 as u64
 
 from fa_numba import backend, banks, warp
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.block_lists import LIST_FORMS, PAIR_FORMS
 from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, ValueDim,
                                      check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
@@ -690,7 +691,7 @@ class CompiledBackward(CompiledKernel):
     def __init__(self, config: BackwardConfig):
         self.config = config
         self.source = SOURCES[config.kind](config)
-        self.kernel = cuda.jit(self.source)
+        self.kernel = disk_cache.jit(self.source)
 
     def launch_shape(self, batch, heads, n_rows):
         """Grid and block for `heads` heads (query heads for preprocess and q, K/V heads for kv and zero)

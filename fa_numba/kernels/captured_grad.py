@@ -32,6 +32,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from fa_numba import backend
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.block_lists import PAIR_FORMS
 from fa_numba.kernels.common import NEG_INF, ZERO, to_f32
 from fa_numba.kernels.mask_mod import mask_slice, pair_visible
@@ -119,10 +120,10 @@ def make_accumulate(kmod: KernelMod, which: int, cg, head_dim: int, causal: bool
             else:
                 error[0] = 1
 
-    return cuda.jit(accumulate)
+    return disk_cache.jit(accumulate)
 
 
-@cuda.jit
+@disk_cache.jit
 def reduce_rows(work, rows, total):
     """total[e] += work[0, e] + ... + work[rows - 1, e], in that order (one thread per entry e)."""
     e = cuda.grid(1)

@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda, uint16, uint32
 
 from fa_numba import backend
+from fa_numba.kernels import disk_cache
 
 THREADS = 256
 MAX_BLOCKS = 4096
@@ -26,13 +27,13 @@ MAX_BLOCKS = 4096
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    @cuda.jit
+    @disk_cache.jit
     def to_f16(src, dst):
         start = cuda.grid(1)
         for i in range(start, src.size, cuda.gridsize(1)):
             dst[i] = src[i]  # the store converts: float32 -> float16, round to nearest even
 
-    @cuda.jit
+    @disk_cache.jit
     def to_bf16_bits(bits, dst):
         start = cuda.grid(1)
         for i in range(start, bits.size, cuda.gridsize(1)):
@@ -42,7 +43,7 @@ def _kernels():
             else:
                 dst[i] = uint16((u + uint32(0x7FFF) + ((u >> 16) & uint32(1))) >> 16)
 
-    @cuda.jit
+    @disk_cache.jit
     def copy4(src, dst):  # unsigned-integer views: a bit copy, 0 is +0.0 in every float type
         start = cuda.grid(1)
         n1, n2, n3 = dst.shape[1], dst.shape[2], dst.shape[3]

@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda, float32
 
 from fa_numba import backend
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.block_lists import LIST_FORMS, MASK_FORMS, mask_arrays, mask_types
 from fa_numba.kernels.score_mod import NO_CAPTURED, KernelMod, tuple_type
 
@@ -174,7 +175,7 @@ class CompiledKernel:
     def __init__(self, config: Config, kernel_source):
         self.config = config
         self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
-        self.kernel = cuda.jit(self.source)
+        self.kernel = disk_cache.jit(self.source)
 
     def __call__(self, q, k, v, o, lse, scale, workspace=None, stream=0, mask=None, captured=NO_CAPTURED):
         """Launch on device arrays q, k, v (B, H, N, d), o (B, H, N_q, d) and lse (B, H, N_q), float32 outputs,

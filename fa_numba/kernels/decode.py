@@ -41,6 +41,7 @@ import numpy as np
 from numba import boolean, cuda, float32
 
 from fa_numba import backend
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.common import NEG_INF, ZERO, check_grid, log_sum_exp, output
 from fa_numba.kernels.engine import GUARD_MARKED, GUARD_NONE, make_engine
 from fa_numba.kernels.layout import Layout
@@ -231,7 +232,7 @@ def rows_alive(lohi, b, r):
     return lohi[b, r, 0] < lohi[b, r, 1]
 
 
-@cuda.jit
+@disk_cache.jit
 def append_kv(cache, new, starts, table):
     """cache[page of position starts[b] + t, h, its row, :] = new[b, h, t, :]: grid (B H_kv, N_new), a thread
     per feature. The positions a call appends never overlap (each request's own pages, checked on the host)."""
@@ -262,12 +263,12 @@ def append(cache, new, starts, table, stream=0) -> None:
 
 @functools.lru_cache(maxsize=None)
 def make_split(layout: Layout):
-    return cuda.jit(split_source(layout))
+    return disk_cache.jit(split_source(layout))
 
 
 @functools.lru_cache(maxsize=None)
 def make_combine(threads: int):
-    return cuda.jit(combine_source(threads))
+    return disk_cache.jit(combine_source(threads))
 
 
 def combine_threads(head_dim: int) -> int:

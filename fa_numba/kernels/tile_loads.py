@@ -61,7 +61,8 @@ def chunked(fetch, put, steps, chunk):
     V's 16 loads a chunk, 53 branches, v2 d = 256 float16."""
     calls = "".join(f"    fetch(src, b, h, row0, rows, values, tid, {first})\n"
                     f"    put(values, smem, off, tid, {first})\n" for first in range(0, steps, chunk))
-    namespace = {"fetch": fetch, "put": put, "cuda": cuda, "float32": float32, "CHUNK": chunk}
+    namespace = {"fetch": fetch, "put": put, "cuda": cuda, "float32": float32, "CHUNK": chunk,
+                 "__name__": __name__}  # the function's module: this one
     exec("def load(src, b, h, row0, rows, smem, off, tid):\n"  # our own text: the chunks' calls
          f"    values = cuda.local.array(CHUNK, float32)\n{calls}", namespace)
     return cuda.jit(device=True, inline=True)(namespace["load"])

@@ -75,6 +75,7 @@ import numpy as np
 
 from numba import cuda, float32
 
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.block_lists import LIST_FORMS, kernel_mask, mask_arrays, mask_types
 from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.backward_dq import dq_products16, dq_source
@@ -246,7 +247,7 @@ class MmaBackwardKernel:
             self.source = dq_source(config, (dq_products_tf32 if config.float32 else dq_products16)(config))
         else:
             self.source = kv_source(config, (kv_products_tf32 if config.float32 else kv_products16)(config))
-        self.kernel = cuda.jit(self.source)
+        self.kernel = disk_cache.jit(self.source)
         self.GRID_AXES = (("ceil(N_k / block_k)", "batch * heads_kv") if config.role == "kv"
                           else ("ceil(N_q / block_q)", "batch * heads"))
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from numba import cuda, float32
 
 from fa_numba import backend, warp
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.common import NEG_INF, ZERO, log_sum_exp, output
 from fa_numba.kernels.mma.engine import KINDS, MAX_HEAD_DIM, SHARED_LIMIT, MmaConfig, make_ops
 from fa_numba.kernels.mma.staging import aligned16
@@ -283,7 +284,7 @@ def split_source(split: DecodeSplit, partial_tiles: bool = True):
 
 @functools.lru_cache(maxsize=None)
 def make_split(split: DecodeSplit):
-    return cuda.jit(split_source(split))
+    return disk_cache.jit(split_source(split))
 
 
 def argtypes():

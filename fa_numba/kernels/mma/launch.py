@@ -8,6 +8,7 @@ from __future__ import annotations
 from numba import cuda, float32
 
 from fa_numba import backend
+from fa_numba.kernels import disk_cache
 from fa_numba.kernels.block_lists import mask_arrays, mask_types
 from fa_numba.kernels.mma.engine import MmaConfig
 from fa_numba.kernels.mma.staging import aligned16
@@ -30,11 +31,11 @@ class MmaKernel:
         self.source = kernel_source(config)  # the Python function, compiled again by fa_numba.profile
         self.max_registers = self.register_cap(self.config)  # fa_numba.profile compiles with it too
         cap = {"max_registers": self.max_registers} if self.max_registers and backend.name() == "gpu" else {}
-        self.kernel = cuda.jit(self.source, **cap)  # the simulator has no registers (nor the option)
+        self.kernel = disk_cache.jit(self.source, **cap)  # the simulator has no registers (nor the option)
         # strided views (layout "A") take a build of their own without the cap, since a dispatcher's cap holds for
         # all its builds: the causal d = 64 one spills 8 / 12 bytes capped at 168 and takes 168 without spills
         # uncapped (ptxas allocates otherwise under -maxrregcount; sm_90a, 2026-12-04)
-        self.kernel_for_views = cuda.jit(self.source) if cap else self.kernel
+        self.kernel_for_views = disk_cache.jit(self.source) if cap else self.kernel
 
     @staticmethod
     def register_cap(config: MmaConfig) -> int | None:

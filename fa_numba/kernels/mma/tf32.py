@@ -79,7 +79,7 @@ def unrolled(n: int, step):
     calling run_i-1, then step) took time quadratic in n to compile, where this body costs n copies of step: the
     3xTF32 v1-mma build at d = 64 compiled in 137 s chained, 52 s flat, to the same SASS (2026-12-04, 2 cores)."""
     calls = "".join(f"    step({i}, a, b, c, d, e)\n" for i in range(n))
-    namespace = {"step": step}
+    namespace = {"step": step, "__name__": __name__}  # the function's module: this one
     exec(f"def run(a, b, c, d, e):\n{calls}    return None\n", namespace)  # our own text: n lines of step calls
     return cuda.jit(device=True, inline=True)(namespace["run"])
 
