@@ -4,10 +4,11 @@ The SASS tests compile for sm_90a on the CPU in a subprocess with the real numba
 chosen in this one) and need nvdisasm (the `profile` extra, installed by CI): without it they skip.
 
 Two tiers. The default run tests the parsing and the arithmetic on hand-written input and small kernels; the
-slow tier (deselected by default, `.ci/run`'s second pytest invocation, `python -m pytest -m slow`) compiles the
-whole table of shipped configurations once (100 today, 19 min 48 s on 2 cores on 2026-12-04), in a process of its own
-that prints a line per configuration, and its tests read that table: every configuration sound, and
-`REPRESENTATIVES`, one configuration per kernel at its extreme, named with the reason it was chosen.
+default run also reads the committed SASS table of every shipped configuration
+(benchmarks/results/sass_table_sm90a.json): made from today's kernel sources (their digest), complete, and every
+configuration sound. The slow tier (deselected by default, `.ci/run`'s second pytest invocation, `python -m
+pytest -m slow`) compiles `REPRESENTATIVES`, one configuration per kernel at its extreme, named with the reason
+it was chosen, and a 3xTF32 build, in a process of its own, and checks them against that table.
 """
 
 import json
@@ -21,7 +22,7 @@ import threading
 
 import pytest
 
-from fa_numba import profile, whole_kernel
+from fa_numba import profile, sources, whole_kernel
 from fa_numba.kernels import SIMT_VARIANTS, backward
 from fa_numba.kernels.common import SHARED_BYTES_LIMIT
 
@@ -205,9 +206,9 @@ def test_the_backward_visit_loads_its_tiles_at_immediate_offsets():
     assert len(found["bases"]) <= 3, found
 
 
-# One configuration per registered kernel for the default run, each the one most likely to break what the
-# SASS tests check (spills, float64, the 48 KB shared-memory budget): its kernel's largest register count or
-# shared memory in the last whole table (benchmarks/results/profile_sm90_2026-11-29.json). Together they cover
+# One configuration per registered kernel for the slow tier's live compile, each the one most likely to break
+# what the SASS tests check (spills, float64, the 48 KB shared-memory budget): its kernel's largest register
+# count or shared memory in the committed table (benchmarks/results/sass_table_sm90a.json). Together they cover
 # every head dim, dtype and causal setting (the profile's masked form: PARTIAL tiles masked in the kernel),
 # which test_the_representatives_cover_every_kernel_and_setting checks against profile.configurations().
 REPRESENTATIVES = [
@@ -284,14 +285,38 @@ def _compile(pytestconfig, argv, timeout):
         return code, out.read(), "".join(errors)
 
 
+def _committed() -> dict:
+    return json.loads(profile.SHIPPED_TABLE.read_text())
+
+
+# The 3xTF32 family (float32 on tensor cores) is not among REPRESENTATIVES' dtypes of their kernels: its
+# cheapest build joins the slow tier's live compile, so every kernel family and dtype class is compiled there.
+LIVE_EXTRAS = [dict(variant="bwd-kv-mma", head_dim=64, dtype="float32", causal=False)]
+
+
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory, pytestconfig):
-    path = tmp_path_factory.mktemp("profile") / "profile.json"
-    code, table, errors = _compile(pytestconfig, ["-m", "fa_numba.profile", "--no-estimate", "--json", str(path)],
-                                   timeout=3600)  # the SASS of every configuration; the estimate is tested below
-    assert code == 0, errors[-4000:]
-    sys.stderr.write(table)  # the table, shown with -s or on failure
-    return json.loads(path.read_text())
+def representatives(pytestconfig):
+    """REPRESENTATIVES and LIVE_EXTRAS compiled now, in a process with the real numba.cuda (two at a time)."""
+    configs = [c for c in list(profile.configurations())
+               if any(all(c.get(k) == v for k, v in want.items()) for want in
+                      [w for w, _ in REPRESENTATIVES] + LIVE_EXTRAS)]
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, str(HERE / "profile_configs.py"), json.dumps(configs)],
+                                env=REAL_CUDA, stdout=out, stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+        errors = []
+        timer = threading.Timer(3600, proc.kill)  # a hung compile fails the test instead of the whole run
+        timer.start()
+        try:
+            for line in proc.stderr:
+                errors.append(line)
+                if line.startswith("["):
+                    _say(pytestconfig, ("\n" if line.startswith("[1/") else "") + f"sm_90a profile {line.rstrip()}")
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        assert code == 0, "".join(errors)[-4000:]
+        out.seek(0)
+        return configs, json.loads(out.read())
 
 
 def _assert_sound(profiles):
@@ -351,18 +376,17 @@ def test_a_value_head_dim_is_profiled_on_the_kernels_that_take_it_natively():
     assert plain == [c for c in profile.configurations(head_dims=(128,))]
 
 
-@pytest.mark.slow  # read from the shipped table's compiles (it compiled them in a process of its own before)
-@NEEDS_NVDISASM
-def test_representative_configurations_compile_without_spills_or_float64(shipped):
-    configs = _representative_configurations()
-    profiles = [p for c in configs for p in shipped["profiles"] if p["config"] == {**p["config"], **c}]
-    assert [{k: p["config"][k] for k in configs[0]} for p in profiles] == configs
-    _assert_sound(profiles)
+def test_the_committed_sass_table_was_made_from_todays_kernel_sources():
+    """benchmarks/results/sass_table_sm90a.json carries the digest of the sources it was compiled from: a
+    change to a kernel (or to any module a kernel build imports) fails here until the table is made again."""
+    assert _committed()["sources"] == sources.kernel_digest(), (
+        "the kernel sources changed since the committed SASS table was made: run `python -m fa_numba profile "
+        f"--no-estimate --json {profile.SHIPPED_TABLE.relative_to(HERE.parent)}` (docs/testing.md gives its time) "
+        "and commit the table")
 
 
-@pytest.mark.slow
-@NEEDS_NVDISASM
-def test_every_shipped_configuration_is_profiled(shipped):
+def test_every_shipped_configuration_is_in_the_committed_table():
+    table = _committed()
     configs = list(profile.configurations())
     heads = len(profile.SHIPPED_HEAD_DIMS)
     # CUDA-core forwards at both dtypes, tensor-core ones at d <= 128 only (the forwards at float16, and float32 by
@@ -372,14 +396,30 @@ def test_every_shipped_configuration_is_profiled(shipped):
     expected = ((len(SIMT_VARIANTS) * 2 * heads + len(whole_kernel.MMA_KERNELS) * mma_heads
                  + len(backward.VARIANTS) * heads + mma_heads) * 2
                 + len(whole_kernel.MMA_VARIANTS) * mma_heads)  # float32 tensor-core forwards: non-causal only
-    assert len(shipped["profiles"]) == len(configs) == expected
-    assert [{k: p["config"][k] for k in configs[0]} for p in shipped["profiles"]] == configs
+    assert len(table["profiles"]) == len(configs) == expected
+    assert [{k: p["config"][k] for k in configs[0]} for p in table["profiles"]] == configs
+
+
+def test_no_committed_configuration_spills_uses_float64_or_exceeds_the_shared_budget():
+    _assert_sound(_committed()["profiles"])
 
 
 @pytest.mark.slow
 @NEEDS_NVDISASM
-def test_no_spills_no_float64_and_shared_memory_within_budget(shipped):
-    _assert_sound(shipped["profiles"])
+def test_representative_configurations_compile_as_the_committed_table_says(representatives):
+    """REPRESENTATIVES (one per kernel, each at its extreme) and a 3xTF32 build, compiled here: sound, and,
+    under the numba-cuda version the table was made with, the table's registers, spills, stack and shared memory
+    (the digest test guards the sources; this one the toolchain and the table's making)."""
+    configs, live = representatives
+    assert len(live) == len(REPRESENTATIVES) + len(LIVE_EXTRAS)
+    _assert_sound(live)
+    table = _committed()
+    if table["numba_cuda"] != profile._numba_cuda_version():
+        return  # another compiler: the soundness above is what holds across versions
+    keys = ("registers", "spill_stores", "spill_loads", "stack", "smem")
+    for cfg, p in zip(configs, live):
+        (entry,) = [e for e in table["profiles"] if all(e["config"][k] == v for k, v in cfg.items())]
+        assert {k: p[k] for k in keys} == {k: entry[k] for k in keys}, cfg
 
 
 @pytest.mark.slow
