@@ -4,7 +4,9 @@ A compiled kernel (its SASS, registers, shared memory) and everything derived fr
 SASS table, traced wavefronts) is a function of the code the compile imports. `closure` follows the package's
 imports statically (every `import` and `from ... import` of `fa_numba`, at module level or inside a function)
 from a few root modules, so a module added later is covered without a list to keep; `digest` hashes those
-files' names and bytes. The top-level `fa_numba/__init__.py` only re-exports the user API and is left out.
+files' names and bytes. The performance model's modules (`MODEL`) read the SASS and change no binary: they
+are left out, so an edit to the model keeps the key (the committed SASS table's figures derived by the
+model, its counts and hot-loop bound, are then the previous model's until the table is made again). The top-level `fa_numba/__init__.py` only re-exports the user API and is left out.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {name for name in found if name.split(".")[0] == TOP}
 
 
-def closure(roots) -> list[pathlib.Path]:
-    """Every package file reachable by imports from the root modules (dotted names or package folders)."""
+def closure(roots, stop=()) -> list[pathlib.Path]:
+    """Every package file reachable by imports from the root modules (dotted names or package folders),
+    not following the modules named in `stop` (nor reaching them)."""
+    stopped = {_file_of(name) for name in stop}
     todo = []
     for root in roots:
         folder = PACKAGE.joinpath(*root.split(".")[1:])
@@ -64,7 +68,7 @@ def closure(roots) -> list[pathlib.Path]:
     seen: set[pathlib.Path] = set()
     while todo:
         path = todo.pop()
-        if path is None or path in seen or path == PACKAGE / "__init__.py":
+        if path is None or path in seen or path in stopped or path == PACKAGE / "__init__.py":
             continue
         seen.add(path)
         todo += [_file_of(name) for name in _imports(path)]
@@ -81,11 +85,14 @@ def digest(paths) -> str:
     return h.hexdigest()[:16]
 
 
-# What a compiled kernel and its static profile depend on: every kernel (CUDA-core and tensor-core), the warp
-# primitives, and the profile's own build and reading of the SASS.
+# What a compiled kernel depends on: every kernel (CUDA-core and tensor-core), the warp primitives, and the
+# profile's build of a configuration (its tiles, its compile through the launch path).
 KERNEL_ROOTS = ("fa_numba.kernels", "fa_numba.warp", "fa_numba.profile")
+# The performance model reads the SASS but never changes it: an edit to it leaves every binary as it was.
+MODEL = ("fa_numba.whole_kernel", "fa_numba.cycle_model", "fa_numba.profile_estimate", "fa_numba.machine",
+         "fa_numba.decode_estimate")
 
 
 def kernel_digest() -> str:
-    """The digest of every file a kernel build or its static profile imports (`KERNEL_ROOTS`' closure)."""
-    return digest(closure(KERNEL_ROOTS))
+    """The digest of every file a kernel build imports (`KERNEL_ROOTS`' closure, the model's modules left out)."""
+    return digest(closure(KERNEL_ROOTS, stop=MODEL))

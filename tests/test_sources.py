@@ -13,11 +13,15 @@ def _names(paths):
 
 def test_the_closure_follows_imports_inside_functions_and_relative_ones():
     """profile imports profile_estimate at module level and the kernels inside its functions (`_build`); every
-    module under kernels/ and warp/ is a root; the user API, which no kernel imports, is not a kernel source."""
+    module under kernels/ and warp/ is a root; the user API, which no kernel imports, is not a kernel source;
+    the kernel digest's closure stops at the performance model, which reads the SASS and changes none."""
     found = _names(sources.closure(sources.KERNEL_ROOTS))
     assert {"profile.py", "profile_estimate.py", "kernels/mma/engine.py", "warp/ptx.py", "backend.py",
             "tiling.py", "tile_counts.py", "machine.py"} <= found
     assert not {"api.py", "cli.py", "dropins.py", "__init__.py"} & found
+    kernels = _names(sources.closure(sources.KERNEL_ROOTS, stop=sources.MODEL))
+    assert {"profile.py", "kernels/mma/engine.py", "sass.py"} <= kernels  # the build, and reading its SASS
+    assert not {"whole_kernel.py", "cycle_model.py", "machine.py", "profile_estimate.py"} & kernels  # the model
     only_tiling = _names(sources.closure(["fa_numba.tiling"]))
     assert only_tiling == {"tiling.py", "tile_counts.py", "shapes.py"}, only_tiling
 
