@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 
 from fa_numba import arguments, sources, whole_kernel
-from fa_numba.profile_estimate import WIDTH_AGREEMENT, attach_estimates, finish_wavefronts, start_wavefronts
+from fa_numba.profile_estimate import LEGEND, attach_estimates, finish_wavefronts, start_wavefronts
 from fa_numba.machine import H200, SM90, Device, Limits  # noqa: F401 - profile.Device etc.
 from fa_numba.sass import (CATEGORIES, LSU_CATEGORIES, Instruction, Loop,  # noqa: F401 - profile.Loop etc.
                            float64_instructions, hot_loops, innermost_loops, parse_sass)
@@ -560,14 +560,7 @@ def main(argv=None) -> int:
           f"({H200.sms} SMs, {H200.clock_ghz} GHz, FP32 peak {H200.peak_fp32_tflops:.1f} TFLOP/s, dense 16-bit "
           f"tensor peak {H200.peak_tensor_tflops:.0f} at this clock)")
     print(table(profiles))
-    print("estimate = the whole-kernel model (fa_numba.cycle_model: one tile-loop iteration's issue, shared-memory "
-          "wavefronts, MUFU and load latency on one SM, whole blocks and waves, HBM); model = its limiter. "
-          "hot-loop = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in the matrix-product loops only x "
-          "scheduler fill, which overstates (CUDA-core kernels only; '-' for the tensor-core ones, whose estimate "
-          "adds the tensor-core term: 4 cycles per mma.sync m16n8k16 at the dense peak). ?: the traced shared-memory accesses differ from the SASS's by over "
-          f"{WIDTH_AGREEMENT:.0%} (their widths were guessed otherwise), so the shared term is uncertain. ~: a "
-          "causal tensor-core kernel priced by its non-causal build's FULL-tile iteration (its PARTIAL tiles' extra "
-          "masking not counted). Both are read from the code, neither is a measurement.")
+    print(LEGEND)
     print(f"({len(profiles)} configurations in {time.perf_counter() - start:.0f} s)", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:

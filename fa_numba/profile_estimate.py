@@ -43,9 +43,10 @@ def _traced_config(cfg: dict) -> dict:
 
 def wavefront_cache() -> pathlib.Path:
     """Where traced wavefronts are kept between runs: one file per version of the code that decides them (the
-    kernels, mma/ included, the tracer, the warp emulation, the bank rule and every package module they
-    import but the model's: `sources.closure`), so an edit to any of them traces again."""
-    key = sources.digest(sources.closure(("fa_numba.kernels", "fa_numba.warp", "fa_numba.banks"), stop=sources.MODEL))
+    kernels, mma/ included, the tracers, the warp emulation, the bank rule and every package module they
+    import but the model's: `sources.closure`, and this module), so an edit to any of them traces again."""
+    traced = sources.closure(("fa_numba.kernels", "fa_numba.warp", "fa_numba.banks"), stop=sources.MODEL)
+    key = sources.digest([*traced, pathlib.Path(__file__).resolve()])  # this module holds the global tracer
     root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
     return root / "fa_numba" / f"wavefronts-{key}-v{TRACE_VERSION}.json"
 
@@ -258,6 +259,17 @@ def main(argv=None) -> int:
 # be the SASS's LDS + STS per iteration times the warps, or the tracer priced other accesses than the
 # compiler made (it merged what ptxas left scalar, or the reverse): the table then marks the estimate "?".
 WIDTH_AGREEMENT = 0.05
+
+# What the table's estimate columns mean (printed under `python -m fa_numba profile`'s table).
+LEGEND = ("estimate = the whole-kernel model (fa_numba.cycle_model: one tile-loop iteration of the resident blocks "
+          "as a closed queueing network over the sub-partitions' busiest pipe, shared-memory wavefronts and L1 "
+          "lines, with each block's own dependence walk and load round trips as its delay; whole blocks and "
+          "waves, HBM); model = its limiter. hot-loop = peak x min(FFMA/issued, FFMA/(4 x LDS+STS+LDL+STL)) in "
+          "the matrix-product loops only x scheduler fill, which overstates (CUDA-core kernels only; '-' for the "
+          "tensor-core ones, whose estimate prices each mma.sync at 6 cycles, about 2/3 of the dense peak). ?: "
+          f"the traced shared-memory accesses differ from the SASS's by over {WIDTH_AGREEMENT:.0%} (their widths "
+          "were guessed otherwise), so the shared term is uncertain. Read from the code, calibrated against the "
+          "GPU's rows (tests/test_calibration.py), never a measurement.")
 
 
 def _full_tile_counts(profiles: list) -> dict:

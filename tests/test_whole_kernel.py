@@ -4,7 +4,7 @@ rule covers, counted once and listed; and the products check that withholds an e
 
 import pytest
 
-from fa_numba import whole_kernel
+from fa_numba import machine, whole_kernel
 from sass_listing import listing as _listing
 
 CFG = dict(variant="v2", block_q=4, block_k=4, head_dim=8, dtype="float32", causal=False)
@@ -126,12 +126,14 @@ def test_the_tile_loop_holds_every_hmma_not_the_smallest_loop_with_one():
         whole_kernel.mma_iteration_counts(outside, MMA_CFG, d_pad=16)
 
 
-def test_a_tensor_core_estimate_charges_four_cycles_per_hmma():
+def test_a_tensor_core_estimate_charges_six_cycles_per_hmma_and_their_chain():
     counts = whole_kernel.mma_iteration_counts(_mma_kernel(*[HMMA] * 4), MMA_CFG, d_pad=16)
     found, _ = whole_kernel.estimate_configuration(MMA_CFG, counts, {"blocks_per_sm": 8}, (4, 1), (32, 1, 1), 0.0,
                                                    dict(batch=1, heads=1, n=64))
-    # 4 blocks on 132 SMs: one each, one warp: its 4 HMMA x 4 cycles on one tensor core, over 5 / 1 issue cycles
-    assert found.cycles["tensor"] == 16 and found.cycles["issue"] == 5 / 4 and found.limiter == "tensor"
+    # 4 blocks on 132 SMs: one each, one warp: its 4 HMMA x 6 cycles on one tensor core (mma.sync at 2/3 of the
+    # dense peak), over 5 / 4 issue cycles; the four feed one accumulator, a chain of 4 mma.sync latencies
+    assert found.cycles["tensor"] == 24 and found.cycles["issue"] == 5 / 4
+    assert found.cycles["latency"] == 4 * machine.PIPES["tensor"].latency and found.limiter == "latency"
 
 
 def test_a_value_head_dim_weighs_the_products_over_d_v_and_counts_their_useful_flops():
