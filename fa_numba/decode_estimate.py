@@ -148,8 +148,9 @@ def render(compiled: dict, rows: list[dict]) -> str:
              f"{c.get('pipelined_waits', 0):.0f} pipelined waits; "
              f"{compiled['wavefronts']:.0f} wavefronts per block (SASS and trace agree: {compiled['agree']})"
              + (f"; unattributed loops {c['unattributed']}" if c["unattributed"] else ""),
-             "", "cycles: per tile-loop iteration of the resident blocks of one SM, each limiter's (the largest sets "
-             "the time; hbm: the split kernel's bytes at 4.8 TB/s spread over the iterations)",
+             "", "cycles: per tile-loop iteration of the resident blocks of one SM, each term's (the model's queueing "
+             "network combines them, fa_numba.cycle_model; hbm: the split kernel's bytes at 4.8 TB/s spread over "
+             "the iterations)",
              f"{'B':>3} {'N_k':>7} {'splits':>6} {'blocks':>6} {'time (us)':>10} {'HBM share':>9} {'limiter':<8} "
              f"{'issue':>7} {'shared':>7} {'latency':>7} {'hbm':>7}  latency charged"]
     for r in rows:
