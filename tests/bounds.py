@@ -37,6 +37,14 @@ def gamma(n: int, u: float = U64) -> float:
     return tolerance.gamma(n, u)
 
 
+def dot_bound(magnitude, n: int):
+    """Bound on |computed - exact| of a sum of n products a_j b_j evaluated in any order (index order, reversed,
+    a balanced tree, BLAS's blocks, fused multiply-adds): gamma(n) sum_j |a_j b_j| (Higham (3.5): each product
+    is rounded at most once and each term meets at most n - 1 additions), plus one half subnormal per rounding
+    below the normal range. magnitude = sum_j |a_j b_j| (e.g. |a| @ |b|), any shape."""
+    return gamma(n) * np.asarray(magnitude, float) + 2 * n * UNDERFLOW
+
+
 def factor(exps, ops, gap):
     """Bound on |theta| for a term through `exps` exponentials, `ops` roundings, exponent arguments of total size gap."""
     return (1 + EXP) ** np.asarray(exps, float) * (1 + U64) ** np.asarray(ops, float) * np.exp(U64 * np.asarray(gap)) - 1
@@ -116,10 +124,72 @@ def softmax_bound(scores, values, exps: int, ops: int, sigma=None):
     return np.where(nonempty[..., None], out_bound + slack, 0.0), np.where(nonempty, lse_bound + slack, 0.0)
 
 
-def attention_bound(q, k, v, *, causal: bool, counts: tuple[int, int], scale: float | None = None, mask=None):
+def merge_bound(lse, o, lse_err=0.0, out_err=0.0):
+    """Bounds (out (rows, D), lse (rows,)) on |computed - exact| of merging S normalised states (LSE_s, 1, O_s)
+    by any fold or tree of online-softmax merges (`split_kv.combine`, the ring's merge), each LSE_s and O_s
+    itself within lse_err_s and out_err_s of its exact value: lse (S, rows), -inf for a state with no key;
+    o (S, rows, D); the errors broadcast against them.
+
+    The merged O = sum_s pi_s O_s and LSE = log sum_s e^{LSE_s}, pi_s = e^{LSE_s - LSE}. Each state's weight
+    passes through at most S exps and 2 S other roundings, final division included (`online_counts(S)`; its
+    exponent arguments telescope to M - LSE_s): softmax_bound over the states. The inputs' errors move O by
+    sum_s pi_s (|O_s - O| lse_err_s + out_err_s) and LSE by sum_s pi_s lse_err_s to first order (softmax_bound's
+    sigma term is the part from lse_err)."""
+    lse = np.asarray(lse, float)
+    o = np.asarray(o, float)
+    splits = lse.shape[0]
+    lse_err = np.broadcast_to(np.asarray(lse_err, float), lse.shape)
+    out_err = np.broadcast_to(np.asarray(out_err, float), o.shape)
+    scores, values = np.moveaxis(lse, 0, -1), np.moveaxis(o, 0, -2)  # (rows, S), (rows, S, D)
+    out_bound, lse_bound = softmax_bound(scores, values, *online_counts(splits), sigma=np.moveaxis(lse_err, 0, -1))
+    top = np.where(np.isfinite(scores), scores, -np.inf).max(axis=-1, keepdims=True)
+    w = np.where(np.isfinite(scores), np.exp(scores - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    pi = np.divide(w, w.sum(axis=-1, keepdims=True), where=w.sum(axis=-1, keepdims=True) > 0, out=np.zeros_like(w))
+    return out_bound + (pi[..., None] * np.moveaxis(out_err, 0, -2)).sum(axis=-2), lse_bound
+
+
+def input_rel(scores, values, sigma=None) -> float:
+    """The largest relative error, against its magnitude, of the inputs a restated rule term is made of, in one
+    dense float64 evaluation: every visible P_ij (softmax_bound with the identity for values, against P_ij) and
+    every O_ix (softmax_bound, against sum_j P_ij |V_jx|). scores (..., n), -inf where masked; values (..., n, D)
+    broadcastable; sigma: the scores' rounding, if they are not exact."""
+    s = np.asarray(scores, float)
+    n = s.shape[-1]
+    p_err, _ = softmax_bound(s, np.eye(n), *dense_counts(n), sigma=sigma)
+    o_err, _ = softmax_bound(s, values, *dense_counts(n), sigma=sigma)
+    visible = np.isfinite(s)
+    top = np.where(visible.any(axis=-1), np.where(visible, s, -np.inf).max(axis=-1), 0.0)[..., None]
+    w = np.where(visible, np.exp(np.where(visible, s, 0.0) - top), 0.0)
+    l = w.sum(axis=-1, keepdims=True)
+    p = np.divide(w, l, where=l > 0, out=np.zeros_like(w))
+    magnitude = (p[..., None] * np.abs(np.asarray(values, float))).sum(axis=-2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel_p = np.where(p > 0, p_err / p, 0.0)
+        rel_o = np.where(magnitude > 0, o_err / magnitude, 0.0)
+    return float(max(rel_p.max(initial=0.0), rel_o.max(initial=0.0)))
+
+
+def restated_bound(magnitude, rel: float, degree: int, ops: int):
+    """abs for comparing a rule term with its restatement, two float64 evaluations of one expression made of
+    inputs each side computes for itself: sums and products of P_ij, |O_ix|, |partial sums of P V| (at most
+    `degree` of them in one product), each within rel of its magnitude (input_rel), and each side's own
+    arithmetic at most `ops` roundings per term. A product of degree factors each off by rel relative to its
+    magnitude is off by at most degree rel (first order) times the product of the magnitudes; the roundings
+    add gamma(ops) of it; so each side is within (degree rel + gamma(ops)) magnitude of the exact term, where
+    `magnitude` is the expression evaluated with every input replaced by its magnitude (|O| by sum_j P_j |V_j|,
+    |a partial sum| by the sum of its terms' absolute values). Two sides: twice that."""
+    return 2 * (degree * rel + gamma(ops)) * np.asarray(magnitude, float)
+
+
+def attention_bound(q, k, v, *, causal: bool, counts: tuple[int, int], scale: float | None = None, mask=None,
+                    bias=None, score_ops: int | None = None):
     """Bounds (out (B, H, N_q, d), lse (B, H, N_q)) on |computed - exact| of one float64 evaluation of attention
     (4-D q, k, v) in an order with the given per-term `counts` (exps, ops), score rounding included; `mask`
-    a `fa_numba.masks` mask (not with causal=True)."""
+    a `fa_numba.masks` mask (not with causal=True). bias: an additive score mod (ALiBi's slope (j - i)), the
+    same bits on every side, broadcast against (B, H, N_q, N_k): one more rounding of each score,
+    sigma' = (1 + U64) sigma + U64 |S + bias|. score_ops: roundings of one score, d + 1 by default (the d-term
+    dot product and the product by scale); d + 2 for q . k / sqrt(d) (the quotient and 1 / fl(sqrt(d)) against
+    the scale fl(1 / fl(sqrt(d))))."""
     from fa_numba import reference
 
     q, k, v = (np.asarray(x, float) for x in (q, k, v))
@@ -128,16 +198,24 @@ def attention_bound(q, k, v, *, causal: bool, counts: tuple[int, int], scale: fl
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     s = scale * q @ np.swapaxes(k, -1, -2)
-    sigma = gamma(d + 1) * abs(scale) * (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2))
-    s = np.where(reference.visible_mask(q.shape[2], k.shape[2], causal, mask), s, -np.inf)
+    sigma = gamma(d + 1 if score_ops is None else score_ops) * abs(scale) * (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2))
+    if bias is not None:
+        s = s + bias
+        sigma = (1 + U64) * sigma + U64 * np.abs(s)
+    s = np.where(reference.visible_mask(q.shape[2], k.shape[2], causal, mask, q.shape[0], q.shape[1]), s, -np.inf)
     return softmax_bound(s, v[:, :, None], *counts, sigma=sigma)
 
 
-def assert_within(actual, expected, bound, name="value"):
-    """|actual - expected| <= bound entrywise, -inf and NaN patterns equal; reports the worst ratio."""
+def assert_within(actual, expected, bound, name="value", equal_nan: bool = False):
+    """|actual - expected| <= bound entrywise, -inf and NaN patterns equal; reports the worst ratio.
+    equal_nan: NaN is allowed where expected has NaN too (non-finite inputs), and +inf patterns must match."""
     actual, expected = np.asarray(actual, float), np.asarray(expected, float)
     np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected), err_msg=f"{name}: -inf pattern")
-    assert not np.isnan(actual).any(), f"{name}: NaN"
+    if equal_nan:
+        np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=f"{name}: NaN pattern")
+        np.testing.assert_array_equal(np.isposinf(actual), np.isposinf(expected), err_msg=f"{name}: +inf pattern")
+    else:
+        assert not np.isnan(actual).any(), f"{name}: NaN"
     finite = np.isfinite(expected)
     diff = np.abs(actual[finite] - expected[finite])
     bound = np.broadcast_to(bound, expected.shape)[finite]

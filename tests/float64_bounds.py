@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bounds import U64
+from bounds import EXP, U64, UNDERFLOW, dense_counts, gamma, softmax_bound
 from fa_numba import reference, shapes
 
 
@@ -110,3 +110,90 @@ def finite_difference_bounds(mag: Magnitudes, q, k, step: float):
     m3_k = m3_k.reshape(b, h // mag.group, mag.group, n_k, d).sum(axis=2)
     trunc = step**2 / 6
     return trunc * m3_q + rounding, trunc * m3_k + rounding, np.zeros_like(m3_k) + rounding
+
+
+def recomputed_p_rel(p, sigma, lse_err):
+    """Bound r_ij on the relative error of P_ij recomputed as fl(exp(fl(s_ij - LSE_i))) (`online_softmax.recompute_p`)
+    against the exact softmax P_ij of the exact scores, when the scores s are within sigma_ij (..., N_q, N_k) and
+    the LSE within lse_err_i (..., N_q) of their exact values:
+
+        p_ij = P_ij e^{ds - dl + t} (1 + e),  |ds| <= sigma_ij, |dl| <= lse_err_i, |e| <= EXP,
+        |t| <= U64 |s_ij - LSE_i| <= U64 (-log P_ij + sigma_ij + lse_err_i)   (the rounded exponent argument),
+
+    so r_ij = (1 + EXP) e^{a + U64 (-log P_ij + a)} - 1 with a = sigma_ij + lse_err_i. p: the softmax in float64,
+    standing for the exact P in the bound's own magnitudes (first order); r = 0 where p = 0 (masked or below the
+    subnormals: the comparisons add UNDERFLOW slack for those)."""
+    p = np.asarray(p, float)
+    with np.errstate(divide="ignore"):
+        gap = np.where(p > 0, -np.log(np.where(p > 0, p, 1.0)), 0.0)
+    a = np.where(p > 0, sigma + np.asarray(lse_err, float)[..., None], 0.0)
+    return (1 + EXP) * np.exp(a + U64 * (gap + a)) - 1
+
+
+def backward_bounds(q, k, v, dout, *, causal: bool = False, mask=None, scale: float | None = None, bias=None):
+    """Per-entry bounds (dq like q, dk like k, dv like v, ds (B, H, N_q, N_k)), all 4-D, on |computed - exact| of
+    one float64 evaluation of the gradients that recomputes its own forward: the reference's (P from its LSE,
+    D = dO . O) or autograd through a softmax (P = e / l saved by the forward, D = sum_j P_j dP_j, torch's SDPA
+    math path, which scales q and k by sqrt(scale) each). Two such evaluations, in any orders, are within the
+    sum of their bounds. First order, the magnitudes from the float64 values themselves; u = U64:
+
+    - scores: sigma = gamma(d + 4) |scale| sum_x |Q_ix| |K_jx| (d products and sums, two scalings, sqrt(scale)'s
+      own rounding); with an additive `bias` (an ALiBi-like score mod, the same bits on both sides, broadcast
+      against (B, H, N_q, N_k)) one more rounding, (1 + u) sigma + u |S + bias|;
+    - O and LSE: softmax_bound in the dense order, omega and lambda;
+    - P: relative rho = recomputed_p_rel(P, sigma, lambda) + (N_k + 2) u, which covers e / l too (its exp, the
+      N_k-term sum and the division, the scores' errors through sum_k P_k sigma_k <= lambda), plus 2 UNDERFLOW
+      absolute (a P below the normal range): E_P = P rho + 2 UNDERFLOW;
+    - dP = dO . V: gamma(d_v) A, A_ij = sum_x |dO_ix| |V_jx|; D: the larger of gamma(d_v) B_i + sum_x |dO_ix|
+      omega_ix (dO . O) and sum_j (E_P + P (gamma(N_k) + gamma(d_v))) A_ij (sum_j P dP);
+    - dS = P (dP - D): E_P |dP - D| + P (gamma(d_v) A + E_D) + gamma(2) |dS|;
+    - dV_j = sum_i P_ij dO_i over the N_q g rows of the group: sum_i E_P |dO| + gamma(N_q g + 1) sum_i P |dO|;
+      dQ_i = scale sum_j dS_ij K_j: |scale| (sum_j E_dS |K_j| + gamma(N_k + 4) sum_j |dS| |K_j|) (the N_k-term
+      sum, and K sqrt(scale), the product by sqrt(scale) and sqrt(scale)'s rounding twice on torch's path); dK
+      likewise over the N_q g rows, gamma(N_q g + 4).
+
+    Returns those four and |dS| (B, H, N_q, N_k), the magnitudes of the terms of a sum over dS (a score mod's
+    captured gradient).
+    """
+    from fa_numba import reference
+
+    q, k, v, dout = (np.asarray(x, float) for x in (q, k, v, dout))
+    batch, heads, n_q, d = q.shape
+    group = heads // k.shape[1]
+    n_k, d_v = k.shape[2], v.shape[-1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    k4, v4 = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    kt = np.swapaxes(k4, -1, -2)
+    s = scale * q @ kt
+    sigma = gamma(d + 4) * abs(scale) * (np.abs(q) @ np.abs(kt))
+    if bias is not None:
+        s = s + bias
+        sigma = (1 + U64) * sigma + U64 * np.abs(s)
+    visible = np.broadcast_to(reference.visible_mask(n_q, n_k, causal, mask, batch, heads), s.shape)
+    s = np.where(visible, s, -np.inf)
+    sigma = np.where(visible, sigma, 0.0)
+    omega, lam = softmax_bound(s, v4[:, :, None], *dense_counts(n_k), sigma=sigma)
+    top = np.where(visible.any(axis=-1), s.max(axis=-1), 0.0)[..., None]
+    w = np.where(visible, np.exp(s - top), 0.0)
+    l = w.sum(axis=-1, keepdims=True)
+    p = np.divide(w, l, where=l > 0, out=np.zeros_like(w))
+    out = p @ v4
+    rho = np.where(visible, recomputed_p_rel(p, sigma, lam) + (n_k + 2) * U64, 0.0)
+    p_err = np.where(visible, p * rho + 2 * UNDERFLOW, 0.0)  # a P below the normal range errs absolutely
+    a = np.abs(dout) @ np.swapaxes(np.abs(v4), -1, -2)
+    b = (np.abs(dout) * np.abs(out)).sum(axis=-1)
+    dp = dout @ np.swapaxes(v4, -1, -2)
+    big_d = (dout * out).sum(axis=-1)
+    e_d = np.maximum(gamma(d_v) * b + (np.abs(dout) * omega).sum(axis=-1),
+                     ((p_err + p * (gamma(n_k) + gamma(d_v))) * a).sum(axis=-1))
+    spread = np.abs(dp - big_d[..., None])
+    ds = p * spread
+    e_ds = p_err * spread + p * (gamma(d_v) * a + e_d[..., None]) + gamma(2) * ds
+    rows = n_q * group
+    grouped = (batch, k.shape[1], group, n_k)
+    pt, e_dst, dst = (np.swapaxes(x, -1, -2) for x in (p, e_ds, ds))
+    dv = np.swapaxes(p_err, -1, -2) @ np.abs(dout) + gamma(rows + 1) * pt @ np.abs(dout)
+    dk = abs(scale) * (e_dst @ np.abs(q) + gamma(rows + 4) * dst @ np.abs(q))
+    dq = abs(scale) * (e_ds @ np.abs(k4) + gamma(n_k + 4) * ds @ np.abs(k4))
+    dk, dv = (x.reshape(grouped + x.shape[-1:]).sum(axis=2) for x in (dk, dv))
+    return dq, dk, dv, e_ds, ds

@@ -8,8 +8,9 @@ from hypothesis import example, given
 
 from scipy.special import softmax
 
+from bounds import assert_within, attention_bound, dense_counts, gamma, restated_bound
 from fa_numba import masks, reference, tolerance, tolerance_backward
-from float64_bounds import finite_difference_bounds, float64_atols, magnitudes
+from float64_bounds import backward_bounds, finite_difference_bounds, float64_atols, magnitudes, recomputed_p_rel
 from strategies import (BACKWARD_HARD_CASES, HARD_MASK_CASES, Case, MaskCase, cases, mask_cases,
                         with_backward_hard_cases, with_hard_mask_cases)
 from test_masks import definition
@@ -115,15 +116,18 @@ def test_gqa_gradients_sum_over_the_query_heads_of_a_group():
     dout = case.grad_output()
     dq, dk, dv = reference.attention_backward(q, k, v, dout, causal=True)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    # Two float64 evaluations, each from its own forward (batched, head by head): within twice the per-entry
+    # bound of one (tests/float64_bounds.py, backward_bounds), the group's sum of heads included in dK, dV's.
+    err_dq, err_dk, err_dv = (2 * e for e in backward_bounds(q, k, v, dout, causal=True)[:3])
     for b in range(case.batch):
         for h_kv in range(case.heads_kv):
             heads = range(h_kv * case.group, (h_kv + 1) * case.group)  # query head h reads K/V head h // group
             solo = [reference.attention_backward(q[b, h], k[b, h_kv], v[b, h_kv], dout[b, h], causal=True)
                     for h in heads]
             for h, (dq_h, _, _) in zip(heads, solo):
-                np.testing.assert_allclose(dq[b, h], dq_h, rtol=1e-13, atol=1e-15)
-            np.testing.assert_allclose(dk[b, h_kv], sum(s[1] for s in solo), rtol=1e-13, atol=1e-15)
-            np.testing.assert_allclose(dv[b, h_kv], sum(s[2] for s in solo), rtol=1e-13, atol=1e-15)
+                assert_within(dq[b, h], dq_h, err_dq[b, h], name="dq")
+            assert_within(dk[b, h_kv], sum(s[1] for s in solo), err_dk[b, h_kv], name="dk")
+            assert_within(dv[b, h_kv], sum(s[2] for s in solo), err_dv[b, h_kv], name="dv")
 
 
 def test_layouts_agree():
@@ -184,10 +188,25 @@ def test_backward_tolerance_is_the_documented_rule():
     scale = 1 / np.sqrt(case.d)
     recompute = (scale * (e @ np.abs(k)).max(), scale * (np.swapaxes(e, -1, -2) @ np.abs(q)).max(),
                  (np.swapaxes(mag.p * lse_ulp, -1, -2) @ np.abs(dout)).max())
+    # The restatement rounds in another order, from its own P, O, dP and D: not an rtol but restated_bound
+    # (tests/bounds.py) at the floor's magnitude, |O| -> sum_j P_j |V_j| and |dP - D| -> a + b_bar, with every
+    # input within rel of its magnitude: P (recomputed_p_rel: the scores' and LSE's errors), O (attention_bound),
+    # dP - D and b (their d products and sums, O's error through |dO|). The naive errors and ulp floors are the
+    # same operations on the same arrays on both sides (exactly equal); the three-term sums round twice.
+    out_err, lse_err = attention_bound(q, k, v, causal=True, counts=dense_counts(case.n_k))
+    sigma = gamma(case.d + 1) * scale * (np.abs(q) @ np.swapaxes(np.abs(k), -1, -2))
+    rho = np.where(mag.visible, recomputed_p_rel(mag.p, sigma, lse_err), 0.0).max()
+    b_bar = (np.abs(dout) * (mag.p @ np.abs(v))).sum(-1)[..., None]
+    input_err = gamma(case.d) * (a + b) + (np.abs(dout) * out_err).sum(-1)[..., None]  # of dP - D, and of b
+    rel = max(float(rho), float((input_err / (a + b_bar)).max()))
+    e_bar = np.where(mag.visible, mag.p * (ulp + lse_ulp) * (a + b_bar), 0.0)
+    magnitude = (scale * (e_bar @ np.abs(k)).max(), scale * (np.swapaxes(e_bar, -1, -2) @ np.abs(q)).max(),
+                 recompute[2])
     for t, atol in enumerate((base.atol_dq, base.atol_dk, base.atol_dv)):
         expected = (3 * max(np.abs(n[t] - ref[t]).max() for n in naive)
                     + np.spacing(np.float32(np.abs(ref[t]).max() + 0.3)) + recompute[t])
-        assert atol == pytest.approx(expected, rel=1e-9, abs=0)  # the restatement rounds in another order
+        bound = float(restated_bound(magnitude[t], rel, 2, max(case.n_k, case.n_q) + case.d + 8))
+        assert atol == pytest.approx(expected, rel=0, abs=bound + 2 * float(gamma(2)) * expected)
         np.testing.assert_array_equal((base.dq, base.dk, base.dv)[t], ref[t])
     assert min(recompute) > 0
 

@@ -8,7 +8,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fa_numba import iomodel, masks, online_softmax as osm, reference, tiled, tiling, tolerance, tolerance_backward
-from float64_bounds import float64_atols, magnitudes
+from bounds import UNDERFLOW, assert_within, attention_bound, dense_counts, dot_bound, gamma, softmax_bound
+from float64_bounds import float64_atols, magnitudes, recomputed_p_rel
 from strategies import (HARD_MASK_CASES, Case, MaskCase, cases, mask_cases, with_backward_hard_cases,
                         with_hard_mask_cases)
 from test_masks import definition
@@ -126,11 +127,19 @@ def test_dead_rows_are_exactly_zero_in_the_spec_and_touch_nothing(order, determi
 @given(case=cases(max_n=10, max_d=5))
 @with_backward_hard_cases
 def test_recomputed_p_is_the_softmax_and_d_is_rowsum_p_dp(case: Case):
-    """L7.1 and L7.2 on whole rows: exp(S - LSE) is the forward's softmax, and sum_x dO O = sum_j P dP."""
+    """L7.1 and L7.2 on whole rows: exp(S - LSE) is the forward's softmax, and sum_x dO O = sum_j P dP.
+
+    Every side is a float64 evaluation held to its derived bound against the exact value (tests/bounds.py,
+    tests/float64_bounds.py), never to an rtol: the reference's O and LSE within attention_bound, the scores
+    within sigma = gamma(d + 1) scale |q| |k|, the recomputed P within P r (recomputed_p_rel: the scores' and
+    LSE's errors and the rounded exponent, about u |LSE| at logits 1e4), e / sum(e) within softmax_bound (values
+    the identity), the d-term and N_k-term sums within dot_bound."""
     q, k, v, dout = _inputs(case)
     out, lse = reference.attention(q, k, v, causal=case.causal)
+    out_err, lse_err = attention_bound(q, k, v, causal=case.causal, counts=dense_counts(case.n_k))
     visible = reference.visible_mask(case.n_q, case.n_k, case.causal)
     scale = 1 / np.sqrt(case.d)
+    slack = 4 * UNDERFLOW
     for b in range(case.batch):
         for h in range(case.heads):
             kk, vv = k[b, h // case.group], v[b, h // case.group]
@@ -140,15 +149,35 @@ def test_recomputed_p_is_the_softmax_and_d_is_rowsum_p_dp(case: Case):
             assert (p[~visible] == 0).all() and (p[~alive] == 0).all()
             if not alive.any():
                 continue
-            e = np.exp(np.where(visible, s, -np.inf)[alive] - s[alive].max(axis=1, where=visible[alive], initial=-np.inf)[:, None])
-            np.testing.assert_allclose(p[alive], e / e.sum(axis=1, keepdims=True), rtol=1e-12 * max(1.0, case.logit), atol=1e-300)
-            np.testing.assert_allclose(p[alive] @ vv, out[b, h][alive], rtol=1e-10, atol=1e-12)
+            sigma = np.where(visible, gamma(case.d + 1) * scale * np.abs(q[b, h]) @ np.abs(kk).T, 0.0)[alive]
+            masked = np.where(visible, s, -np.inf)[alive]
+            e = np.exp(masked - s[alive].max(axis=1, where=visible[alive], initial=-np.inf)[:, None])
+            soft = e / e.sum(axis=1, keepdims=True)  # stands for the exact P in the bounds' magnitudes
+            soft_err, _ = softmax_bound(masked, np.eye(case.n_k), *dense_counts(case.n_k), sigma=sigma)
+            r = recomputed_p_rel(soft, sigma, lse_err[b, h][alive])
+            pa = p[alive]
+            assert_within(pa, soft, soft * r + soft_err + slack, name="P")
+            # P V from the recomputed P (N_k-term sums) against the reference's O.
+            pv_err = (soft * r) @ np.abs(vv) + dot_bound((soft * (1 + r)) @ np.abs(vv), case.n_k)
+            assert_within(pa @ vv, out[b, h][alive], pv_err + out_err[b, h][alive] + slack, name="P V")
             dp = dout[b, h] @ vv.T
             D = (dout[b, h] * out[b, h]).sum(axis=1)
-            np.testing.assert_allclose(D[alive], (p * dp).sum(axis=1)[alive], rtol=1e-10, atol=1e-12)
+            # D = dO . O (d terms, O within out_err) and sum_j P_j dP_j (dP's d terms, P within P r, N_k terms).
+            dp_err = dot_bound(np.abs(dout[b, h]) @ np.abs(vv).T, case.d)[alive]
+            d_err = (dot_bound((np.abs(dout[b, h]) * np.abs(out[b, h])).sum(axis=1), case.d)[alive]
+                     + (np.abs(dout[b, h][alive]) * out_err[b, h][alive]).sum(axis=1))
+            dpa = np.abs(dp[alive])
+            pdp_err = ((soft * (r * dpa + (1 + r) * dp_err)).sum(axis=1)
+                       + dot_bound((soft * (1 + r) * (dpa + dp_err)).sum(axis=1), case.n_k))
+            assert_within(D[alive], (p * dp).sum(axis=1)[alive], d_err + pdp_err + slack, name="D")
             ds = osm.score_gradient(p, dp, D, visible)
             assert (ds[~visible] == 0).all()
-            np.testing.assert_allclose(ds.sum(axis=1)[alive], 0, atol=1e-9 * np.abs(p * dp).sum(axis=1)[alive].max())
+            # sum_j P_j (dP_j - D) = 0 exactly; computed: P's, dP's and D's errors, two roundings per dS_j, N_k terms.
+            spread = np.abs(dp[alive] - D[alive, None])
+            ds_abs = np.abs(ds[alive])
+            zero_err = ((soft * (r * spread + (1 + r) * (dp_err + d_err[:, None]))).sum(axis=1)
+                        + (gamma(2) + gamma(case.n_k)) * (1 + gamma(2)) * ds_abs.sum(axis=1))
+            assert_within(ds.sum(axis=1)[alive], np.zeros(int(alive.sum())), zero_err + slack, name="sum dS")
 
 
 @pytest.mark.lemma("L7")
@@ -164,7 +193,7 @@ def test_a_broken_spec_is_caught(monkeypatch):
     monkeypatch.setattr(tiled, "_preprocess", lambda out, dout: np.zeros(out.shape[:-1], dtype=out.dtype))
     for order, deterministic in VARIANTS:
         dq, dk, dv, _ = _backward(case, order, deterministic, inputs, forward)
-        np.testing.assert_allclose(dv, ref[2], rtol=1e-12, atol=1e-12)  # dV does not involve D
+        tolerance.assert_close(dv, ref[2], atols[2], name="dv")  # dV does not involve D: its derived bound holds
         for name, g, r, atol in (("dq", dq, ref[0], atols[0]), ("dk", dk, ref[1], atols[1])):
             with pytest.raises(AssertionError, match="beyond atol"):
                 tolerance.assert_close(g, r, atol, name=name)

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bounds import assert_within, dot_bound, input_rel, restated_bound
+from float64_bounds import float64_atols, magnitudes
 from fa_numba import reference, tiled, tolerance, tolerance_backward
 from strategies import Case
 
@@ -52,7 +54,10 @@ def test_visible_matmul_sums_over_the_visible_pairs_with_nonfinite_values(seed, 
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(expected))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
     finite = np.isfinite(expected)
-    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-13, atol=1e-15)
+    # Two float64 sums of `keys` products in other orders (the contraction's, Python's loop): each within
+    # gamma(keys) sum_j |p_ij v_jx| of the exact sum (tests/bounds.py); a finite entry sees no poisoned value.
+    magnitude = np.abs(p) @ np.abs(np.where(np.isfinite(v), v, 0.0))
+    assert_within(got[finite], expected[finite], 2 * dot_bound(magnitude, keys)[finite], name="sum")
 
 
 def test_each_contraction_is_the_summation_order_it_names():
@@ -210,12 +215,17 @@ def test_a_query_whose_scores_are_all_minus_inf_gets_the_same_gradients_from_the
     dq, dk, dv = reference.attention_backward(q, k, v, dout)
     assert np.isnan(dq[2]).all() and np.isfinite(dq[[0, 1, 3]]).all()
     assert np.isnan(dk).all() and np.isfinite(dv).all()
+    # The finite entries (dq of rows 0, 1, 3 and dv; row 2's P is exactly 0, so its terms are exact zeros) are
+    # those of the problem without row 2: two float64 evaluations from the same O and LSE, within the
+    # first-order bound 2 u kappa max G of that problem (tests/float64_bounds.py, proofs/L7).
+    rows = [0, 1, 3]
+    atols = float64_atols(magnitudes(q[rows], k, v, dout[rows], False))
     for order, deterministic in (("kv", False), ("kv", True), ("q", False)):
         grads = tiled.attention_backward(q, k, v, out, lse, dout, order=order, block_q=2, block_k=2,
                                          deterministic=deterministic)[:3]
-        for g, r in zip(grads, (dq, dk, dv)):
+        for g, r, atol in zip(grads, (dq, dk, dv), atols):
             np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
-            np.testing.assert_allclose(g[~np.isnan(g)], r[~np.isnan(r)], rtol=1e-12, atol=1e-15)
+            assert_within(g[~np.isnan(g)], r[~np.isnan(r)], atol, name=f"{order} {deterministic}")
 
 
 # --- the derived terms' building blocks ---------------------------------------------------------------
@@ -250,6 +260,14 @@ def _one_row(scores, values):
     return base.terms, p, float(p @ np.asarray(values, dtype=np.float64))
 
 
+def _restated_abs(magnitude, scores, values, degree):
+    """pytest.approx abs for a rescaling term against its restatement (tests/bounds.py, restated_bound): both
+    from the exact scores, each side's P and O within input_rel; e = EXP_REL + u + u shift (two roundings), its
+    products with the partial sums and masses and their sums, the compound factor: at most 10 roundings a term."""
+    values = np.asarray(values, dtype=np.float64)[:, None]
+    return float(restated_bound(magnitude, input_rel(np.asarray(scores, dtype=np.float64), values), degree, 10))
+
+
 U = tolerance.U32
 
 
@@ -270,8 +288,11 @@ def test_the_rescaling_term_counts_a_tile_that_may_raise_the_float32_max(first, 
         assert terms.online_out == 0.0 and terms.online_lse == 0.0
         return
     e = tolerance.EXP_REL + U + U * max(second - first, 0.0)
-    assert terms.online_out == pytest.approx(e * p[0] * (1.0 + abs(o)), rel=1e-12, abs=0)
-    assert terms.online_lse == pytest.approx(e * p[0], rel=1e-12, abs=0)
+    values = np.array([1.0, -2.0])
+    o_abs = float(p @ np.abs(values))  # the magnitude of O
+    assert terms.online_out == pytest.approx(e * p[0] * (1.0 + abs(o)), rel=0,
+                                             abs=_restated_abs(e * p[0] * (1.0 + o_abs), [first, second], values, 2))
+    assert terms.online_lse == pytest.approx(e * p[0], rel=0, abs=_restated_abs(e * p[0], [first, second], values, 1))
 
 
 def test_the_tolerance_adds_no_score_floor_unless_given():
@@ -293,6 +314,12 @@ def test_rescalings_compound_with_the_largest_shift_a_row_makes():
     partial_1, partial_2 = p[0] * values[0], p[0] * values[0] + p[1] * values[1]
     mass_1, mass_2 = p[0], p[0] + p[1]
     compound = 1 + tolerance.EXP_REL + 2 * U + U * shift
+    # magnitudes: |partial| -> the sum of its terms' |P_j V_j|, |O| -> sum_j P_j |V_j| (partial_1 has one term)
+    bar_2, o_abs = p[0] * abs(values[0]) + p[1] * abs(values[1]), float(p @ np.abs(values))
+    magnitude = compound * (e * (abs(partial_1) + bar_2) + o_abs * e * (mass_1 + mass_2))
+    scores = [1.0, 1.0 + shift, 1.0 + 2 * shift]
     assert terms.online_out == pytest.approx(
-        compound * (e * (abs(partial_1) + abs(partial_2)) + abs(o) * e * (mass_1 + mass_2)), rel=1e-12, abs=0)
-    assert terms.online_lse == pytest.approx(compound * e * (mass_1 + mass_2), rel=1e-12, abs=0)
+        compound * (e * (abs(partial_1) + abs(partial_2)) + abs(o) * e * (mass_1 + mass_2)), rel=0,
+        abs=_restated_abs(magnitude, scores, values, 2))
+    assert terms.online_lse == pytest.approx(compound * e * (mass_1 + mass_2), rel=0,
+                                             abs=_restated_abs(compound * e * (mass_1 + mass_2), scores, values, 1))

@@ -18,9 +18,35 @@ def test_seeds_are_distinct_and_in_range():
     assert len(set(seeds)) == 200 and all(0 <= s < 2**32 for s in seeds)
 
 
-def test_default_files_are_the_cpu_property_tests_and_exist():
-    assert all((ROOT / f).is_file() for f in seed_sweep.CPU_PROPERTY_FILES)
-    assert "tests/test_kernels.py" not in seed_sweep.CPU_PROPERTY_FILES  # the simulator tests need --whole
+def test_default_files_are_every_property_test_file_and_exist():
+    """The default list is computed: every tests/test_*.py that imports hypothesis (test_masks.py among them,
+    which the five hand-listed files of before left out: issue 60), found here by reading each file's lines."""
+    expected = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                      if any(line.startswith(("from hypothesis", "import hypothesis"))
+                             for line in p.read_text().splitlines()))
+    assert list(seed_sweep.PROPERTY_FILES) == expected and len(expected) >= 14
+    assert all((ROOT / f).is_file() for f in seed_sweep.PROPERTY_FILES)
+    assert {"tests/test_masks.py", "tests/test_kernels.py", "tests/test_tiled.py"} <= set(expected)
+
+
+def test_cpu_files_are_the_property_files_that_launch_no_kernel():
+    cpu = set(seed_sweep.CPU_PROPERTY_FILES)
+    assert cpu < set(seed_sweep.PROPERTY_FILES)
+    assert "tests/test_kernels.py" not in cpu and "tests/test_decode.py" not in cpu  # simulator launches
+    assert {"tests/test_masks.py", "tests/test_online_softmax.py", "tests/test_reference.py"} <= cpu
+    for f in set(seed_sweep.PROPERTY_FILES) - cpu:
+        assert seed_sweep.LAUNCHES_KERNELS.search((ROOT / f).read_text()), f
+
+
+def test_property_files_reads_a_tests_folder(tmp_path):
+    (tmp_path / "tests").mkdir()
+    files = {"test_a.py": "from hypothesis import given\n", "test_b.py": "import numpy\n",
+             "test_c.py": "import hypothesis\nfrom fa_numba.kernels import engine\n",
+             "helper.py": "import hypothesis\n", "test_d.py": "from hypothesis import given\nfrom numba import cuda\n"}
+    for name, text in files.items():
+        (tmp_path / "tests" / name).write_text(text)
+    assert seed_sweep.property_files(root=str(tmp_path)) == ("tests/test_a.py", "tests/test_c.py", "tests/test_d.py")
+    assert seed_sweep.property_files(cpu_only=True, root=str(tmp_path)) == ("tests/test_a.py",)
 
 
 def test_failed_ids_are_read_from_the_short_summary():
@@ -31,6 +57,8 @@ def test_failed_ids_are_read_from_the_short_summary():
 def test_the_ci_profile_is_refused():
     with pytest.raises(SystemExit):
         seed_sweep.main(["--profile", "ci", "--seeds", "1"])
+    with pytest.raises(SystemExit):  # --cpu and --whole name two different file sets
+        seed_sweep.main(["--cpu", "--whole", "--seeds", "1"])
 
 
 @pytest.mark.slow  # three pytest runs in subprocesses, about 13 s on 2 cores (CI runs the slow tier too)

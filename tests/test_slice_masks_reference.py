@@ -6,6 +6,8 @@ rule passes the reference's own float32 twin and fails a perturbed or wrongly ma
 import numpy as np
 import pytest
 
+from bounds import assert_within, attention_bound, dense_counts, dot_bound, restated_bound
+from float64_bounds import backward_bounds
 from fa_numba import masks, mods, reference, tolerance, tolerance_backward
 
 B, N_Q, N_K, D = 2, 13, 10, 8
@@ -28,6 +30,11 @@ def _array(seed, b_m, h_m, n_q=N_Q, n_k=N_K):
     return array
 
 
+def _alibi_bias(slopes, n_q=N_Q, n_k=N_K):
+    """ALiBi's additive scores slopes[h] (j - i), (1, H, N_q, N_k), as the mod computes them (one product each)."""
+    return np.asarray(slopes)[None, :, None, None] * (np.arange(n_k)[None, :] - np.arange(n_q)[:, None])
+
+
 def _slice(array, b, h):
     """Slice (b, h) of a broadcast (B_m, H_m, N_q, N_k) array, as 2-D."""
     return array[b if array.shape[0] > 1 else 0, h if array.shape[1] > 1 else 0]
@@ -48,6 +55,11 @@ def test_forward_equals_each_slice_alone(name, slices, heads, heads_kv, with_mod
     mod = mods.alibi(slopes) if with_mod else None
     out, lse = reference.attention(q, k, v, mask=masks.from_dense(array), score_mod=mod)
     group = heads // heads_kv
+    # Two dense float64 evaluations (all slices at once, the slice alone): each within its derived bound of the
+    # exact value (tests/bounds.py), the mod's addition included.
+    err_out, err_lse = (2 * e for e in attention_bound(q, k, v, causal=False, counts=dense_counts(N_K),
+                                                        mask=masks.from_dense(array),
+                                                        bias=_alibi_bias(slopes) if with_mod else None))
     dead_slices = 0
     for b in range(B):
         for h in range(heads):
@@ -57,8 +69,8 @@ def test_forward_equals_each_slice_alone(name, slices, heads, heads_kv, with_mod
             want_out, want_lse = reference.attention(q[b:b + 1, h:h + 1], k[b:b + 1, hk:hk + 1],
                                                      v[b:b + 1, hk:hk + 1], mask=masks.from_dense(visible),
                                                      score_mod=one_mod)
-            np.testing.assert_allclose(out[b, h], want_out[0, 0], rtol=1e-13, atol=1e-15, err_msg=f"O {b, h}")
-            np.testing.assert_allclose(lse[b, h], want_lse[0, 0], rtol=1e-13, atol=0, err_msg=f"LSE {b, h}")
+            assert_within(out[b, h], want_out[0, 0], err_out[b, h], name=f"O {b, h}")
+            assert_within(lse[b, h], want_lse[0, 0], err_lse[b, h], name=f"LSE {b, h}")
             dead = ~visible.any(axis=1)
             dead_slices += bool(dead.any())
             assert (out[b, h][dead] == 0).all() and (lse[b, h][dead] == -np.inf).all()
@@ -76,6 +88,13 @@ def test_backward_equals_the_sum_of_the_slices(name, slices, heads, heads_kv, wi
     mod = mods.alibi(slopes) if with_mod else None
     grads = reference.dense_backward(q, k, v, dout, mask=masks.from_dense(array), score_mod=mod)
     group = heads // heads_kv
+    # Two float64 evaluations, each from its own forward: within twice backward_bounds (tests/float64_bounds.py);
+    # dslopes_h = sum over (b, i, j) of dS'_bhij (j - i), B N_q N_k terms in two orders, each dS' within e_ds.
+    bias = _alibi_bias(slopes) if with_mod else None
+    err_dq, err_dk, err_dv, e_ds, ds_abs = backward_bounds(q, k, v, dout, mask=masks.from_dense(array), bias=bias)
+    dist = np.abs(np.arange(N_K)[None, :] - np.arange(N_Q)[:, None])
+    err_dslopes = 2 * ((e_ds * dist).sum(axis=(0, 2, 3))
+                       + dot_bound((ds_abs * dist).sum(axis=(0, 2, 3)), B * N_Q * N_K))
     want_dk, want_dv = np.zeros_like(k), np.zeros_like(v)
     want_dslopes = np.zeros(heads)
     for b in range(B):
@@ -89,15 +108,15 @@ def test_backward_equals_the_sum_of_the_slices(name, slices, heads, heads_kv, wi
                 want_dslopes[h] += dslope[0]
             else:
                 dq, dk, dv = reference.attention_backward(*one, mask=mask)
-            np.testing.assert_allclose(grads.dq[b, h], dq[0, 0], rtol=1e-13, atol=1e-14, err_msg=f"dq {b, h}")
+            assert_within(grads.dq[b, h], dq[0, 0], 2 * err_dq[b, h], name=f"dq {b, h}")
             want_dk[b, hk] += dk[0, 0]
             want_dv[b, hk] += dv[0, 0]
             dead = ~_slice(array, b, h).any(axis=1)
             assert (grads.dq[b, h][dead] == 0).all()
-    np.testing.assert_allclose(grads.dk, want_dk, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(grads.dv, want_dv, rtol=1e-12, atol=1e-14)
+    assert_within(grads.dk, want_dk, 2 * err_dk, name="dk")
+    assert_within(grads.dv, want_dv, 2 * err_dv, name="dv")
     if with_mod:
-        np.testing.assert_allclose(grads.dcaptured[0], want_dslopes, rtol=1e-12, atol=1e-13)
+        assert_within(grads.dcaptured[0], want_dslopes, err_dslopes, name="dslopes")
 
 
 def _same(a, b, what):
@@ -162,7 +181,10 @@ def test_document_mask_mod_equals_its_dense_slices():
           reference.attention_backward(q, k, v, dout, mask=dense), "attention_backward")
     # and it is not what the first batch's documents give everywhere
     first = masks.from_dense(np.broadcast_to(dense.array[:1], dense.shape))
-    assert not np.allclose(reference.attention(q, k, v, mask=first)[0], got[0])
+    wrong = reference.attention(q, k, v, mask=first)[0]
+    # beyond what rounding explains: the two dense evaluations' derived bounds (tests/bounds.py)
+    bound = sum(attention_bound(q, k, v, causal=False, counts=dense_counts(n), mask=m)[0] for m in (first, dense))
+    assert (np.abs(wrong - got[0]) > bound).any()
 
 
 def test_tile_sums_visit_per_slice():
@@ -176,15 +198,20 @@ def test_tile_sums_visit_per_slice():
     dense = reference.dense(q, k, v, mask=masks.from_dense(array))
     assert dense.visible.shape == (B, heads, 16, 24)
     sums = tolerance._tile_sums(dense.p, dense.v, dense.s, dense.visible, dense.out, tiles)
+    # Each slice alone from the same S, P, O (a slice of the 4-D problem's) with its 2-D mask, so that both
+    # decide alike which tiles may raise the row max; the sums may still round in other orders (a slice's
+    # matmuls): each field is within gamma(N_k + T_c + 4) of its magnitude on either side (n_k-term partial
+    # sums over T_c tiles, e and |O| products), the magnitude being the same sums of |V| with |O| -> P |V|.
+    n_k, t_c = 24, 6
     max_trips = []
     for b in range(B):
         for h in range(heads):
-            one = reference.dense(q[b:b + 1, h:h + 1], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1],
-                                  mask=masks.from_dense(array[b, h]))
-            alone = tolerance._tile_sums(one.p, one.v, one.s, one.visible, one.out, tiles)
+            one = [x[b:b + 1, h:h + 1] for x in (dense.p, dense.v, dense.s, dense.out)]
+            alone = tolerance._tile_sums(*one[:3], array[b, h], one[3], tiles)
+            bar = tolerance._tile_sums(one[0], np.abs(one[1]), one[2], array[b, h], one[0] @ np.abs(one[1]), tiles)
             for field in ("trips", "rescaled", "rescaled_lse"):
-                np.testing.assert_allclose(getattr(sums, field)[b, h], getattr(alone, field)[0, 0], rtol=1e-13,
-                                           atol=0, err_msg=f"{field} {b, h}")
+                bound = restated_bound(getattr(bar, field)[0, 0], 0.0, 0, n_k + t_c + 4)
+                assert_within(getattr(sums, field)[b, h], getattr(alone, field)[0, 0], bound, name=f"{field} {b, h}")
             max_trips.append(alone.max_trips)
     assert sums.max_trips == max(max_trips) and min(max_trips) < max(max_trips)
 
@@ -252,20 +279,26 @@ def test_nonfinite_inputs_reach_only_the_slices_that_see_them(heads, heads_kv):
     assert np.isfinite(out[:, h_masked]).all() and np.isfinite(dq[:, h_masked]).all()
     assert np.isnan(out[0, h_seen, :, 3]).all() == (group > 1) and np.isnan(dq[1, h_seen]).any() == (group > 1)
     want_dk, want_dv = np.zeros_like(k), np.zeros_like(v)
+    # The finite entries depend on no non-finite input: their bounds (twice one float64 evaluation's, each from
+    # its own forward, tests/bounds.py and float64_bounds.py) are those of the inputs with the non-finite
+    # entries set to 0.
+    clean = [np.where(np.isfinite(x), x, 0.0) for x in (q, k, v, dout)]
+    err_out, err_lse = (2 * e for e in attention_bound(*clean[:3], causal=False, counts=dense_counts(N_K), mask=mask))
+    err_dq, err_dk, err_dv = (2 * e for e in backward_bounds(*clean, mask=mask)[:3])
     for b in range(B):
         for h in range(heads):
             hk = h // group
             one = (q[b:b + 1, h:h + 1], k[b:b + 1, hk:hk + 1], v[b:b + 1, hk:hk + 1])
             one_mask = masks.from_dense(array[b, h])
             want = reference.attention(*one, mask=one_mask)
-            np.testing.assert_allclose(out[b, h], want[0][0, 0], rtol=1e-13, atol=1e-15, err_msg=f"O {b, h}")
-            np.testing.assert_allclose(lse[b, h], want[1][0, 0], rtol=1e-13, atol=0, err_msg=f"LSE {b, h}")
+            assert_within(out[b, h], want[0][0, 0], err_out[b, h], name=f"O {b, h}", equal_nan=True)
+            assert_within(lse[b, h], want[1][0, 0], err_lse[b, h], name=f"LSE {b, h}", equal_nan=True)
             g = reference.attention_backward(*one, dout[b:b + 1, h:h + 1], mask=one_mask)
-            np.testing.assert_allclose(dq[b, h], g[0][0, 0], rtol=1e-13, atol=1e-14, err_msg=f"dq {b, h}")
+            assert_within(dq[b, h], g[0][0, 0], err_dq[b, h], name=f"dq {b, h}", equal_nan=True)
             want_dk[b, hk] += g[1][0, 0]
             want_dv[b, hk] += g[2][0, 0]
-    np.testing.assert_allclose(dk, want_dk, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(dv, want_dv, rtol=1e-12, atol=1e-14)
+    assert_within(dk, want_dk, err_dk, name="dk", equal_nan=True)
+    assert_within(dv, want_dv, err_dv, name="dv", equal_nan=True)
     assert (dq[-1, -1, 2] == 0).all() and (out[-1, -1, 2] == 0).all() and lse[-1, -1, 2] == -np.inf
     # the floors of the gradients' rule: the dead row's NaN dO and inf query are never multiplied
     clean_q, clean_dout = q.copy(), dout.copy()
@@ -301,5 +334,8 @@ def test_rule_terms_are_the_max_over_the_slices():
     got = terms(q, k, v, dout, mask)
     alone = [terms(q[b:b + 1, h:h + 1], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1], dout[b:b + 1, h:h + 1],
                    masks.from_dense(array[b, h])) for b in range(B) for h in range(heads)]
-    np.testing.assert_allclose(got, np.max(alone, axis=0), rtol=1e-13, atol=0)
+    # Exact: every term is a max over pairs of one slice, and a slice alone goes through the same operations in
+    # the same order as inside the 4-D problem (elementwise operations, reductions over its own last axis, one
+    # matmul per (b, h) slice of the same shape and strides), so the max over the slices is the same bits.
+    np.testing.assert_array_equal(got, np.max(alone, axis=0))
     assert np.all(np.argmax(alone, axis=0)[3:] == len(alone) - 1)  # the backward's terms: the scaled slice's

@@ -84,15 +84,18 @@ def test_the_identity_mod_gives_the_rule_without_a_mod():
 
 
 def test_a_temperature_carries_its_derivative_into_the_score_term():
-    """S / t is the problem at scale / t: W' = P u |S| / t must equal that problem's W = P u |S / t| (to float64
-    rounding). Without the derivative the term would be t times too small."""
+    """S / t is the problem at scale / t: W' = P u |S| / t must equal that problem's W = P u |S / t| (bit for bit
+    with t a power of two). Without the derivative the term would be t times too small."""
     q, k, v = _inputs(seed=3)
     t = 0.25
     scale = 1 / math.sqrt(q.shape[-1])
     modded = tolerance.baseline(q, k, v, scale=scale, score_mod=mods.temperature(t)).terms
     scaled = tolerance.baseline(q, k, v, scale=scale / t).terms
-    assert modded.score_out == pytest.approx(scaled.score_out, rel=1e-12)
-    assert modded.score_lse == pytest.approx(scaled.score_lse, rel=1e-12)
+    # Exact: t = 1/4 is a power of two, so S / t = 4 S, the scale scale / t and mod' = 1 / t = 4 all scale by 4
+    # without a rounding (barring overflow): both compute the same P from the same S' and W' = P u (4 |S|) in
+    # the same order, bit for bit.
+    assert modded.score_out == scaled.score_out
+    assert modded.score_lse == scaled.score_lse
 
 
 def test_a_mod_without_its_derivative_is_refused_by_name():
