@@ -238,7 +238,6 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
 
 _GUARD = re.compile(r"/\*([0-9a-f]{4,})\*/\s+@!?(U?P\d)\s")  # a predicated instruction's guard
 _REG = re.compile(r"(?<![\w.])(UR\d+|R\d+|UP\d|P\d)((?:\.\w+)*)")  # RZ, URZ, PT, UPT are constants: not matched
-_NAME = re.compile(r"`\([^)]*\)")
 _FMA = {"FFMA", "FADD", "FMUL", "FFMA32I", "FADD32I", "FMUL32I", "HFMA2", "HADD2", "HMUL2"}
 _XU = {"MUFU", "I2F", "F2I", "F2F", "I2I", "FRND"}
 _LOADS = {"LDG", "LD", "LDL"}
@@ -316,16 +315,7 @@ def _registers(operand: str, width: int = 1) -> list[str]:
 
 def _effects(inst: sass.Instruction, guard: str | None) -> tuple[tuple, tuple]:
     """(registers written, registers read) of an instruction; its guard predicate is read."""
-    parts, depth, current = [], 0, ""
-    for char in _NAME.sub("", inst.operands):
-        depth += (char == "[") - (char == "]")
-        if char == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += char
-    if current.strip():
-        parts.append(current.strip())
+    parts = sass._operands(inst.operands)  # split at the commas outside brackets, names removed
     reads, writes = [guard] if guard else [], []
     width = _width(inst)
     if inst.base == "HMMA":  # D, A, B, C: 4, 4, 2, 4 registers (float32 accumulators, A and B fragments)
