@@ -98,18 +98,25 @@ def job_mma_fwd(spec: dict, smoke: bool) -> dict:
 
         mg.MAKE = {**mg.MAKE, "v2": functools.partial(make_v2_mma, pipelined=False)}
     order, kind, d, causal = spec["order"], spec["dtype"], 16 if smoke else spec["d"], spec["causal"]
-    warps, block_k = (1, 16) if smoke else engines.mma_tiles(d, None, None, kind, order)
+    two = order == "v2" and kind in engines.MMA_KINDS  # smoke: v2's two row blocks a warp on 1 warp
+    warps, block_k, rows = (1, 16, 2 if two else 1) if smoke else engines.mma_tiles(d, None, None, kind, order)
+    if spec.get("one_row_block") and rows != 1:  # the A / B of v2's 128-row tiles: 64 rows, one row block a warp
+        warps, rows = 4 if not smoke else 1, 1
+    if rows != 1:
+        import functools
+
+        mg.MAKE = {**mg.MAKE, "v2": functools.partial(mg.MAKE["v2"], row_blocks=rows)}
     mg.check(order, kind, d, block_k, causal, 32, heads=1, warps=warps)  # compiles: outside the lock
     if smoke:
-        return {"block_q": 16 * warps, "block_k": block_k, **mg.check(order, kind, d, block_k, causal, 32, heads=1,
-                                                                       warps=warps)}
+        return {"block_q": 16 * warps * rows, "block_k": block_k,
+                **mg.check(order, kind, d, block_k, causal, 32, heads=1, warps=warps)}
     import numpy as np
 
     b, h, n = SHAPE
     rng = np.random.default_rng(1)
     bits = [mg.bits_of(rng.standard_normal((b, h, n, d), dtype=np.float32), kind) for _ in range(3)]
     with gpu_lock():  # every launch of the check shape and the timing shape alone on the GPU
-        row = {"block_q": 16 * warps, "block_k": block_k,
+        row = {"block_q": 16 * warps * rows, "block_k": block_k,
                **mg.check(order, kind, d, block_k, causal, CHECK_N, heads=2, warps=warps)}
         if row["passed"]:
             run, _, _ = mg.launch(mg.MAKE[order](kind, warps, block_k, d, causal), bits, d)
@@ -261,7 +268,7 @@ JOBS = {"mma-fwd": job_mma_fwd, "mma-bwd": job_mma_bwd, "simt": job_simt, "sdpa"
         "decode": job_decode}
 
 
-A_B_FLAGS = ("uncapped", "one_stage", "micro")  # a job timing a kernel as it was before a change, beside it
+A_B_FLAGS = ("uncapped", "one_stage", "micro", "one_row_block")  # a job timing a kernel as it was before a change, beside it
 
 
 def plan(smoke: bool) -> list[dict]:
@@ -284,6 +291,11 @@ def plan(smoke: bool) -> list[dict]:
     # FlashAttention-2's copy order (V_j beside S, K_j+1 beside the softmax and P V), timed against one stage
     for d, causal in ((64, False), (128, False), (64, True)):
         jobs.append({"job": "mma-fwd", "order": "v2", "dtype": "float16", "d": d, "causal": causal, "one_stage": True})
+    # v2's 128-row tiles of two row blocks a warp (16-bit, d <= 64), timed against 64 rows of one row block a warp
+    for kind in ("float16", "bfloat16"):
+        for causal in (False, True):
+            jobs.append({"job": "mma-fwd", "order": "v2", "dtype": kind, "d": 64, "causal": causal,
+                         "one_row_block": True})
     # the other backward orders (their layout, loads and adds since 2026-12-05), first: --smoke runs these two
     for variant in ("bwd-q", "bwd-kv-det"):
         jobs.append({"job": "simt", "variant": variant, "dtype": "float32", "d": 64, "causal": False})
@@ -320,7 +332,7 @@ def plan(smoke: bool) -> list[dict]:
 
 def name_of(j: dict) -> str:
     what = {"mma-fwd": lambda: f"{j['order']}-mma" + (" uncapped" if j.get("uncapped") else "")
-            + (" one-stage" if j.get("one_stage") else ""),
+            + (" one-stage" if j.get("one_stage") else "") + (" 64-row" if j.get("one_row_block") else ""),
             "mma-bwd": lambda: "bwd-kv-mma" + ("-det" if j["deterministic"] else ""),
             "simt": lambda: j["variant"] + (" {}x{}".format(*j["micro"]) if j.get("micro") else ""),
             "sdpa": lambda: "sdpa-bwd" if j["backward"] else "sdpa",

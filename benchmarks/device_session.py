@@ -14,7 +14,9 @@ take microseconds) run alone after the others. A job that crashes takes only its
 
 Jobs, in the order they start (the slowest compiles first):
 - mma-fwd: v2-mma and v1-mma on float16, bfloat16, float32 (3xTF32) and plain TF32, d in {64, 128}, causal
-  and not, at the tiles `engines.mma_tiles` gives (what `fa_numba.attention` launches);
+  and not, at the tiles `engines.mma_tiles` gives (what `fa_numba.attention` launches), and the A / Bs:
+  v2-mma float16 and bfloat16 at d = 64 in 64-row blocks of one row block a warp beside the 128-row tiles of
+  two, the causal register cap, one stage beside the pipelined copies;
 - mma-bwd: the tensor-core backward, atomic dQ and deterministic, float16 and float32 (3xTF32);
 - simt: the CUDA-core v2, v1 (float32) and bwd-kv, d in {64, 128}, causal and not; bwd-q and bwd-kv-det at d = 64;
 - sdpa: torch SDPA forward (float16, bfloat16, float32) and backward (float16, float32), backend named;

@@ -83,7 +83,7 @@ def check(order, kind, d, block_k, causal, n, heads=2, warps=4) -> dict:
     q, k, v = (values_of(b, kind) for b in bits)
     try:
         c = tolerance.check_attention(o.copy_to_host(), lse.copy_to_host(), q, k, v, causal=causal, order=order,
-                                      block_q=16 * warps, block_k=block_k, contractions=("matmul",),
+                                      block_q=kernel.config.block_q, block_k=block_k, contractions=("matmul",),
                                       p_dtype=kind if kind in ("float16", "bfloat16") else None,
                                       products={"float32": "3xtf32", "tf32": "tf32"}.get(kind))
         return {"passed": True, "err_out": c.err_out, "atol_out": c.atol_out}
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         for d, block_k in ([(16, 16)] if args.smoke else CONFIGS):
             warps = 4
             if kind in ("float32", "tf32") and not args.smoke:  # the float32 kinds' own default tiles (engines)
-                warps, own_k = engines.mma_tiles(d, None, None, kind, order)
+                warps, own_k, _ = engines.mma_tiles(d, None, None, kind, order)
                 block_k = min(block_k, own_k)
             for causal in (False, True):
                 row = {"order": order, "kind": kind, "d": d, "block_k": block_k, "causal": causal,

@@ -238,10 +238,12 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
     from fa_numba.kernels.mma.engine_v1 import make_v1_mma
     from fa_numba.kernels.mma.engine_v2 import make_v2_mma
 
-    warps, block_k = engines.mma_tiles(max(prob.d, prob.d_v), block_q, block_k, kind, order)
+    warps, block_k, row_blocks = engines.mma_tiles(max(prob.d, prob.d_v), block_q, block_k, kind, order,
+                                                   plain=kmod is None and mask is None)
+    rows = {"row_blocks": row_blocks} if row_blocks != 1 else {}  # v2's two row blocks a warp (v1 owns one)
     kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod,
                                                               mask_form=form if mask is not None else "none",
-                                                              value_dim=prob.d_v)
+                                                              value_dim=prob.d_v, **rows)
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     sixteen = kind in engines.MMA_KINDS

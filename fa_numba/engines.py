@@ -77,8 +77,9 @@ def _forward_fits(kind, order, head_dim, block_q, block_k) -> None:
     if order not in MMA_ORDERS:
         raise ValueError(order)
     _check_mma(kind, head_dim)
-    warps, block_k = mma_tiles(head_dim, block_q, block_k, kind, order)
-    MmaConfig(kind, warps, block_k, head_dim, False).check()  # shared memory (the same for every mask)
+    warps, block_k, row_blocks = mma_tiles(head_dim, block_q, block_k, kind, order)
+    # shared memory (the same for every mask)
+    MmaConfig(kind, warps, block_k, head_dim, False, row_blocks=row_blocks).check()
 
 
 def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
@@ -100,18 +101,26 @@ def _check_mma(kind: str, head_dim: int, backward: bool = False) -> None:
 
 
 def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str = "float16",
-              order: str = "v2") -> tuple[int, int]:
-    """(warps, block_k) of the tensor-core kernel: block_q = 16 warps (default 64; 128 for v2 on float32 inputs),
-    block_k a multiple of 16 (default 64 for d <= 64, 32 for d <= 128, 16 above: under 48 KB of shared memory;
-    half that for the float32 kinds, whose tiles hold two tf32 parts of each element).
+              order: str = "v2", plain: bool = True) -> tuple[int, int, int]:
+    """(warps, block_k, row_blocks) of the tensor-core kernel: block_q = 16 warps row_blocks (default 64; 128
+    for v2 on float32 inputs, and for a plain v2 on 16-bit inputs up to d = 64), block_k a
+    multiple of 16 (default 64 for d <= 64, 32 for d <= 128, 16 above: under 48 KB of shared memory; half that
+    for the float32 kinds, whose tiles hold two tf32 parts of each element).
 
-    v2's float32 tiles are shared by 8 warps, not 4: each warp reads the whole K_j and V_j (both tf32 parts) from
-    shared memory whatever the block's rows, but a block stages and splits them once, so 128 rows halve the
-    staging's wavefronts per query row (d = 64: 3072 -> 2560 shared cycles an iteration and SM, the estimate
-    86.5 -> 103.8 TFLOP/s; d = 128: 72.8 -> 79.5, docs/profile.md). One block of 8 warps per SM either way (the
-    registers); v1's blocks own a K/V tile and loop over query tiles, so its staging is per key tile: 64 kept."""
+    v2's 128-row tiles on 16-bit inputs take FlashAttention-2's layout: 4 warps of two m16 row blocks each
+    (MmaConfig.row_blocks), so every K_j and V_j fragment a warp reads from shared memory feeds two products.
+    `plain`: no score mod and no block mask compiled in (the closed forms, none or causal, only): a mod's or a
+    dense mask's registers on top of two row blocks' spill (the softcap and dense-mask builds at d = 64), so
+    those builds keep one row block a warp, 64 rows by default (`kernels.mma.engine.row_blocks_for`).
+    Above d = 64 two row blocks spill (and a 128-row tile's Q_i, K_j and V_j exceed the 48 KB static budget):
+    block_q = 128 means 8 warps of one row block, as it does on float32 inputs: their tiles are shared by 8 warps since a block stages
+    and splits K_j and V_j once for 128 rows (half the staging per query row of 64-row blocks). v1's blocks own a
+    K/V tile and loop over query tiles: one row block a warp, 64 rows by default."""
+    from fa_numba.kernels.mma.engine import row_blocks_for
+
     if block_q is None:
-        block_q = 128 if order == "v2" and kind not in MMA_KINDS else 64
+        wide = kind not in MMA_KINDS or row_blocks_for(order, kind, 128, head_dim, plain) == 2
+        block_q = 128 if order == "v2" and wide else 64
     if block_k is None:
         block_k = 64 if head_dim <= 64 else 32 if head_dim <= 128 else 16
         if kind not in MMA_KINDS:
@@ -121,7 +130,8 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str
                          f"{block_q}")
     if block_k <= 0 or block_k % 16:
         raise ValueError(f"block_k must be a positive multiple of 16 for engine='mma', got {block_k}")
-    return block_q // 16, block_k
+    row_blocks = row_blocks_for(order, kind, block_q, head_dim, plain)
+    return block_q // (16 * row_blocks), block_k, row_blocks
 
 
 def backward(engine: str, *, kind: str | None = None, order: str = "kv", head_dim: int = 0,

@@ -291,8 +291,32 @@ def _mma_tiles(head_dim: int, name: str = "v2-mma", dtype: str = "float16") -> t
         from fa_numba.kernels.mma.backward import default_tiles
 
         return default_tiles("dq" if name == "bwd-dq-mma" else "kv", head_dim, dtype)[1:]
-    warps, block_k = engines.mma_tiles(head_dim, None, None, dtype, name[:2])  # "v1" or "v2"
-    return 16 * warps, block_k
+    warps, block_k, row_blocks = engines.mma_tiles(head_dim, None, None, dtype, name[:2])  # "v1" or "v2"
+    return 16 * warps * row_blocks, block_k
+
+
+def _with_mod(cfg: dict, mod: str) -> dict:
+    """cfg with a built-in score mod compiled in, at the tiles a call with a mod takes: a 16-bit v2-mma of two
+    row blocks a warp keeps one (engines.mma_tiles, `plain`), 64 rows by default."""
+    cfg = dict(cfg, score_mod=mod)
+    if cfg.pop("row_blocks", 1) != 1:
+        from fa_numba import engines
+
+        width = max(cfg["head_dim"], cfg.get("value_dim") or 0)
+        warps, _, _ = engines.mma_tiles(width, None, cfg["block_k"], cfg["dtype"], "v2", plain=False)
+        cfg["block_q"] = 16 * warps
+    return cfg
+
+
+def _row_blocks(name: str, head_dim: int, block_q: int, block_k: int, dtype: str) -> dict:
+    """{"row_blocks": R} where a tensor-core forward at these tiles owns R > 1 row blocks a warp
+    (engines.mma_tiles), else {}: what a configuration carries beside its tiles."""
+    from fa_numba import engines
+
+    if name not in whole_kernel.MMA_VARIANTS or dtype not in engines.MMA_KINDS:
+        return {}
+    rows = engines.mma_tiles(head_dim, block_q, block_k, dtype, name[:2])[2]
+    return {"row_blocks": rows} if rows != 1 else {}
 
 
 # The kernels that take a value head dim of its own natively (V, O, dO, dV d_v wide), the tensor-core ones at
@@ -347,7 +371,7 @@ def configurations(orders=None, head_dims=SHIPPED_HEAD_DIMS, dtypes=DTYPES, caus
                     if name in whole_kernel.MMA_VARIANTS and dtype in FLOAT32_MMA and causal:  # not in the
                         continue  # table: the causal 3xTF32 forwards spill 4 to 12 bytes (docs/profile.md)
                     yield dict(variant=name, block_q=block_q, block_k=block_k, head_dim=head_dim, dtype=dtype,
-                               causal=causal, **own)
+                               causal=causal, **own, **_row_blocks(name, width, block_q, block_k, dtype))
 
 
 SCORE_MODS = ("alibi", "softcap", "relative_bias", "temperature")  # the built-ins a configuration may compile in
@@ -390,8 +414,11 @@ def _build(cfg: dict):
         if form != "none":
             raise ValueError(f"{cfg['variant']} has no block-mask path (mask_form {form!r})")
         make = make_v1_mma if cfg["variant"] == "v1-mma" else make_v2_mma
-        return make(cfg["dtype"], cfg["block_q"] // 16, cfg["block_k"], cfg["head_dim"], cfg["causal"], mod=mod,
-                    **own)
+        rows = cfg.get("row_blocks", 1)  # m16 row blocks a warp (v2's MmaConfig.row_blocks)
+        if rows != 1:
+            own["row_blocks"] = rows
+        return make(cfg["dtype"], cfg["block_q"] // (16 * rows), cfg["block_k"], cfg["head_dim"], cfg["causal"],
+                    mod=mod, **own)
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
         return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form, mod, **own)
@@ -538,8 +565,8 @@ def main(argv=None) -> int:
                   f"operands: profile that head dim): {', '.join(padded)}", file=sys.stderr)
     if not configs:
         parser().error("no configuration to profile: the orders, head dims, dtypes and d_v asked for select none")
-    if args.score_mod:  # every kernel with the mod compiled in
-        configs = [dict(c, score_mod=args.score_mod) for c in configs]
+    if args.score_mod:  # every kernel with the mod compiled in, at the tiles a call with it takes
+        configs = [_with_mod(c, args.score_mod) for c in configs]
     if args.strided:  # every kernel's q, k, v as views (the tensor-core backward's dO and O stay C-contiguous)
         configs = [dict(c, strided=True) for c in configs]
     start = time.perf_counter()

@@ -37,8 +37,9 @@ def _traced_config(cfg: dict) -> dict:
     """The configuration whose wavefronts stand for cfg's: FULL tiles run the non-causal kernel's code."""
     micro = {"micro": list(cfg["micro"])} if cfg.get("micro") else {}  # a layout of its own (decode_estimate)
     own = {"value_dim": cfg["value_dim"]} if cfg.get("value_dim") else {}  # V's head dim: other tiles, accesses
+    rows = {"row_blocks": cfg["row_blocks"]} if cfg.get("row_blocks", 1) != 1 else {}  # a warp's m16 row blocks
     return ({k: cfg[k] for k in ("variant", "block_q", "block_k", "head_dim", "dtype")} | {"causal": False} | micro
-            | own)
+            | own | rows)
 
 
 def wavefront_cache() -> pathlib.Path:
@@ -295,7 +296,7 @@ def _prices_an_iteration(c: dict, counts: dict) -> bool:
 
 def _sibling_key(c: dict) -> tuple:
     return (c["variant"], c["head_dim"], c["dtype"], c["block_q"], c["block_k"], bool(c.get("strided")),
-            c.get("score_mod"), c.get("value_dim") or 0)
+            c.get("score_mod"), c.get("value_dim") or 0, c.get("row_blocks", 1))
 
 
 def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
@@ -313,7 +314,8 @@ def attach_estimates(profiles: list, wavefronts: dict, launch: dict) -> None:
     for prof in profiles:
         keys = ("variant", "block_q", "block_k", "head_dim", "dtype", "causal") + (
             ("value_dim",) if prof.config.get("value_dim") else ()) + (  # V's head dim, where it has one of its own
-            ("micro",) if prof.config.get("micro") else ())  # a micro-tile of its own: traced at that layout
+            ("micro",) if prof.config.get("micro") else ()) + (  # a micro-tile of its own: traced at that layout
+            ("row_blocks",) if prof.config.get("row_blocks", 1) != 1 else ())  # two m16 row blocks a warp
         cfg = {k: prof.config[k] for k in keys}
         traced = wavefronts.get(json.dumps(_traced_config(cfg), sort_keys=True))
         if "error" in prof.counts or traced is None:

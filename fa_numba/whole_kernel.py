@@ -61,8 +61,9 @@ MMA_KERNELS = MMA_VARIANTS + MMA_BACKWARD
 # (Device.mma_cycles)
 USEFUL_MACS = {"float16": 16 * 8 * 16, "bfloat16": 16 * 8 * 16, "float32": 16 * 8 * 8 / 3, "tf32": 16 * 8 * 8}
 MMA_SHAPE = {"float16": "m16n8k16", "bfloat16": "m16n8k16", "float32": "m16n8k8", "tf32": "m16n8k8"}
-# the warps of a kernel's block own 16 rows each of the tile it keeps (query rows, or keys in the kv backward);
-# one product of an iteration is then 16 x (the other tile) x D multiply-adds per warp
+# the warps of a kernel's block own 16 rows each of the tile it keeps (query rows, or keys in the kv backward),
+# 16 R where a warp holds R row blocks (cfg["row_blocks"]); one product of an iteration is then 16 R x (the other
+# tile) x D multiply-adds per warp
 _WARP_OWNS_KEYS = ("bwd-kv-mma", "bwd-kv-mma-det")
 
 
@@ -229,7 +230,8 @@ def mma_iteration_counts(text: str, cfg: dict, d_pad: int, inner_trips: int | No
     counts["ffma"] = counts["by_category"]["FFMA"]
     counts["mufu"] = counts["by_category"]["MUFU"]
     rows = cfg["block_q"] if cfg["variant"] in _WARP_OWNS_KEYS else cfg["block_k"]
-    counts["products"] = counts["hmma"] * USEFUL_MACS[cfg["dtype"]] / (16 * rows * d_pad)
+    owned = 16 * cfg.get("row_blocks", 1)  # the rows a warp owns: 16 per m16 row block (MmaConfig.row_blocks)
+    counts["products"] = counts["hmma"] * USEFUL_MACS[cfg["dtype"]] / (owned * rows * d_pad)
     return counts
 
 

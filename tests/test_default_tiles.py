@@ -23,12 +23,16 @@ WIDE = [136, 160, 176, 192]  # the 16-bit forwards only
 def test_the_forward_defaults_build(kind, order):
     make = make_v1_mma if order == "v1" else make_v2_mma
     for d in HEAD_DIMS + (WIDE if kind in engines.MMA_KINDS else []):
-        warps, block_k = engines.mma_tiles(d, None, None, kind, order)
+        warps, block_k, row_blocks = engines.mma_tiles(d, None, None, kind, order)
+        rows = {"row_blocks": row_blocks} if row_blocks != 1 else {}  # as the api passes it
+        assert row_blocks == (2 if order == "v2" and kind in engines.MMA_KINDS and d <= 64 else 1)
         for causal in (False, True):
-            kernel = make(kind, warps, block_k, d, causal, value_dim=d)  # as the api passes it
-            assert (kernel.config.warps, kernel.config.block_k) == (warps, block_k)
+            kernel = make(kind, warps, block_k, d, causal, value_dim=d, **rows)
+            assert (kernel.config.warps, kernel.config.block_k, kernel.config.row_blocks) == (warps, block_k,
+                                                                                               row_blocks)
     if kind in engines.MMA_KINDS:  # MLA's d_qk = 192, d_v = 128, natively
-        warps, block_k = engines.mma_tiles(192, None, None, kind, order)
+        warps, block_k, row_blocks = engines.mma_tiles(192, None, None, kind, order)
+        assert row_blocks == 1
         make(kind, warps, block_k, 192, True, value_dim=128)
 
 

@@ -229,6 +229,12 @@ def test_v2_mma_config_errors_name_the_argument():
         MmaConfig("float16", 1, 16, 20, False, async_copy=True).check()
     with pytest.raises(ValueError, match="over the 49152 static limit"):
         MmaConfig("float16", 8, 128, 128, False).check()
+    with pytest.raises(ValueError, match=r"row_blocks must be one of \(1, 2\) \(m16 row blocks a warp\), got 3"):
+        MmaConfig("float16", 1, 16, 64, False, row_blocks=3).check()
+    with pytest.raises(ValueError, match="row_blocks 2 is taken by the 16-bit kinds"):
+        MmaConfig("float32", 1, 16, 64, False, row_blocks=2).check()
+    with pytest.raises(ValueError, match="block_q 128, block_k 32, d 128: 52224 bytes"):  # 128 rows at d = 128
+        MmaConfig("float16", 4, 32, 128, False, row_blocks=2).check()
 
 
 def test_head_dims_up_to_192_take_the_tensor_core_forward_and_the_backward_says_128():
@@ -236,11 +242,12 @@ def test_head_dims_up_to_192_take_the_tensor_core_forward_and_the_backward_says_
     picks it; the backward and float32 stop at 128, each refusal naming the limit."""
     from fa_numba import engines
 
-    assert engines.mma_tiles(192, None, None) == (4, 16) and engines.mma_tiles(128, None, None) == (4, 32)
+    assert engines.mma_tiles(192, None, None) == (4, 16, 1) and engines.mma_tiles(128, None, None) == (4, 32, 1)
+    assert engines.mma_tiles(64, None, None) == (4, 64, 2)  # FlashAttention-2's 128 rows: 4 warps of 32
     # float32 (tf32 parts): half the keys; v2's 8 warps share a staged tile, v1 keeps 4 (engines.mma_tiles)
-    assert engines.mma_tiles(64, None, None, "float32") == (8, 32)
-    assert engines.mma_tiles(128, None, None, "tf32", "v2") == (8, 16)
-    assert engines.mma_tiles(64, None, None, "float32", "v1") == (4, 32)
+    assert engines.mma_tiles(64, None, None, "float32") == (8, 32, 1)
+    assert engines.mma_tiles(128, None, None, "tf32", "v2") == (8, 16, 1)
+    assert engines.mma_tiles(64, None, None, "float32", "v1") == (4, 32, 1)
     assert MmaConfig("float16", 4, 16, 192, True).check().shared_bytes <= 48 * 1024
     assert engines.resolve("auto", kind="bfloat16", order="v1", head_dim=192) == "mma"
     assert engines.resolve("auto", kind="float16", order="v2", head_dim=200) == "simt"

@@ -397,7 +397,8 @@ def test_every_shipped_configuration_is_in_the_committed_table():
                  + len(backward.VARIANTS) * heads + mma_heads) * 2
                 + len(whole_kernel.MMA_VARIANTS) * mma_heads)  # float32 tensor-core forwards: non-causal only
     assert len(table["profiles"]) == len(configs) == expected
-    assert [{k: p["config"][k] for k in configs[0]} for p in table["profiles"]] == configs
+    for p, cfg in zip(table["profiles"], configs):  # each with its own keys (row_blocks where a warp owns two)
+        assert {k: p["config"][k] for k in cfg} == cfg and p["config"].get("row_blocks", 1) == cfg.get("row_blocks", 1)
 
 
 def test_no_committed_configuration_spills_uses_float64_or_exceeds_the_shared_budget():
@@ -473,16 +474,16 @@ def test_a_value_head_dim_is_estimated_from_its_own_build_and_trace(tmp_path, py
 def test_tf32_is_asked_for_by_name_and_builds_the_tensor_core_forwards_only():
     """"tf32" (engine="mma-tf32") is never in the shipped table; asked for, it is the two tensor-core forwards,
     non-causal, at the float32 kinds' tiles (block_k half the 16-bit one: each element staged as 4 bytes; v2's
-    block_q twice it, 8 warps sharing a staged tile), d <= 128, and its HMMA covers one m16n8k8 product's
-    multiply-adds (3xTF32's covers a third)."""
+    block_q 128, 8 warps of one row block sharing a staged tile, v1's 64), d <= 128, and its HMMA covers one
+    m16n8k8 product's multiply-adds (3xTF32's covers a third)."""
     assert all(c["dtype"] != "tf32" for c in profile.configurations())
     asked = list(profile.configurations(dtypes=("tf32",)))
     assert {(c["variant"], c["head_dim"], c["causal"]) for c in asked} == {
         (name, d, False) for name in whole_kernel.MMA_VARIANTS for d in (64, 128)}
     for cfg in asked:
         sixteen = next(profile.configurations([cfg["variant"]], [cfg["head_dim"]], ["float16"], [False]))
-        rows = 2 if cfg["variant"] == "v2-mma" else 1
-        assert cfg["block_k"] * 2 == sixteen["block_k"] and cfg["block_q"] == rows * sixteen["block_q"]
+        assert cfg["block_k"] * 2 == sixteen["block_k"] and "row_blocks" not in cfg
+        assert cfg["block_q"] == (128 if cfg["variant"] == "v2-mma" else 64)
     assert whole_kernel.USEFUL_MACS["tf32"] == 3 * whole_kernel.USEFUL_MACS["float32"] == 16 * 8 * 8
     assert whole_kernel.MMA_SHAPE["tf32"] == whole_kernel.MMA_SHAPE["float32"] == "m16n8k8"
 

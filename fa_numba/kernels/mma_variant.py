@@ -8,8 +8,9 @@ narrower, and each limit is a ValueError naming the argument (`check`):
 
 - dtype float16 or bfloat16 (q, k, v as float16 arrays or the uint16 bits of `dtype`), or float32 (float32
   arrays, multiplied by 3xTF32: kernels.mma.tf32; tolerance's products="3xtf32" term, proofs/L6 part 9);
-- block_q in {16, 32, 64, 128} (16 query rows per warp), block_k a positive multiple of 16 (the k of
-  m16n8k16), d <= 128, under 48 KB of static shared memory;
+- block_q in {16, 32, 64, 128} (16 query rows per warp; v2's 128 on 16-bit inputs up to d = 64 without a
+  block mask: 4 warps of two m16 row blocks, as `fa_numba.attention` takes it), block_k a positive multiple of
+  16 (the k of m16n8k16), d <= 128, under 48 KB of static shared memory;
 - mask_form any the registry takes: "none", "causal", or a block mask's list form ("intervals", "dense"),
   whose KernelMask (kernels.block_lists.kernel_mask on the kernel's tiles) each launch then takes as mask=;
   "function" (a mask_mod) needs its fn compiled in, which only `fa_numba.attention` does.
@@ -29,7 +30,7 @@ from numba import float32
 from fa_numba import backend
 from fa_numba.kernels.block_lists import LIST_FORMS, mask_arrays
 from fa_numba.kernels.common import check_grid, check_mask_form, check_sequence
-from fa_numba.kernels.mma.engine import MmaConfig, async_multiple
+from fa_numba.kernels.mma.engine import MmaConfig, async_multiple, row_blocks_for
 from fa_numba.kernels.mma.staging import aligned16
 from fa_numba.kernels.mma.engine_v1 import make_v1_mma
 from fa_numba.kernels.mma.engine_v2 import make_v2_mma
@@ -54,8 +55,9 @@ def check(order: str, block_q: int, block_k: int, head_dim: int, causal: bool, m
     if block_q not in BLOCK_Q:
         raise ValueError(f"block_q must be 16, 32, 64 or 128 for {name} (16 query rows per warp), got {block_q}")
     lists = mask_form if mask_form in LIST_FORMS else "none"
-    return MmaConfig(dtype, block_q // 16, block_k, head_dim, bool(causal), head_dim % async_multiple(dtype) == 0,
-                     mask_form=lists).check()
+    rows = row_blocks_for(order, dtype, block_q, head_dim, plain=lists == "none")  # what fa_numba.attention takes
+    return MmaConfig(dtype, block_q // (16 * rows), block_k, head_dim, bool(causal),
+                     head_dim % async_multiple(dtype) == 0, mask_form=lists, row_blocks=rows).check()
 
 
 class MmaVariantKernel:
@@ -129,8 +131,9 @@ def _maker(order: str):
     def make(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
              dtype: str = "float16") -> MmaVariantKernel:
         config = check(order, block_q, block_k, head_dim, causal, mask_form, dtype)
+        rows = {"row_blocks": config.row_blocks} if config.row_blocks != 1 else {}  # v2's (v1 owns one a warp)
         return MmaVariantKernel(order, _MAKE[order](dtype, config.warps, block_k, head_dim, bool(causal),
-                                                    mask_form=config.mask_form))
+                                                    mask_form=config.mask_form, **rows))
 
     make.__name__ = make.__qualname__ = f"make_{order}_mma_variant"
     make.__doc__ = (f"The tensor-core {order} kernel as a registry variant ({order}-mma): the registry's "

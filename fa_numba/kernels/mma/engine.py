@@ -15,12 +15,16 @@ mask) gets 0 and -inf. What is new is where the products happen and one rounding
   error of u (2 |S| + 3 (m - S)) plus 2 ulps per weight (tolerance.exp2_terms, proofs/L6 part 10). The
   rescaling factors alpha and the exact path keep math.exp.
 
-Layout (proofs/L10): a block of W warps owns B_r = 16 W query rows, warp w the rows 16 w .. 16 w + 15. In
-every fragment lane (g, t) = (lane >> 2, lane & 3) holds rows g and g + 8 and, per 8-column block, columns 2t
-and 2t + 1, so a row's statistics live in the 4 lanes of a quad and its max and sum are two shfl_xor each.
+Layout (proofs/L10): a block of W warps owns B_r = 16 W R query rows, warp w the R m16 row blocks of rows
+16 R w .. 16 R (w + 1) - 1 (R = `MmaConfig.row_blocks`, 1 or 2: v2's 128-row tiles on 16-bit inputs take
+FlashAttention-2's two, so each K_j and V_j fragment read from shared memory feeds both row blocks' products). In
+every fragment lane (g, t) = (lane >> 2, lane & 3) holds rows g and g + 8 of a row block and, per 8-column
+block, columns 2t and 2t + 1, so a row's statistics live in the 4 lanes of a quad and its max and sum are two
+shfl_xor each.
 Q_i, K_j and V_j are staged in shared memory as 16-bit bits, rows DP + 8 elements apart (DP: d rounded up
 to 16, zeros past d; the 16-byte pad puts the 8 rows of an ldmatrix on 8 distinct 4-bank groups); Q's A
-fragments are read once per staging (ldmatrix x4), K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans,
+fragments are read once per staging (ldmatrix x4; with two row blocks a warp, at every tile, as FlashAttention-2
+does: kept in registers they spill), K's B fragments by ldmatrix x2, V's by ldmatrix x2 .trans,
 and the S accumulator becomes P's A fragment in the lane that holds it (L10, claim 5): no data moves between
 lanes. V_j and O may have a head dim of their own (`MmaConfig.value_dim`, 16-bit kinds): V_j's rows are then
 DPV + 8 apart and O's accumulator holds DPV columns (DPV: d_v rounded up to 16).
@@ -77,6 +81,7 @@ MAX_HEAD_DIM = 128  # the backward's, and the float32 (3xTF32) forward's: their 
 # spills in both orders (sm_90a, 2026-12-03); d = 256 spills 136 bytes even at 32 x 16 tiles.
 MAX_FORWARD_HEAD_DIM = 192
 SHARED_LIMIT = 48 * 1024  # static shared memory per block (DESIGN.md)
+ROW_BLOCKS = (1, 2)  # m16 row blocks a warp may own (MmaConfig.row_blocks)
 # v2's pipelined copies by default up to this head dim: above it (64 x 16 tiles) the causal d = 192 build takes
 # 254 registers in one stage and spills pipelined (8 bytes stored, 32 loaded; sm_90a, 2026-12-04)
 PIPELINED_MAX_DIM = 128
@@ -114,6 +119,9 @@ class MmaConfig(PaddedRows):
     # v2 by cp.async: overlap the copies with the products (engine_v2); False keeps one stage, the order before
     # 2026-12-04 (the device session's A / B); None: `pipelines`' default
     pipelined: bool | None = None
+    # R: m16 row blocks per warp (v2 on 16-bit inputs): a warp owns 16 R query rows, and every K_j and V_j
+    # fragment it reads from shared memory feeds R products (FlashAttention-2's 32 rows a warp at R = 2)
+    row_blocks: int = 1
 
     @property
     def d_v(self) -> int:
@@ -159,7 +167,7 @@ class MmaConfig(PaddedRows):
 
     @property
     def block_q(self) -> int:
-        return 16 * self.warps
+        return 16 * self.warps * self.row_blocks
 
     @property
     def shared_bytes(self) -> int:
@@ -174,6 +182,11 @@ class MmaConfig(PaddedRows):
             raise ValueError(f"kind must be one of {FORWARD_KINDS} for the tensor-core kernel, got {self.kind!r}")
         if self.warps not in (1, 2, 4, 8):
             raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
+        if self.row_blocks not in ROW_BLOCKS:
+            raise ValueError(f"row_blocks must be one of {ROW_BLOCKS} (m16 row blocks a warp), got {self.row_blocks}")
+        if self.row_blocks > 1 and self.float32:
+            raise ValueError(f"row_blocks {self.row_blocks} is taken by the 16-bit kinds {KINDS}; the {self.kind} "
+                             "engine's products hold one m16 row block a warp")
         if self.block_k <= 0 or self.block_k % 16:
             raise ValueError(f"block_k must be a positive multiple of 16 (the k of m16n8k16), got {self.block_k}")
         limit = MAX_HEAD_DIM if self.float32 else MAX_FORWARD_HEAD_DIM
@@ -201,6 +214,17 @@ class MmaConfig(PaddedRows):
         return self
 
 
+ROW_BLOCKS_MAX_DIM = 64  # two row blocks a warp up to this head dim (engines.mma_tiles; above it they spill)
+
+
+def row_blocks_for(order: str, kind: str, block_q: int, head_dim: int, plain: bool = True) -> int:
+    """The m16 row blocks a warp owns in a block of block_q query rows: 2 (FlashAttention-2's 4 warps of 32
+    rows) for v2's 128-row tiles on 16-bit inputs up to d = ROW_BLOCKS_MAX_DIM where the build is `plain` (no
+    score mod, no block mask: those registers on top of two row blocks' spill), else 1 (16 rows a warp)."""
+    wide = order == "v2" and kind in KINDS and plain and head_dim <= ROW_BLOCKS_MAX_DIM
+    return 2 if wide and block_q == 128 else 1
+
+
 def async_multiple(kind: str) -> int:
     """d must be a multiple of this for cp.async staging (16-byte chunks of whole rows)."""
     return 4 if kind in FLOAT32_KINDS else 8
@@ -211,7 +235,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     kernel can call only globals and closures: each order's kernel_source takes them from here). The products
     (Q's fragments, S = Q K^T, acc += P V, the exact path's dot products) are the 16-bit ones
     (`kernels.mma.products16`) or the float32 inputs' tf32 ones (`kernels.mma.tf32`); the rest is shared."""
-    W, BR, BC, D = config.warps, config.block_q, config.block_k, config.head_dim
+    W, BR, BC, D, RB = config.warps, config.block_q, config.block_k, config.head_dim, config.row_blocks
     DP, SQ, CAUSAL = config.padded_dim, config.row_stride, config.causal
     # k-steps of Q K^T (16-bit: 16 wide, tf32: 8), key blocks, O blocks
     KS, NT, DN = DP // (8 if config.float32 else 16), BC // 8, DP // 8
@@ -222,7 +246,7 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     DV, DPV, SV = config.d_v, config.padded_value_dim, config.value_row_stride
     DNV = DPV // 8  # O's accumulator blocks of 8 columns
     V_SIZE = KV_SIZE if (DPV, SV) == (DP, SQ) else BC * SV
-    sizes = SimpleNamespace(W=W, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN, KV_SIZE=KV_SIZE, HALF=HALF,
+    sizes = SimpleNamespace(W=W, RB=RB, BR=BR, BC=BC, D=D, DP=DP, SQ=SQ, KS=KS, NT=NT, DN=DN, KV_SIZE=KV_SIZE, HALF=HALF,
                             DV=DV, DPV=DPV, SV=SV, DNV=DNV, V_SIZE=V_SIZE)
 
     @cuda.jit(device=True, inline=True)
@@ -278,10 +302,10 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return x
 
     @cuda.jit(device=True, inline=True)
-    def exact_pv(qf, sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured,
-                 lohis, denses, sb, sh):
-        """acc += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a masked key's
-        value row never read. Each lane recomputes its two rows' weights from Q_i and K_j (K_j is still
+    def exact_pv(qf, sq, sk, sv, acc, base, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q,
+                 captured, lohis, denses, sb, sh):
+        """acc[base + ...] += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a
+        masked key's value row never read (base: the row block's first accumulator block, R' DNV). Each lane recomputes its two rows' weights from Q_i and K_j (K_j is still
         staged; `key_dots`, which the whole warp calls for every key) rather than index its S fragment at a
         run-time key, which would move the whole fragment to local memory; the weights' own rounding differs
         from the mma's by a score perturbation, which the rule's score terms bound."""
@@ -296,9 +320,9 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
                     for e in range(2):
                         vx = value(sv, c * SV + 8 * dn + 2 * t + e)
                         if see0:
-                            acc[dn, e] += p0 * vx
+                            acc[base + dn, e] += p0 * vx
                         if see1:
-                            acc[dn, 2 + e] += p1 * vx
+                            acc[base + dn, 2 + e] += p1 * vx
 
     @cuda.jit(device=True, inline=True)
     def stage_q(q, b, h, r0, n_q, sq, qf, wid, mrow, mat):
@@ -382,35 +406,38 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         return False
 
     @cuda.jit(device=True, inline=True)
-    def scores(qf, s, sk, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis, denses,
-               sb, sh):
-        """S = scale Q_i K_j^T on this lane's fragments (rows row0 and row0 + 8), the score mod applied and a
-        hidden pair set to -inf; the whole warp calls it together. The only read of the staged K_j (but the
+    def scores(qf, s, sq, sk, wid, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis,
+               denses, sb, sh):
+        """S = scale Q_i K_j^T on this lane's fragments (rows row0 + 16 R' and row0 + 16 R' + 8 of each row block
+        R' < RB, in s[R' NT + nt]), the score mod applied and a hidden pair set to -inf; the whole warp calls it
+        together. The only read of the staged K_j (but the
         exact path's): once every warp is past it, K_j's buffer may take the next tile (engine_v2's pipeline).
         masked: some pair of the tile may be hidden (a PARTIAL or tail tile), so each is tested (`masking`);
         lohis, denses, (sb, sh): the block mask's arrays and the block's slice of them (placeholders without)."""
-        raw_scores(qf, s, sk, mrow, mat)
-        for nt in range(NT):
-            for e in range(4):
-                if masked or MOD:
-                    key = c0 + 8 * nt + 2 * t + (e & 1)
-                    row = row0 + 8 * (e >> 1)
-                    see = pair_visible(row, key, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
-                    s[nt, e] = score(scale * s[nt, e], b, h, row, key, n_q, captured) if see else NEG_INF
-                else:
-                    s[nt, e] = scale * s[nt, e]
+        raw_scores(qf, s, sk, mrow, mat, sq, wid)
+        for rb in range(RB):
+            for nt in range(NT):
+                for e in range(4):
+                    x = rb * NT + nt
+                    if masked or MOD:
+                        key = c0 + 8 * nt + 2 * t + (e & 1)
+                        row = row0 + 16 * rb + 8 * (e >> 1)
+                        see = pair_visible(row, key, n_q, n_k, delta, lohis, denses, sb, sh, b, h, captured)
+                        s[x, e] = score(scale * s[x, e], b, h, row, key, n_q, captured) if see else NEG_INF
+                    else:
+                        s[x, e] = scale * s[x, e]
 
     @cuda.jit(device=True, inline=True)
-    def weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard, b,
-              h, n_q, captured, lohis, denses, sb, sh):
-        """Fold the scores S of K_j (`scores`) and the staged V_j into this lane's (m, l, acc) of rows row0 and
-        row0 + 8 (l: the lane's part, the quad sums it at the end); returns the new (m0, m1, l0, l1). The whole
-        warp calls it together. guard: the exact path (`exact_pv`), which reads K_j again."""
+    def softmax(s, acc, rb, m0, m1, l0, l1):
+        """Row block rb's part of a fold: its scores in s[rb NT + nt] become the weights exp(S - m_new), its
+        accumulator blocks acc[rb DNV + dn] are rescaled by exp(m_old - m_new); returns its new (m0, m1, l0,
+        l1) (l: the lane's part, the quad sums it at the end). The whole warp calls it together."""
         # the tile's row max over the quad (the max may drop a NaN score; its weight keeps the NaN)
         t0, t1 = NEG_INF, NEG_INF
         for nt in range(NT):
-            t0 = max(t0, max(s[nt, 0], s[nt, 1]))
-            t1 = max(t1, max(s[nt, 2], s[nt, 3]))
+            x = rb * NT + nt
+            t0 = max(t0, max(s[x, 0], s[x, 1]))
+            t1 = max(t1, max(s[x, 2], s[x, 3]))
         n0, n1 = max(m0, quad_max(t0)), max(m1, quad_max(t1))
         shift0 = n0 if n0 != NEG_INF else ZERO  # nothing visible yet: exp(-inf - 0) = 0
         shift1 = n1 if n1 != NEG_INF else ZERO
@@ -420,31 +447,64 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
         base0, base1 = shift0 * LOG2E, shift1 * LOG2E
         p0, p1 = ZERO, ZERO
         for nt in range(NT):
+            x = rb * NT + nt
             for e in range(2):
-                s[nt, e] = warp.ex2(s[nt, e] * LOG2E - base0)
-                s[nt, 2 + e] = warp.ex2(s[nt, 2 + e] * LOG2E - base1)
-                p0 += s[nt, e]
-                p1 += s[nt, 2 + e]
+                s[x, e] = warp.ex2(s[x, e] * LOG2E - base0)
+                s[x, 2 + e] = warp.ex2(s[x, 2 + e] * LOG2E - base1)
+                p0 += s[x, e]
+                p1 += s[x, 2 + e]
         for dn in range(DNV):
-            acc[dn, 0], acc[dn, 1] = alpha0 * acc[dn, 0], alpha0 * acc[dn, 1]
-            acc[dn, 2], acc[dn, 3] = alpha1 * acc[dn, 2], alpha1 * acc[dn, 3]
+            y = rb * DNV + dn
+            acc[y, 0], acc[y, 1] = alpha0 * acc[y, 0], alpha0 * acc[y, 1]
+            acc[y, 2], acc[y, 3] = alpha1 * acc[y, 2], alpha1 * acc[y, 3]
+        return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
+
+    @cuda.jit(device=True, inline=True)
+    def shift(m):
+        """The shift a row's weights were taken at: its running max, 0 while nothing is visible."""
+        return m if m != NEG_INF else ZERO
+
+    @cuda.jit(device=True, inline=True)
+    def weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard, b,
+              h, n_q, captured, lohis, denses, sb, sh):
+        """Fold the scores S of K_j (`scores`) and the staged V_j into this lane's (m, l, acc) of rows row0 and
+        row0 + 8 (one row block a warp); returns the new (m0, m1, l0, l1). The whole warp calls it together.
+        guard: the exact path (`exact_pv`), which reads K_j again."""
+        n0, n1, l0, l1 = softmax(s, acc, 0, m0, m1, l0, l1)
         if guard:
-            exact_pv(qf, sq, sk, sv, acc, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q, captured,
-                     lohis, denses, sb, sh)
+            exact_pv(qf, sq, sk, sv, acc, 0, row0, qrow0, c0, n_k, delta, scale, shift(n0), shift(n1), t, b, h, n_q,
+                     captured, lohis, denses, sb, sh)
         else:
             pv(s, acc, sv, mrow, mat)
-        return n0, n1, alpha0 * l0 + p0, alpha1 * l1 + p1
+        return n0, n1, l0, l1
+
+    @cuda.jit(device=True, inline=True)
+    def weigh_blocks(qf, s, acc, sq, sk, sv, ml, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard, b, h, n_q,
+                     captured, lohis, denses, sb, sh):
+        """`weigh` for a warp of RB row blocks: row block R' (rows row0 + 16 R', + 8) keeps its (m0, m1, l0, l1)
+        in ml[R'], updated in place; P V_j takes every row block's weights at once (`pv`: each V_j fragment read
+        feeds RB products), or the exact path row block by row block."""
+        for rb in range(RB):
+            ml[rb, 0], ml[rb, 1], ml[rb, 2], ml[rb, 3] = softmax(s, acc, rb, ml[rb, 0], ml[rb, 1], ml[rb, 2],
+                                                                 ml[rb, 3])
+        if guard:
+            for rb in range(RB):
+                exact_pv(qf, sq, sk, sv, acc, rb * DNV, row0 + 16 * rb, qrow0 + 16 * rb, c0, n_k, delta, scale,
+                         shift(ml[rb, 0]), shift(ml[rb, 1]), t, b, h, n_q, captured, lohis, denses, sb, sh)
+        else:
+            pv(s, acc, sv, mrow, mat)
 
     @cuda.jit(device=True, inline=True)
     def fold(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
              masked, b, h, n_q, captured, lohis, denses, sb, sh):
         """`scores` then `weigh`: fold the staged K_j, V_j into (m, l, acc); returns the new (m0, m1, l0, l1)."""
-        scores(qf, s, sk, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis, denses, sb,
-               sh)
+        scores(qf, s, sq, sk, 0, row0, c0, n_k, delta, scale, t, mrow, mat, masked, b, h, n_q, captured, lohis,
+               denses, sb, sh)  # one row block a warp (v1, decoding): Q's fragments are in qf, no warp index
         return weigh(qf, s, acc, sq, sk, sv, m0, m1, l0, l1, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard,
                      b, h, n_q, captured, lohis, denses, sb, sh)
 
     return SimpleNamespace(stage_q=stage_q, stage_kv=stage_kv, fold=fold, scores=scores, weigh=weigh,
+                           weigh_blocks=weigh_blocks,
                            copy_k=copy_k, copy_v=copy_v, split_k=split_k, landed=landed, quad_sum=quad_sum,
                            visible=pair_visible, stage=stage, stage_async=stage_async,
                            stage_two=stage_two, any_bad=any_bad, stage_v_async=stage_v_async, any_bad_v=any_bad_v,

@@ -228,8 +228,9 @@ def make_products(kind: str, sizes: SimpleNamespace, quad_sum) -> SimpleNamespac
     score_steps = unrolled(KS, score_step)
 
     @cuda.jit(device=True, inline=True)
-    def scores(qf, s, sk, mrow, mat):
-        """s[nt, e] = this lane's entries of Q_i K_j^T (unscaled), k-steps outer."""
+    def scores(qf, s, sk, mrow, mat, sq, wid):
+        """s[nt, e] = this lane's entries of Q_i K_j^T (unscaled), k-steps outer (sq, wid: unused, the 16-bit
+        engine's two-row-block form reads Q there)."""
         lane = cuda.threadIdx.x & 31
         for nt in range(NT):
             for e in range(4):
