@@ -165,19 +165,73 @@ def test_compare_page_tables_match_compare(argv, capsys):
         assert line in page, line
 
 
+def _profile_row(p):
+    """docs/profile.md's row for one profile of the committed SASS table, as the page writes it."""
+    c, hot, bound = p["config"], p["hot_loops"], p["bound"]
+    issued, ffma = sum(h["issued"] for h in hot), sum(h["ffma"] for h in hot)
+    kb = f"{p['smem'] / 1024:.1f}".rstrip("0").rstrip(".")
+    peak = f"{100 * bound['fraction_of_peak']:.{0 if bound['fraction_of_peak'] >= 0.1 else 1}f}"
+    name = p["name"] + (" (engine)" if p["name"] in ("v1", "v2") else "")
+    return (f"| {name} | {c['head_dim']} | {'on' if c['causal'] else 'off'} | {p['threads']} | {p['registers']} | "
+            f"{p['spill_stores']} | {kb} KB | {p['occupancy']['warps_per_sm']} ({p['occupancy']['limiter']}) | "
+            f"{round(100 * bound['ffma_fraction'])}% | {issued / ffma:.1f} | "
+            f"{sum(h['mix']['LDL/STL'] for h in hot)} | {bound['tflops']:.1f} TFLOP/s ({peak}%) |")
+
+
 def test_profile_page_table_matches_the_shipped_profile():
-    """Every row of docs/profile.md's table is the shipped JSON's numbers for that configuration."""
-    profiles = json.loads((ROOT / "benchmarks" / "results" / "profile_sm90_2026-11-29.json").read_text())["profiles"]
+    """Every row of docs/profile.md's resources table is the committed SASS table's numbers for that float32
+    configuration (benchmarks/results/sass_table_sm90a.json: regenerating it means updating the page; the
+    failure prints the row as it should read)."""
+    profiles = json.loads((ROOT / "benchmarks" / "results" / "sass_table_sm90a.json").read_text())["profiles"]
     by_config = {(p["name"], p["config"]["head_dim"], p["config"]["causal"]): p for p in profiles
                  if p["config"]["dtype"] == "float32"}
     section = (ROOT / "docs" / "profile.md").read_text()
-    rows = re.findall(r"^\| (v1|v2|v1-rowwise|v2-rowwise|bwd-kv|bwd-q)(?: \(engine\))? \| (\d+) \| (on|off) \| (.*)$",
+    rows = re.findall(r"^(\| (v1|v2|v1-rowwise|v2-rowwise|bwd-kv|bwd-q)(?: \(engine\))? \| (\d+) \| (on|off) \| .*)$",
                       section, re.M)
     assert len(rows) >= 8
-    for name, d, causal, rest in rows:
-        p = by_config[(name, int(d), causal == "on")]
-        threads, registers, spills, _, warps, ffma, _, _, bound = (c.strip() for c in rest.split("|")[:9])
-        assert (int(threads), int(registers), int(spills)) == (p["threads"], p["registers"], p["spill_stores"]), name
-        assert warps.startswith(f"{p['occupancy']['warps_per_sm']} ({p['occupancy']['limiter']})"), (name, warps)
-        assert ffma == f"{round(100 * p['bound']['ffma_fraction'])}%", (name, ffma)
-        assert bound.startswith(f"{p['bound']['tflops']:.1f} TFLOP/s"), (name, bound)
+    for line, name, d, causal in rows:
+        expected = _profile_row(by_config[(name, int(d), causal == "on")])
+        assert line == expected, f"docs/profile.md's row should read:\n{expected}"
+
+
+MANUAL = [path for path in PAGES if path.name != "journal.md"]  # the journal keeps dates and long records
+
+
+def test_manual_pages_state_facts_briefly_and_carry_no_dated_headings():
+    """A manual page (every docs/*.md but the journal) has no table cell over 500 characters and no heading
+    with a date like 2026-12-04: history, dated figures and long records go to docs/journal.md."""
+    assert len(MANUAL) >= 8 and ROOT / "docs" / "journal.md" in PAGES
+    for path in MANUAL:
+        fenced = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            fenced ^= line.startswith("```")
+            if fenced:
+                continue
+            where = f"{_name(path)}:{number}"
+            if line.startswith("#"):
+                assert not re.search(r"\b\d{4}-\d{2}-\d{2}\b", line), f"{where}: a dated heading ({line})"
+            if line.startswith("|"):
+                for cell in line.strip().strip("|").split("|"):
+                    assert len(cell.strip()) <= 500, f"{where}: a table cell of {len(cell.strip())} characters"
+
+
+def _anchors(path):
+    """The GitHub anchors of a Markdown file's headings (outside code fences), duplicates numbered."""
+    seen, anchors, fenced = {}, set(), False
+    for line in path.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"^#{1,6} (.*)$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_link_into_a_page_names_one_of_its_headings():
+    """A link to a section (page.md#anchor, or #anchor within a page) of the README or the manual names a heading
+    that is there, so moving a section to the journal leaves no link to nowhere."""
+    for path in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#:]*\.md|)#([^)]+)\)", path.read_text()):
+            page = (path.parent / target).resolve() if target else path
+            assert anchor in _anchors(page), f"{_name(path)} links {target}#{anchor}, which is no heading there"
