@@ -87,38 +87,45 @@ def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None,
               engine: str = "auto", out_dtype=None, score_mod=None):
-    """Exact attention softmax(scale Q K^T) V with the v1 or v2 FlashAttention kernel.
+    """Exact attention softmax(scale Q K^T) V by a FlashAttention kernel, checked against float64 by its tests.
 
-    q: (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); k, v: the same axes with N_k keys
-    and H_kv heads dividing H (GQA/MQA), v's last axis d_v may differ from d (O then has d_v: the 16-bit
-    tensor-core forwards and the tile engine's v1, v2 take it natively, the other kernels at max(d, d_v) on
-    zero-padded operands, exact: fa_numba.value_dims). float32, float16 or bfloat16 (torch tensors, ml_dtypes NumPy arrays), all the same dtype; arithmetic is float32, and so are O and LSE unless out_dtype (float16,
-    bfloat16, or float32: None) asks for O in another (NumPy, torch, CuPy and Numba device results, a Numba
-    one cast by a kernel, its bfloat16 as uint16 bits; fa_numba.autograd and the drop-ins return the input
-    dtype, as SDPA does). N_q = 0 or B = 0 gives empty results and N_k = 0
-    O = 0, LSE = -inf (every query sees no key), without a launch, as torch SDPA gives for empty inputs.
-    causal is bottom-right aligned (query i sees key j iff j <= i + N_k - N_q); mask is any fa_numba.masks
-    mask (sliding_window, documents, prefix_lm, from_function, from_dense; causal=True is the short form of
-    mask=masks.causal(), and passing both is an error), whose SKIP tiles are never touched; a from_function
-    mask is evaluated at this call (masks.fixed), so a predicate reading changing state is seen as it is now.
-    A query that sees no key gets O = 0 and LSE = -inf. scale defaults to 1/sqrt(d) and must be finite in
-    float32. Range: O is finite when N_k max|v| <= 3.4e38 (the float32 accumulator sum_j p_j v_j is divided
-    by l only at the end); host inputs beyond it are refused, device inputs are not scanned. Calls from
-    several threads are safe (in the simulator they run one at a time). block_q / block_k default by head dim
-    (`kernels.default_tiles`). Returns O, or (O, LSE) with return_lse=True, in q's layout and q's array
-    library: NumPy for NumPy (or other host array-likes), a torch tensor on q's device for a torch tensor
-    (CPU or CUDA; read through .detach(), so without autograd history), a CuPy array for CuPy, a Numba
-    device array for a Numba device array or another `__cuda_array_interface__` object. A CUDA tensor or
-    CuPy call is launched on that library's current stream, so work queued before and after it on that
-    stream stays ordered. engine: "simt" (the FP32 CUDA-core kernels), "mma" (tensor cores: float16 or
-    bfloat16 inputs, order "v1" or "v2", any mask, d <= 192 (float32 d <= 128), block_q in {16, 32, 64, 128},
-    block_k a multiple of 16; P enters P V in the input's 16-bit type, proofs/L6 part 7; float32 inputs by
-    3xTF32, within the float32 rule plus proofs/L6 part 9's term), "mma-tf32" (float32 inputs by one TF32 product: about 2^-10
-    relative per product, not float32-exact) or "auto" (the default: "mma" for float16 and bfloat16 inputs where
-    it takes the call as it is, else "simt"; `fa_numba.engines` lists when).
-    score_mod: a `fa_numba.mods.ScoreMod` (mods.alibi, softcap, relative_bias, temperature, or your own): softmax(mod(S)) V, the mod compiled into the kernel and applied after the scale
-    at the visible pairs only, its result rounded to float32 once (proofs/L13; kernels/score_mod.py); the
-    CUDA-core kernels and the tensor-core ones take it (every order).
+    Args:
+        q: queries, (N_q, d), (H, N_q, d), (B, H, N_q, d) or (B1, ..., Bm, H, N_q, d); float32, float16 or
+            bfloat16 (NumPy, ml_dtypes, torch on the CPU or a GPU, CuPy, Numba device arrays), the dtype of k, v.
+        k, v: keys and values, q's axes with N_k rows and H_kv heads dividing H (GQA / MQA); v's last axis d_v
+            may differ from d (O then has d_v; `fa_numba.value_dims`).
+        causal: bottom-right causal (query i sees key j iff j <= i + N_k - N_q); the short form of
+            mask=masks.causal() (both at once is an error).
+        scale: the score scale, finite in float32; default 1 / sqrt(d).
+        order: "v2" (FlashAttention-2, Q outer) or "v1" (Algorithm 1, K/V outer); the rowwise orders
+            "v1-rowwise", "v2-rowwise" run on the CUDA cores.
+        block_q, block_k: the tile sizes; default by head dim, engine and order (`kernels.default_tiles`,
+            `engines.mma_tiles`).
+        return_lse: also return LSE, the log-sum-exp of each row's visible scores.
+        mask: any `fa_numba.masks` mask (sliding_window, documents, prefix_lm, from_function, from_dense,
+            mask_mod, per batch and head); its SKIP tiles are never touched; a from_function mask is evaluated
+            at this call.
+        engine: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA
+            cores), "simt", "mma" (tensor cores; float32 by 3xTF32) or "mma-tf32" (one TF32 product: not
+            float32-exact); `fa_numba.engines` says what each takes.
+        out_dtype: O's dtype, float32 (None), float16 or bfloat16.
+        score_mod: a `fa_numba.mods.ScoreMod` (alibi, softcap, relative_bias, temperature, or your own):
+            softmax(mod(S)) V, applied after the scale at the visible pairs only.
+
+    Returns:
+        O, or (O, LSE) with return_lse=True, in q's layout and array library (a torch tensor on q's device, read
+        through .detach(); CuPy for CuPy; NumPy for host arrays; a Numba device array otherwise); float32 but for
+        out_dtype. A query that sees no key gets O = 0 and LSE = -inf; N_q = 0 or B = 0 give empty results,
+        N_k = 0 gives O = 0 and LSE = -inf, without a launch. A CUDA tensor's or CuPy's call runs on that
+        library's current stream.
+
+    Raises:
+        ValueError: an argument the kernels do not take, named with what was expected (shapes, dtypes, tiles,
+            head dims, an order or engine, a mask that does not fit, host values whose sum could overflow float32,
+            N_k max|v| > 3.4e38).
+        TypeError: inputs of different dtypes, or of a dtype other than float32, float16, bfloat16.
+
+    The guide (docs/api.md) has the details: the tolerance rule each engine meets, the simulator, threads.
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
@@ -318,33 +325,36 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
                        captured_grads: bool = False):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
-    q, k, v as for `attention`; out and lse are that forward's outputs (out like q with v's head dim d_v,
-    float32 or q's dtype; lse float32, q's layout without its last axis), dout like out (q's dtype or float32).
-    Returns (dq, dk, dv) in float32 in the inputs' layout and array library: dq like q, dk like k and dv like v
-    (H_kv heads: the sums over each group's query heads). order "kv" (K/V outer, FlashAttention-2's backward: dK, dV on chip, dQ added into HBM with
-    atomic adds, or with deterministic=True computed by a second, Q-outer pass without atomics, bitwise
-    repeatable) or "q" (Q outer: dQ on chip, dK and dV added into HBM). block_q = block_k (square tiles)
-    default by head dim (kernels.backward.DEFAULTS). HBM traffic: iomodel.traffic_backward; the kernels:
-    fa_numba/kernels/backward.py. mask as for `attention` (the forward's). A row that sees no key gets zero
-    gradient, whatever its inputs hold. NaN and infinities follow the forward's rule (proofs/L7.8): masked
-    pairs are never multiplied, so dq_i depends only on q_i, dout_i and the keys and values row i sees, and
-    dk_j, dv_j only on the rows that see key j. A NaN reaches exactly those gradients; every other entry is
-    bit for bit the one without it (on a GPU, up to the order of the atomic adds: dq for order "kv", dk and
-    dv for order "q"), and wherever the dense formula's gradient is NaN, so is this one.
+    Args:
+        q, k, v: the forward's inputs, as for `attention`.
+        out, lse: the forward's outputs (out like q with v's head dim d_v, float32 or q's dtype; lse float32,
+            q's layout without its last axis).
+        dout: the cotangent of out, like out (q's dtype or float32).
+        causal, scale, mask: the forward's.
+        order: "kv" (K/V outer, FlashAttention-2's backward: dK, dV on chip, dQ added into HBM) or "q" (Q
+            outer: dQ on chip, dK and dV added into HBM).
+        deterministic: order "kv" without atomic adds: dQ by a second, Q-outer pass, bitwise repeatable.
+        block_q, block_k: the tiles; default by head dim (kernels.backward.DEFAULTS; the tensor-core backward's
+            own, kernels.mma.backward).
+        engine: "auto", "simt" or "mma" (tensor cores: float16 or bfloat16, or float32 by 3xTF32; order "kv";
+            d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7).
+        score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13).
+        captured_grads: also return the gradients of the score mod's captured arrays, computed without
+            atomics and bitwise repeatable (kernels/captured_grad.py: a research path, O(B H N_q N_k d)).
 
-    engine: "simt" (the CUDA-core backward), "mma" (tensor cores, kernels/mma/backward.py: float16
-    or bfloat16 q, k, v and dout in q's dtype, order "kv" with or without deterministic, any mask,
-    d <= 128; P and dS rounded to the inputs' 16-bit type before their products, proofs/L7; block_k = 16 x
-    warps of 16, 32, 64 or 128 keys, block_q a multiple of 16; defaults by head dim; float32 inputs by
-    3xTF32, kernels/mma/backward_tf32.py, atomic or deterministic, V padded to d where d_v differs) or "auto" (the
-    default: "mma" where it takes the call as it is for float16 / bfloat16, else "simt", as the forward's;
-    fa_numba.engines says when).
+    Returns:
+        (dq, dk, dv), float32, in the inputs' layout and array library: dq like q, dk like k, dv like v (H_kv
+        heads: the sums over each group's query heads); with captured_grads=True, (dq, dk, dv, dcaptured),
+        dcaptured one float64 NumPy array per captured array (None where it takes no gradient). A row that
+        sees no key gets zero gradient.
 
-    score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13), the
-    mod and its derivative compiled into the kernels (every order, both engines). The
-    gradients of its captured arrays come with captured_grads=True: (dq, dk, dv, dcaptured), dcaptured one
-    entry per captured array, a float64 NumPy array of its shape or None where it takes no gradient, computed
-    without atomics and bitwise repeatable (kernels/captured_grad.py: a research path, O(B H N_q N_k d)).
+    Raises:
+        ValueError: an argument the kernels do not take, named with what was expected (shapes, dtypes, tiles,
+            an order or engine, a score mod without grad).
+
+    NaN and infinities follow the forward's rule (proofs/L7.8): masked pairs are never multiplied, so a NaN
+    reaches exactly the gradients of the rows and keys that see it; every other entry is bit for bit the one
+    without it (on a GPU, up to the order of the atomic adds). HBM traffic: iomodel.traffic_backward.
 
     >>> import numpy as np, fa_numba
     >>> q = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)

@@ -87,34 +87,38 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
                            block_k: int | None = None):
     """Attention of q over the first cache_seqlens[b] keys of each request's cache (plus k, v if given).
 
-    q (B, H, N_q, d), N_q small (1 for a token at a time); float32, float16 or bfloat16, the caches' dtype.
-    k_cache (B, H_kv, N_max, d) and v_cache (B, H_kv, N_max, d_v), or with block_table (B, max_pages) int32 a
-    paged cache (num_pages, H_kv, page_size, d) and (num_pages, H_kv, page_size, d_v) whose page table[b, p]
-    holds request b's positions p page_size .. (p + 1) page_size - 1; page_size a multiple of block_k. d_v, the
-    value head dim, may differ from d (MLA's 192 / 128): both kernels take it natively, reading the caches where
-    they are (the CUDA-core kernel stages its tiles max(d, d_v) wide, zero past each operand's own width).
-    H_kv divides H (GQA: query head h reads K/V head h // (H / H_kv)).
-    cache_seqlens: (B,) ints, or one int for all, or None (a full cache); 0 is a dead row (O = 0, LSE = -inf).
-    k (B, H_kv, N_new, d), v (B, H_kv, N_new, d_v): new keys and values, written into the caches in place at positions
-    cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before attending (cache_seqlens itself is not changed:
-    advance it yourself, as with flash-attn). causal (default True, as a decoding step wants): query i sees the
-    keys up to n_b - N_q + i, n_b = cache_seqlens[b] + N_new (bottom-right); causal=False: all n_b keys.
+    Args:
+        q: (B, H, N_q, d), N_q small (1 for a token at a time); float32, float16 or bfloat16, the caches' dtype.
+        k_cache, v_cache: (B, H_kv, N_max, d) and (B, H_kv, N_max, d_v), H_kv dividing H (GQA: query head h
+            reads K/V head h // (H / H_kv)); with block_table a paged cache, (num_pages, H_kv, page_size, d) and
+            (num_pages, H_kv, page_size, d_v), page_size a multiple of block_k. d_v may differ from d.
+        cache_seqlens: (B,) ints, one int for all, or None (a full cache); 0 is a dead row (O = 0, LSE = -inf).
+        k, v: (B, H_kv, N_new, d) and (B, H_kv, N_new, d_v) new keys and values, written into the caches in place
+            at positions cache_seqlens[b] .. cache_seqlens[b] + N_new - 1 before attending (cache_seqlens itself
+            is not changed: advance it yourself, as with flash-attn).
+        block_table: (B, max_pages) int32; table[b, p] holds request b's positions p page_size ..
+            (p + 1) page_size - 1.
+        causal: query i sees the keys up to n_b - N_q + i, n_b = cache_seqlens[b] + N_new (bottom-right;
+            default True, as a decoding step wants); False: all n_b keys.
+        scale: default 1 / sqrt(d).
+        num_splits: at most this many splits of the longest request (the split size then depends on the batch).
+        split_size: keys a split holds, a multiple of block_k: a request's result is then bitwise the same
+            whatever else is in its batch. Neither: `split_kv.heuristic_splits` (splits until the grid fills the
+            GPU's SMs), which depends on the batch too.
+        return_lse: also return LSE.
+        engine: "auto", "simt" (the CUDA-core split kernel) or "mma" (the tensor-core one: float16 and bfloat16,
+            d and d_v multiples of 8 up to 128; P rounded to the input type before P V); `engines.decode`.
+        block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
 
-    Splits: split_size (keys, a multiple of block_k) fixes which keys each split holds, so a request's result is
-    bitwise the same whatever else is in its batch; num_splits asks for at most that many splits of the
-    longest request (the split size then depends on the batch); neither: the wave-efficiency rule
-    (`split_kv.heuristic_splits`: splits until the grid fills the GPU's SMs), which also depends on the batch.
-    Results are float32: O (B, H, N_q, d_v), and LSE (B, H, N_q) with return_lse=True, in q's array library.
-    engine: "simt" (the CUDA-core split kernel), "mma" (the tensor-core one, kernels/mma/decode.py: float16 and
-    bfloat16, d and d_v multiples of 8 up to 128, K and V streamed by a two-stage cp.async pipeline; P rounded to the
-    input type before P V, as every 16-bit tensor-core kernel), or "auto" (mma wherever it takes the call, else
-    simt; `engines.decode`). block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
+    Returns:
+        O (B, H, N_q, d_v) float32, or (O, LSE (B, H, N_q)) with return_lse=True, in q's array library. B = 0
+        gives empty results.
 
-    Checked before anything is written or launched, each error naming the argument: shapes and dtypes, the
-    lengths (0 <= cache_seqlens[b], cache_seqlens[b] + N_new <= the request's capacity), and every page-table
-    entry a request uses (0 <= entry < num_pages), so no kernel reads or writes outside the cache; device arrays
-    C-contiguous, host caches writable when k, v are given, the grids within CUDA's limits: a refused call
-    leaves the caches as they were. B = 0 gives empty results (cache_seqlens an empty sequence or array).
+    Raises:
+        ValueError, TypeError: checked before anything is written or launched, each naming the argument: shapes
+            and dtypes, the lengths (0 <= cache_seqlens[b], cache_seqlens[b] + N_new <= the request's capacity),
+            every page-table entry a request uses, device arrays C-contiguous, host caches writable when k, v
+            are given, the grids within CUDA's limits. A refused call leaves the caches as they were.
 
     >>> import numpy as np, fa_numba
     >>> rng = np.random.default_rng(0)

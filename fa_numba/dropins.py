@@ -98,16 +98,27 @@ def _float_inputs(*named) -> None:
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention's signature and semantics on fa_numba's kernels.
 
-    query (..., H, L, d), key (..., H_kv, S, d) and value (..., H_kv, S, d_v) (a value head dim of its own, as
-    SDPA takes it), the same leading axes; attn_mask a bool tensor
-    broadcastable to (..., H, L, S), True where the query takes part in attention with the key (a mask that
-    differs by batch or head is one launch reading each slice's tile lists), or a float tensor
-    broadcastable to it, in any real floating dtype, added to the scores (-inf masks a pair, and a row with no
-    finite entry sees no key; a score mod, `mods.conventions.additive`, taking no gradient); is_causal the
-    top-left causal mask (query i sees keys j <= i; not with attn_mask, as SDPA); scale default 1/sqrt(d);
-    H_kv < H (GQA) only with enable_gqa=True, as SDPA. A row that sees no key gets O = 0 (so does torch SDPA's,
-    since torch 2.5). Returns O, (..., H, L, d_v), in query's dtype. Differentiable and traced by torch.compile
-    (see the module docstring for what is refused)."""
+    Args:
+        query: (..., H, L, d) torch tensor (float32, float16 or bfloat16).
+        key, value: (..., H_kv, S, d) and (..., H_kv, S, d_v) (a value head dim of its own, as SDPA takes it),
+            query's leading axes.
+        attn_mask: a bool tensor broadcastable to (..., H, L, S), True where the query takes part in attention
+            with the key (a mask that differs by batch or head is one launch reading each slice's tile lists),
+            or a float tensor broadcastable to it, in any real floating dtype, added to the scores (-inf masks a
+            pair; a row with no finite entry sees no key; a score mod, `mods.conventions.additive`, taking no
+            gradient).
+        dropout_p: must be 0.
+        is_causal: the top-left causal mask (query i sees keys j <= i); not with attn_mask, as SDPA.
+        scale: default 1 / sqrt(d).
+        enable_gqa: H_kv < H (GQA) only with it, as SDPA.
+
+    Returns:
+        O, (..., H, L, d_v), in query's dtype; differentiable and traced by torch.compile. A row that sees no key
+        gets O = 0 (so does torch SDPA's, since torch 2.5).
+
+    Raises:
+        ValueError, TypeError, NotImplementedError: what SDPA refuses, and what this drop-in does not take
+        (dropout, forward-mode AD: the module docstring), each naming the argument."""
     _float_inputs(("query", query), ("key", key), ("value", value))
     _no_dropout(dropout_p)
     if query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3] and not enable_gqa:
@@ -170,16 +181,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn 2's flash_attn_func signature and semantics on fa_numba's kernels.
 
-    q (B, S_q, H, d), k (B, S_k, H_kv, d) and v (B, S_k, H_kv, d_v) with H_kv dividing H (GQA/MQA; d_v != d as
-    FlashAttention-3 takes it); causal and window_size
-    bottom-right aligned (query i sees keys j with i + S_k - S_q - left <= j <= i + S_k - S_q + right, -1
-    unbounded; causal means right = 0); softmax_scale default 1/sqrt(d); deterministic=True runs the
-    backward's deterministic mode (no atomic adds). Returns O (B, S_q, H, d_v) in q's dtype, contiguous; with
-    return_attn_probs=True (out, softmax_lse, None): LSE (B, H, S_q) float32, and None where flash-attn
-    returns its testing-only S_dmask (fa_numba never materialises P). dropout_p must be 0, softcap and
-    alibi_slopes as (see the module docstring): softcap > 0 gives S' = softcap tanh(S / softcap), and
-    alibi_slopes (H,) or (B, H) subtracts slope |i + S_k - S_q - j| after it, as flash-attn does (a score mod,
-    `mods.conventions.flash_attn`; no gradient reaches the slopes)."""
+    Args:
+        q: (B, S_q, H, d) torch tensor (float32, float16 or bfloat16).
+        k, v: (B, S_k, H_kv, d) and (B, S_k, H_kv, d_v), H_kv dividing H (GQA / MQA; d_v != d as FlashAttention-3
+            takes it).
+        dropout_p: must be 0.
+        softmax_scale: default 1 / sqrt(d).
+        causal, window_size: bottom-right aligned: query i sees keys j with i + S_k - S_q - left <= j <=
+            i + S_k - S_q + right, -1 unbounded; causal means right = 0.
+        softcap: > 0 gives S' = softcap tanh(S / softcap).
+        alibi_slopes: (H,) or (B, H): subtracts slope |i + S_k - S_q - j| after the softcap, as flash-attn does
+            (a score mod, `mods.conventions.flash_attn`; no gradient reaches the slopes).
+        deterministic: the backward without atomic adds.
+        return_attn_probs: also return the LSE.
+
+    Returns:
+        O (B, S_q, H, d_v) in q's dtype, contiguous; with return_attn_probs=True (out, softmax_lse, None): LSE
+        (B, H, S_q) float32, and None where flash-attn returns its testing-only S_dmask (fa_numba never
+        materialises P).
+
+    Raises:
+        ValueError, TypeError, NotImplementedError: each naming the argument (layouts, window_size, alibi_slopes'
+        type, dropout, forward-mode AD: the module docstring)."""
     _float_inputs(("q", q), ("k", k), ("v", v))
     _no_dropout(dropout_p)
     for name, x in (("q", q), ("k", k), ("v", v)):
