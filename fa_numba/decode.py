@@ -225,6 +225,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     blocks = max(batch, 1) * heads_kv * -(-max(rows, 1) // block_q)
     splits = _resolve_splits(num_splits, split_size, blocks, key_tiles, layout)
     if batch == 0 or n_q == 0:
+        if batch and n_new:  # no query, but the new keys and values still go into the caches
+            _check_launches(batch, heads_kv, 0, n_new, block_q, 1)
+            with backend.explain_driver_errors(), backend.serialised(), call.context():
+                table_dev = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32), stream=call.stream)
+                _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page)
         out = _empty(call, (batch, heads, n_q, d_v))
         return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
     backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
@@ -266,6 +271,23 @@ def _check_in_place(call, named: dict, n_new: int) -> None:
         if n_new and name != "q" and not call.on_device and not np.asarray(x).flags.writeable:
             raise ValueError(f"{name} must be writable: the new keys and values k, v are written into the caches "
                              "in place")
+    if n_new and _overlap(call.arrays[1], call.arrays[2]):
+        raise ValueError("k_cache and v_cache must not share memory when k, v are given: the new keys and the "
+                         "new values are written into them in place, and one would overwrite the other")
+
+
+def _overlap(a, b) -> bool:
+    """Whether two arrays share memory: host arrays by NumPy's bound, device ones by their byte ranges."""
+    face_a, face_b = (getattr(x, "__cuda_array_interface__", None) for x in (a, b))
+    if face_a is None or face_b is None:
+        return face_a is None and face_b is None and np.may_share_memory(np.asarray(a), np.asarray(b))
+
+    def span(x, face):
+        start = face["data"][0]
+        return start, start + x.size * np.dtype(x.dtype).itemsize  # C-contiguous (checked above)
+
+    (a0, a1), (b0, b1) = span(a, face_a), span(b, face_b)
+    return a.size > 0 and b.size > 0 and a0 < b1 and b0 < a1
 
 
 def _check_launches(batch: int, heads_kv: int, rows: int, n_new: int, block_q: int, splits: int) -> None:

@@ -240,6 +240,9 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     if q.shape[-2] % len(chunk_ids(0, 1, layout)):
         raise ValueError(f"q's shard length must divide into {len(chunk_ids(0, 1, layout))} chunks for layout "
                          f"{layout!r}, got {q.shape[-2]}")
+    from fa_numba import torch_ops
+
+    torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v))  # a tangent would be dropped: said, not zeroed
     out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block, engine)
     return (out, lse) if return_lse else out
 

@@ -194,6 +194,40 @@ def test_new_keys_are_appended_in_place_and_attended(layout):
     assert all(c.err_out <= c.atol_out for c in checks)
 
 
+def test_a_step_without_queries_still_appends_its_keys_and_values():
+    """N_q = 0 with new k, v: an empty result, and the caches hold the new keys and values, as a step with
+    queries leaves them (the append comes before the attention, whatever the queries)."""
+    rng = np.random.default_rng(10)
+    k, v = (rng.standard_normal((2, 1, 32, D)).astype(np.float32) for _ in range(2))
+    starts = np.array([3, 20])
+    new_k, new_v = (rng.standard_normal((2, 1, 2, D)).astype(np.float32) for _ in range(2))
+    want_k, want_v = k.copy(), v.copy()
+    for b, s in enumerate(starts):
+        want_k[b, :, s:s + 2], want_v[b, :, s:s + 2] = new_k[b], new_v[b]
+    q = np.zeros((2, 2, 0, D), np.float32)
+    out = fa_numba.attention_with_kvcache(q, k, v, starts, k=new_k, v=new_v, block_k=BLOCK_K)
+    assert out.shape == (2, 2, 0, D)
+    assert np.array_equal(k, want_k) and np.array_equal(v, want_v)
+
+
+def test_one_array_as_both_caches_is_refused_when_keys_are_appended():
+    """k_cache and v_cache the same memory with new k, v: the values would overwrite the keys. Refused by name
+    before anything is written; without new keys the same array is a valid (if unusual) cache."""
+    rng = np.random.default_rng(11)
+    cache = rng.standard_normal((1, 1, 32, D)).astype(np.float32)
+    before = cache.copy()
+    q = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    new = rng.standard_normal((1, 1, 1, D)).astype(np.float32)
+    with pytest.raises(ValueError, match="k_cache and v_cache must not share memory when k, v are given"):
+        fa_numba.attention_with_kvcache(q, cache, cache, [4], k=new, v=new.copy(), block_k=BLOCK_K)
+    with pytest.raises(ValueError, match="must not share memory"):
+        fa_numba.attention_with_kvcache(q, cache[:, :, :16], cache[:, :, 8:24], [4], k=new, v=new.copy(),
+                                        block_k=BLOCK_K)
+    assert np.array_equal(cache, before)
+    out = fa_numba.attention_with_kvcache(q, cache, cache, [4], block_k=BLOCK_K)
+    assert out.shape == (1, 1, 1, D) and np.isfinite(out).all()
+
+
 @pytest.mark.slow  # ~3 s; the NumPy append test stays in the default run
 def test_a_cpu_tensor_cache_is_appended_in_place():
     torch = pytest.importorskip("torch", reason="the torch extra is not installed")

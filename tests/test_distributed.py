@@ -247,3 +247,15 @@ def test_the_readme_two_process_example_runs_and_passes():
     assert done.stdout.strip().endswith("pass") and "O error" in done.stdout
     readme = (__import__("pathlib").Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "python -m fa_numba.distributed --world 2 --n 32" in readme
+
+
+def test_a_forward_mode_tangent_is_refused_before_the_ring_runs():
+    """ring_attention has no JVP: a dual input (torch.func.jvp, forward_ad) is a NotImplementedError naming the
+    input, raised before any communication (no process group is needed to see it), never a zero tangent."""
+    from torch.autograd import forward_ad
+
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(k, torch.ones_like(k))
+        with pytest.raises(NotImplementedError, match="k carries a forward-mode tangent"):
+            fd.ring_attention(q, dual, v)
