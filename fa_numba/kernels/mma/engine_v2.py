@@ -7,7 +7,7 @@ HBM traffic per (batch, head), in elements, by construction that of the CUDA-cor
 no key past N is read; counted in the simulator equal to iomodel.traffic("v2", ...)
 (tests/test_registry_mma.py); with a block mask, K and V once per listed tile, as the CUDA-core v2's.
 Launch: grid (ceil(N_q / B_r), B H), 32 W threads; B_r = 16 W R (R row blocks a warp: MmaConfig.row_blocks).
-Causal blocks take their query tiles heaviest first (block x takes tile T_r - 1 - x).
+Causal blocks of two row blocks a warp take their query tiles heaviest first (block x takes tile T_r - 1 - x).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def kernel_source(config: MmaConfig):
         s = cuda.local.array((S_ROWS, 4), float32)  # S, then P, of the warp's 16 RB rows x B_c keys
         acc = cuda.local.array((ACC_ROWS, 4), float32)  # O's accumulator, 16 RB rows x d_v padded columns
         ml = cuda.local.array((RB, 4), float32)  # each row block's (m0, m1, l0, l1): its two rows' statistics
-        # causal: the heaviest query tiles first (the last tile sees every key tile, the first one): blocks start
-        # in x order, so the grid's final blocks are each head's lightest and no long block is left alone at the end
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        # causal, two row blocks: the heaviest query tiles first (the last tile sees every key tile, the first one):
+        # blocks start in x order, so the grid ends on each head's lightest tiles, not on a long block alone (one
+        # row block keeps x order: its causal builds, capped at 168 registers, spill with the reversed index)
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL and RB > 1 else cuda.blockIdx.x
         bh = cuda.blockIdx.y
         lane = cuda.threadIdx.x & 31
         wid = cuda.threadIdx.x >> 5
@@ -118,9 +119,10 @@ def kernel_source(config: MmaConfig):
                 weigh(qf, s, acc, sq, sk, sv, ml, row0, qrow0, c0, n_k, delta, scale, t, mrow, mat, guard, b, h, n_q,
                       captured, lohis, denses, sb, sh)
         for rb in range(RB):
+            l0, l1 = quad_sum(ml[rb, 2]), quad_sum(ml[rb, 3])  # every lane of the quad takes part in the shuffles
             for half in range(2):
                 row = row0 + 16 * rb + 8 * half
-                l_row = quad_sum(ml[rb, 2 + half])  # every lane of the quad takes part in the shuffles
+                l_row = l0 if half == 0 else l1  # constant indices only: ml stays in registers
                 if row < n_q:
                     alive = (not CAUSAL or row + delta >= 0) and n_k > 0
                     if LISTS:  # the row sees a key iff its interval is not empty (L8)
@@ -131,7 +133,7 @@ def kernel_source(config: MmaConfig):
                             if x < DV:
                                 o[b, h, row, x] = output(acc[rb * DNV + dn, 2 * half + e], l_row, alive)
                     if t == 0:
-                        lse[b, h, row] = log_sum_exp(ml[rb, half], l_row, alive)
+                        lse[b, h, row] = log_sum_exp(ml[rb, 0] if half == 0 else ml[rb, 1], l_row, alive)
 
     return flash_v2_mma
 
@@ -145,13 +147,12 @@ class MmaV2Kernel(MmaKernel):
     def grid(self, batch, heads, n_q):
         return (-(-n_q // self.config.block_q), batch * heads)
 
-    # (head dim, block_k) -> registers, for the causal 16-bit builds of 4 warps without a mod or a block mask: at
-    # d = 64 the causal build took 172 registers (2 blocks of 4 warps an SM; non-causal 132, 3 blocks), at d = 96
-    # 174; capped at 168 both compile without spills or stack and keep 3 blocks (sm_90a, float16 and bfloat16,
-    # 2026-12-04; tests/test_profile.py). The first H200 session measured the causal d = 64 call at 0.77x the
-    # non-causal time (the model's 0.49x), which the lost block is the first suspect for: not yet re-timed.
-    # d = 56 spills at 168 (24 bytes), so the table names what was checked rather than a range.
-    REGISTER_CAPS = {(64, 64): 168, (96, 32): 168}
+    # (head dim, block_k) -> registers, for the causal 16-bit builds of 4 warps of one row block without a mod or
+    # a block mask: at d = 64 the causal build takes 172 registers (2 blocks of 4 warps an SM); capped at 168 it
+    # compiles without spills or stack and keeps 3 blocks (sm_90a, float16 and bfloat16; tests/test_profile.py).
+    # d = 96 spills 4 bytes at 168 and d = 56 24: left to the compiler. A call at d = 64 takes two row blocks a
+    # warp by default (engines.mma_tiles); this cap serves one row block (block_q 64, or row_blocks=1).
+    REGISTER_CAPS = {(64, 64): 168}
 
     @classmethod
     def register_cap(cls, config):
