@@ -79,7 +79,7 @@ def start_tests(out: str, smoke: bool):
     if smoke:
         return None
     files = ["tests/test_warp.py", "tests/test_fragments.py", "tests/test_mma_forward.py", "tests/test_mma_tf32.py",
-             "tests/test_mma_backward.py", "tests/test_mma_backward_tf32.py"]
+             "tests/test_mma_backward.py", "tests/test_mma_backward_tf32.py", "tests/test_mma_row_blocks.py"]
     log_file = open(os.path.join(out, "tests_gpu.log"), "w")
     return subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-n", "6", "--tb=short", "-rf", "-p",
                              "no:cacheprovider", *files],

@@ -2,14 +2,16 @@
 # The device session for a lent GPU (about 15 minutes of device time in all, a machine's start included), in two
 # stages, each one command:
 #   stage 1 (default; timeout about 480 s): benchmarks/device_session.py: every tensor-core and CUDA-core kernel
-#     (v2-mma, v1-mma on float16, bfloat16, float32 by 3xTF32 and TF32; the tensor-core backward, atomic and
-#     deterministic, float16 and float32, and float16 at d = 72; v2, v1, bwd-kv on the CUDA cores; d = 192 and
+#     (v2-mma, v1-mma on float16, bfloat16, float32 by 3xTF32 and TF32, v2-mma at d = 64 in its 128-row tiles of
+#     two row blocks a warp beside 64 rows of one (float16, bfloat16, causal and not); the tensor-core backward,
+#     atomic and deterministic, float16 and float32, and float16 at d = 72; v2, v1, bwd-kv on the CUDA cores; d = 192 and
 #     strided views; the causal float16 v2-mma at d = 64 with and without its register cap; the float16 v2-mma
 #     with its copies pipelined and in one stage, at d = 64 and 128 and causal d = 64; the CUDA-core v2 on 128
 #     threads (layout.V2_MICRO) and on 256 as before, at d = 64 and 128; split-KV decoding)
 #     checked against the float64 reference with its rule, then timed beside torch SDPA and the
 #     whole-kernel model's estimate, compiles in parallel and timings one at a time; beside them the
-#     warp-primitive and tensor-core tests with the simulator off. BUDGET (default 300) seconds to start jobs.
+#     warp-primitive and tensor-core tests with the simulator off (two row blocks against one, bit for bit:
+#     tests/test_mma_row_blocks.py). BUDGET (default 300) seconds to start jobs.
 #   stage 2 (STAGE=2; timeout about 300 s): the kernel disk cache's first call cold and warm in new processes
 #     (cache_gpu), the score mods and mask_mods on every kernel family (mods_gpu, masks_gpu), then gpu_check
 #     (the GPU test tier, racecheck) within what is left of BUDGET (default 240).

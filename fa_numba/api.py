@@ -247,10 +247,9 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
 
     warps, block_k, row_blocks = engines.mma_tiles(max(prob.d, prob.d_v), block_q, block_k, kind, order,
                                                    plain=kmod is None and mask is None)
-    rows = {"row_blocks": row_blocks} if row_blocks != 1 else {}  # v2's two row blocks a warp (v1 owns one)
     kernel = (make_v1_mma if order == "v1" else make_v2_mma)(kind, warps, block_k, prob.d, causal, mod=kmod,
                                                               mask_form=form if mask is not None else "none",
-                                                              value_dim=prob.d_v, **rows)
+                                                              value_dim=prob.d_v, row_blocks=row_blocks)
     check_sequence(prob.n_q, prob.n_k)
     backend.check_simulator_work(prob.batch, prob.heads, prob.n_q, prob.n_k, prob.d)
     sixteen = kind in engines.MMA_KINDS

@@ -224,22 +224,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     # at least one block: an empty batch (B = 0) still checks num_splits and split_size, by the rule of one request
     blocks = max(batch, 1) * heads_kv * -(-max(rows, 1) // block_q)
     splits = _resolve_splits(num_splits, split_size, blocks, key_tiles, layout)
-    if batch == 0 or n_q == 0:
-        if batch and n_new:  # no query, but the new keys and values still go into the caches
-            _check_launches(batch, heads_kv, 0, n_new, block_q, 1)
-            with backend.explain_driver_errors(), backend.serialised(), call.context():
-                table_dev = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32), stream=call.stream)
-                _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page)
-        out = _empty(call, (batch, heads, n_q, d_v))
-        return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
-    backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
+    if batch == 0 or (n_q == 0 and not n_new):
+        return _empty_results(call, batch, heads, n_q, d_v, return_lse)
+    if n_q:
+        backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
     _check_launches(batch, heads_kv, rows, n_new, block_q, splits.count)
     # every check is above: from here on the caches are written
-    lohi = split_kv.row_intervals(lengths, n_q, group, causal)
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         table_dev = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32), stream=call.stream)
         if n_new:
             _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page)
+        if n_q == 0:  # no query: appending the new keys and values was the whole call
+            return _empty_results(call, batch, heads, n_q, d_v, return_lse)
+        lohi = split_kv.row_intervals(lengths, n_q, group, causal)
         if call.on_device:
             q_dev, k_dev, v_dev = q_.reshape(batch, heads_kv, rows, d), kc, vc
         else:
@@ -314,6 +311,12 @@ def _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page) -> None:
     starts_dev = cuda.to_device(starts.astype(np.int32), stream=call.stream)
     for cache, new in ((kc, new_k), (vc, new_v)):
         kernels.append(cache, new, starts_dev, table_dev, stream=call.stream)
+
+
+def _empty_results(call, batch, heads, n_q, d_v, return_lse):
+    """O (and LSE) of a problem with no query or no request: empty, float32, in the caller's library."""
+    out = _empty(call, (batch, heads, n_q, d_v))
+    return (out, _empty(call, (batch, heads, n_q))) if return_lse else out
 
 
 def _empty(call, shape):

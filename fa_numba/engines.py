@@ -113,9 +113,9 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str
     dense mask's registers on top of two row blocks' spill (the softcap and dense-mask builds at d = 64), so
     those builds keep one row block a warp, 64 rows by default (`kernels.mma.engine.row_blocks_for`).
     Above d = 64 two row blocks spill (and a 128-row tile's Q_i, K_j and V_j exceed the 48 KB static budget):
-    block_q = 128 means 8 warps of one row block, as it does on float32 inputs: their tiles are shared by 8 warps since a block stages
-    and splits K_j and V_j once for 128 rows (half the staging per query row of 64-row blocks). v1's blocks own a
-    K/V tile and loop over query tiles: one row block a warp, 64 rows by default."""
+    block_q = 128 means 8 warps of one row block, as it does on float32 inputs: their tiles are shared by 8 warps
+    since a block stages and splits K_j and V_j once for 128 rows (half the staging per query row of 64-row
+    blocks). v1's blocks own a K/V tile and loop over query tiles: one row block a warp, 64 rows by default."""
     from fa_numba.kernels.mma.engine import row_blocks_for
 
     if block_q is None:
@@ -126,7 +126,7 @@ def mma_tiles(head_dim: int, block_q: int | None, block_k: int | None, kind: str
         if kind not in MMA_KINDS:
             block_k //= 2
     if block_q not in (16, 32, 64, 128):
-        raise ValueError(f"block_q must be 16, 32, 64 or 128 for engine='mma' (16 query rows per warp), got "
+        raise ValueError(f"block_q must be 16, 32, 64 or 128 for engine='mma' (16 query rows a warp, or 32 in two row blocks), got "
                          f"{block_q}")
     if block_k <= 0 or block_k % 16:
         raise ValueError(f"block_k must be a positive multiple of 16 for engine='mma', got {block_k}")

@@ -415,10 +415,8 @@ def _build(cfg: dict):
             raise ValueError(f"{cfg['variant']} has no block-mask path (mask_form {form!r})")
         make = make_v1_mma if cfg["variant"] == "v1-mma" else make_v2_mma
         rows = cfg.get("row_blocks", 1)  # m16 row blocks a warp (v2's MmaConfig.row_blocks)
-        if rows != 1:
-            own["row_blocks"] = rows
         return make(cfg["dtype"], cfg["block_q"] // (16 * rows), cfg["block_k"], cfg["head_dim"], cfg["causal"],
-                    mod=mod, **own)
+                    mod=mod, row_blocks=rows, **own)
     if cfg["variant"] in backward.VARIANTS:
         kind, flag, _ = backward.VARIANTS[cfg["variant"]]
         return backward.make(kind, cfg["block_q"], cfg["head_dim"], cfg["causal"], flag, form, mod, **own)

@@ -100,7 +100,8 @@ VARIANTS = {
                       "3xTF32 m16n8k8), float32 accumulators; O/l/m round-trip HBM; grid (B*H), 16 query rows per warp",
                       mma_variant.make_v1_mma_variant, True, **_MMA, not_counted=_V1_MMA_NOT_COUNTED),
     "v2-mma": Variant("v2-mma", "v2", "FlashAttention-2 on tensor cores: mma.sync m16n8k16 on 16-bit Q, K, V, P "
-                      "(float32: 3xTF32 m16n8k8), (m, l, acc) in registers; grid (T_r, B*H), 16 query rows per warp",
+                      "(float32: 3xTF32 m16n8k8), (m, l, acc) in registers; grid (T_r, B*H), 16 query rows per warp "
+                      "(32 at 128-row tiles, d <= 64)",
                       mma_variant.make_v2_mma_variant, True, **_MMA),
 }
 # the CUDA-core variants: fa_numba.attention's orders (engine="mma" picks v1-mma / v2-mma by order "v1" / "v2")

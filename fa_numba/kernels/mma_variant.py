@@ -131,9 +131,8 @@ def _maker(order: str):
     def make(block_q: int, block_k: int, head_dim: int, causal: bool, mask_form: str = "none",
              dtype: str = "float16") -> MmaVariantKernel:
         config = check(order, block_q, block_k, head_dim, causal, mask_form, dtype)
-        rows = {"row_blocks": config.row_blocks} if config.row_blocks != 1 else {}  # v2's (v1 owns one a warp)
         return MmaVariantKernel(order, _MAKE[order](dtype, config.warps, block_k, head_dim, bool(causal),
-                                                    mask_form=config.mask_form, **rows))
+                                                    mask_form=config.mask_form, row_blocks=config.row_blocks))
 
     make.__name__ = make.__qualname__ = f"make_{order}_mma_variant"
     make.__doc__ = (f"The tensor-core {order} kernel as a registry variant ({order}-mma): the registry's "

@@ -108,7 +108,7 @@ class MmaConfig(PaddedRows):
     """A compile-time configuration of a tensor-core forward kernel (either order)."""
 
     kind: str  # "float16" / "bfloat16": how the 16-bit inputs are read; "float32" (3xTF32) / "tf32": float32 inputs
-    warps: int  # W: the block has 32 W threads and B_r = 16 W query rows
+    warps: int  # W: the block has 32 W threads and B_r = 16 W R query rows (R = row_blocks)
     block_k: int  # B_c: keys per tile, a multiple of 16
     head_dim: int
     causal: bool
@@ -305,7 +305,8 @@ def make_ops(config: MmaConfig) -> SimpleNamespace:
     def exact_pv(qf, sq, sk, sv, acc, base, row0, qrow0, c0, n_k, delta, scale, shift0, shift1, t, b, h, n_q,
                  captured, lohis, denses, sb, sh):
         """acc[base + ...] += P V over the keys rows row0 and row0 + 8 may see, on the CUDA cores in float32, a
-        masked key's value row never read (base: the row block's first accumulator block, R' DNV). Each lane recomputes its two rows' weights from Q_i and K_j (K_j is still
+        masked key's value row never read (base: the row block's first accumulator block, R' DNV). Each lane
+        recomputes its two rows' weights from Q_i and K_j (K_j is still
         staged; `key_dots`, which the whole warp calls for every key) rather than index its S fragment at a
         run-time key, which would move the whole fragment to local memory; the weights' own rounding differs
         from the mma's by a score perturbation, which the rule's score terms bound."""

@@ -183,8 +183,11 @@ class MmaV1Kernel(MmaKernel):
 @functools.lru_cache(maxsize=None)
 def make_v1_mma(kind: str, warps: int, block_k: int, head_dim: int, causal: bool,
                 async_copy: bool | None = None, mod=None, mask_form: str = "none",
-                value_dim: int | None = None) -> MmaV1Kernel:
-    """The tensor-core v1 kernel (arguments as make_v2_mma); cached."""
+                value_dim: int | None = None, row_blocks: int = 1) -> MmaV1Kernel:
+    """The tensor-core v1 kernel (arguments as make_v2_mma; row_blocks 1 only: a v1 block owns a K/V tile and
+    walks its query tiles 16 rows a warp); cached."""
+    if row_blocks != 1:
+        raise ValueError(f"row_blocks must be 1 for v1-mma (one m16 row block a warp), got {row_blocks}")
     if async_copy is None:
         async_copy = all(x % async_multiple(kind) == 0 for x in (head_dim, value_dim or head_dim))
     return MmaV1Kernel(MmaConfig(kind, warps, block_k, head_dim, bool(causal), bool(async_copy), mod, mask_form,

@@ -34,7 +34,8 @@ def kernel_source(config: MmaConfig):
     BR, BC, KS, NT, Q_SIZE, KV_SIZE, V_SIZE = Z.BR, Z.BC, Z.KS, Z.NT, Z.Q_SIZE, Z.KV_SIZE, Z.V_SIZE
     RB = Z.RB  # m16 row blocks a warp: the warp's rows 16 RB wid .. 16 RB (wid + 1) - 1 of the block
     DV, DNV = Z.DV, Z.DNV  # O's head dim (V's, d_v) and its accumulator blocks
-    QF_ROWS, S_ROWS, ACC_ROWS = RB * KS, RB * NT, RB * DNV  # local arrays' sizes: Python ints, constants to Numba
+    # local arrays' sizes (Python ints: constants to Numba); two row blocks keep no Q fragments (products16)
+    QF_ROWS, S_ROWS, ACC_ROWS = KS if RB == 1 else 1, RB * NT, RB * DNV
     ELEMENT, FRAGMENT, QF = Z.ELEMENT, Z.FRAGMENT, Z.QF  # shared tiles' type; Q's fragments: type, per k-step
     CAUSAL, LISTS, PARTIAL_KIND = config.causal, config.lists, int(PARTIAL)
     slot = masking.slot
@@ -44,7 +45,7 @@ def kernel_source(config: MmaConfig):
         sq = cuda.shared.array(Q_SIZE, ELEMENT)  # 16-bit bits, or float32 (whose engine stages no Q)
         sk = cuda.shared.array(KV_SIZE, ELEMENT)
         sv = cuda.shared.array(V_SIZE, ELEMENT)
-        qf = cuda.local.array((QF_ROWS, QF), FRAGMENT)  # this lane's A fragments of Q (constant indices once unrolled)
+        qf = cuda.local.array((QF_ROWS, QF), FRAGMENT)  # one row block: this lane's A fragments of Q
         s = cuda.local.array((S_ROWS, 4), float32)  # S, then P, of the warp's 16 RB rows x B_c keys
         acc = cuda.local.array((ACC_ROWS, 4), float32)  # O's accumulator, 16 RB rows x d_v padded columns
         ml = cuda.local.array((RB, 4), float32)  # each row block's (m0, m1, l0, l1): its two rows' statistics

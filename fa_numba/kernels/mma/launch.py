@@ -48,16 +48,15 @@ class MmaKernel:
 
     @staticmethod
     def make(kind, warps, block_k, head_dim, causal, async_copy=None, mod=None, mask_form="none",
-             value_dim=None) -> "MmaKernel":
+             value_dim=None, row_blocks=1) -> "MmaKernel":
         """The order's cached factory (make_v1_mma / make_v2_mma)."""
         raise NotImplementedError
 
     def without_async(self) -> "MmaKernel":
         """The same kernel staging by plain loads (for inputs that are not 16-byte aligned); cached."""
         c = self.config
-        more = {"row_blocks": c.row_blocks} if c.row_blocks != 1 else {}  # v2's (v1 owns one row block a warp)
         return self.make(c.kind, c.warps, c.block_k, c.head_dim, c.causal, async_copy=False, mod=c.mod,
-                         mask_form=c.mask_form, value_dim=c.value_dim or None, **more)
+                         mask_form=c.mask_form, value_dim=c.value_dim or None, row_blocks=c.row_blocks)
 
     def launch_shape(self, batch: int, heads: int, n_q: int) -> tuple:
         """(grid, block) of a launch on (batch, heads, N_q): what fa_numba.profile and the tracer size by."""
