@@ -132,7 +132,7 @@ def test_a_kernel_reads_strided_inputs_exactly_when_its_strided_build_does_not_s
     """api.reads_strided against the sm_90a build: a kernel that takes strided views compiles for them
     without spilling; the one that takes copies (v1 above d = 64) spills when compiled for them. The
     tensor-core kernels (float16) too, at the occupancy of their C-contiguous build or better, but v2-mma at
-    d = 128: one block fewer per SM since 2026-12-03 (fifth session), not fixed."""
+    d = 128: one block fewer per SM (its strided build's extra address registers), not fixed."""
     import os
     import subprocess
     import sys
@@ -153,9 +153,9 @@ def test_a_kernel_reads_strided_inputs_exactly_when_its_strided_build_does_not_s
     if mma:
         strided_warps, contiguous_warps = map(int, lines[1].split())
         if (variant, head_dim) == ("v2-mma", 128):
-            # not fixed: since its weights went to ex2 and its fragment loads to ldmatrix x4 (2026-12-03, fifth
-            # session) the contiguous build takes 166 registers (12 warps per SM) and the strided one 176 (8): one
-            # block fewer per SM, no spill (docs/profile.md, strided inputs)
+            # not fixed: the strided build needs more registers than the contiguous one (ex2 weights and
+            # ldmatrix x4 fragment loads), which crosses an occupancy step: one block fewer per SM, no spill
+            # (docs/profile.md, strided inputs; the figures in the committed SASS table and the journal)
             assert strided_warps >= contiguous_warps - 4, (strided_warps, contiguous_warps)
         else:
             assert strided_warps >= contiguous_warps, (strided_warps, contiguous_warps)
