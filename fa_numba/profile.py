@@ -43,6 +43,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -192,6 +193,12 @@ def compile_for_launch(pyfunc, argtypes, arch: str = ARCH, max_registers: int | 
     return bytes(cubin), log.decode(errors="replace"), library
 
 
+def listing_digest(sass: str) -> str:
+    """sha256 of a SASS listing (hex, 16 digits) with its symbols' names left out: Numba numbers each function
+    it compiles in a process, so the same kernel's mangled name depends on what the process compiled before."""
+    return hashlib.sha256(re.sub(r"_ZN[0-9A-Za-z_$]+", "_ZN", sass).encode()).hexdigest()[:16]
+
+
 def disassemble(cubin: bytes, tool: str | None = None) -> str:
     tool = tool or nvdisasm_path()
     if tool is None:
@@ -237,6 +244,7 @@ class Profile:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("loops", "sass")}
         out["loops"] = [{k: v for k, v in loop.as_dict().items() if k != "opcodes"} for loop in self.loops]
         out["hot_loops"] = [loop.as_dict() for loop in self.hot_loops]  # with every opcode and its count
+        out["sass_sha256"] = listing_digest(self.sass)
         return out
 
 

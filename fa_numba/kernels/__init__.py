@@ -25,11 +25,12 @@ from fa_numba.kernels.common import MAX_HEAD_DIM, Config
 from fa_numba.kernels.layout import default_config
 from fa_numba.kernels.engine_v1 import make_v1_engine
 from fa_numba.kernels.engine_v2 import make_v2_engine
-from fa_numba.kernels import mma_variant
+from fa_numba.kernels import inliner, mma_variant
 from fa_numba.kernels.rowwise_v1 import make_v1
 from fa_numba.kernels.rowwise_v2 import make_v2
 
 backend.patch_simulator()  # thread-safe shared arrays in the simulator (see backend.patch_simulator)
+inliner.install()  # each inlined callee's IR copied in one pass, not once per block (kernels.inliner)
 
 
 ALL_DTYPES = ("float32", "float16", "bfloat16")
