@@ -52,7 +52,7 @@ def _every_kernel(every_pair: bool = False) -> list[dict]:
     So each kernel's five builds (four forms, strided) take the shipped head dims in turn, starting one
     further along for each kernel: every kernel is typed at every head dim, every form at every head dim
     over the kernels, and 49 kernels are typed instead of 129. `every_pair=True` gives every kernel at every
-    head dim in every form (`python tests/test_index_width.py`, about 23 minutes on 2 cores)."""
+    head dim in every form (`python tests/test_index_width.py`: 129 typings, the slow tier's 49 times 2.6)."""
     from fa_numba.kernels import backward
 
     configs = []
