@@ -101,7 +101,8 @@ def shared_allocator(original, make):
 
 def patch_simulator() -> None:
     """Make the simulator's shared-array allocation thread-safe (a workaround for a simulator race), its
-    atomic add read its element once, give it the warp collectives (fa_numba.warp.emulation) and the device's
+    atomic add read its element once, its block runner sleep until woken (fa_numba.simulator_threads), give it
+    the warp collectives (fa_numba.warp.emulation) and the device's
     two-float max and min (fa_numba.simulator_builtins).
 
     numba-cuda's FakeCUDAShared.array looks up the array for its call site and creates it if missing,
@@ -117,8 +118,10 @@ def patch_simulator() -> None:
     import numpy as np
     from numba.cuda.simulator import kernelapi
 
+    from fa_numba import simulator_threads
     from fa_numba.warp import emulation
 
+    simulator_threads.install()  # a block's threads wake its runner at barriers and exits (no busy loop)
     emulation.install()  # syncwarp, shfl_*_sync, activemask: the warp collectives the simulator lacks
     from fa_numba import simulator_builtins
 

@@ -190,36 +190,12 @@ COLLECTIVES = dict(syncwarp=syncwarp, shfl_sync=shfl_sync, shfl_xor_sync=shfl_xo
 
 
 def install() -> None:
-    """Give the simulator's fake `cuda` module the collectives above it lacks, and its block threads a list
-    per block that the divergence check reads (called by backend.patch_simulator)."""
-    from numba.cuda.simulator import kernel, kernelapi
+    """Give the simulator's fake `cuda` module the collectives above it lacks (called by
+    backend.patch_simulator, which also installs `fa_numba.simulator_threads`: the per-block list of threads,
+    barriers entered and finished flags that the divergence check reads)."""
+    from numba.cuda.simulator import kernelapi
 
     fake = kernelapi.FakeCUDAModule
     for name, fn in COLLECTIVES.items():
         if not hasattr(fake, name):
             setattr(fake, name, staticmethod(fn))
-    thread = kernel.BlockThread
-    if getattr(thread.__init__, "_fa_numba_registers", False):
-        return
-    init, run, syncthreads = thread.__init__, thread.run, thread.syncthreads
-
-    def registering_init(self, f, manager, *args, **kwargs):
-        """The simulator's own, then the thread listed on its block, so that a warp exchange can tell a lane
-        that will never come from one still on its way."""
-        init(self, f, manager, *args, **kwargs)
-        self._fa_numba_barriers = 0  # the cuda.syncthreads() calls it has entered
-        self._fa_numba_done = False  # it has left its kernel
-        manager.__dict__.setdefault("_fa_numba_threads", []).append(self)
-
-    def recording_run(self):
-        try:
-            run(self)
-        finally:
-            self._fa_numba_done = True
-
-    def counting_syncthreads(self):
-        self._fa_numba_barriers += 1
-        return syncthreads(self)
-
-    registering_init._fa_numba_registers = True
-    thread.__init__, thread.run, thread.syncthreads = registering_init, recording_run, counting_syncthreads
