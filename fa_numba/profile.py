@@ -147,14 +147,21 @@ MISSING_NVDISASM = ("nvdisasm was not found: install the profile extra (pip inst
                     "NVIDIA's nvidia-cuda-nvdisasm wheel) or put a CUDA toolkit's nvdisasm on PATH")
 
 
-def _cc(arch: str) -> tuple:
-    found = re.fullmatch(r"sm_(\d)(\d)(a?)", arch)
+def compute_capability(arch: str) -> tuple:
+    """(major, minor) or (major, minor, "a") of an architecture name such as sm_80, sm_90a or sm_120."""
+    found = re.fullmatch(r"sm_(\d{1,2})(\d)(a?)", arch)
     if not found:
-        raise ValueError(f"arch must look like sm_90 or sm_90a, got {arch!r}")
+        raise ValueError(f"arch must look like sm_80, sm_90a or sm_120, got {arch!r}")
     major, minor, suffix = found.groups()
-    if (int(major), int(minor)) != (9, 0):
-        raise ValueError(f"arch: the occupancy limits and the bound are known for sm_90 only, got {arch!r}")
     return (int(major), int(minor), suffix) if suffix else (int(major), int(minor))
+
+
+def _cc(arch: str) -> tuple:
+    """compute_capability, for the profile's own use: its occupancy limits and bound are sm_90's."""
+    cc = compute_capability(arch)
+    if cc[:2] != (9, 0):
+        raise ValueError(f"arch: the occupancy limits and the bound are known for sm_90 only, got {arch!r}")
+    return cc
 
 
 def compile_for_launch(pyfunc, argtypes, arch: str = ARCH, max_registers: int | None = None):
@@ -165,7 +172,7 @@ def compile_for_launch(pyfunc, argtypes, arch: str = ARCH, max_registers: int | 
 
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         raise RuntimeError("compiling SASS needs the real numba.cuda: run with NUMBA_ENABLE_CUDASIM=0")
-    cc = _cc(arch)
+    cc = compute_capability(arch)
     cres = compile_cuda(pyfunc, types.void, argtypes, debug=False, lineinfo=False, fastmath=False,
                         nvvm_options={"fastmath": False, "opt": 3}, cc=cc[:2], lto=True)
     library = cres.library
