@@ -11,8 +11,8 @@ GPU would) and reads registers, spills and shared memory from the link log; it n
                                                             [--jobs N] [--json PATH]
 
 prints one line per configuration and architecture: registers, spill bytes, shared memory, resident blocks
-and warps per SM (the architecture's limits below), and fails (exit 1) on a spill, a link error or shared
-memory over the limit. Without `--all` it checks `representatives()`: each kernel family at its largest
+and warps per SM (the architecture's limits below), and fails (exit 1) on a spill, a link error, shared
+memory over the limit or a block that fits no SM. Without `--all` it checks `representatives()`: each kernel family at its largest
 shipped head dim (non-causal where that head dim ships so); `--all` checks every family and dtype.
 
 The limits per architecture are the CUDA C++ Programming Guide's "Technical Specifications per Compute
@@ -51,16 +51,15 @@ ARCHITECTURES: dict[str, tuple[str, Limits]] = {
 def _largest_head_dims(cfgs, dtype_of):
     """Each variant (at the dtype dtype_of gives it; every dtype where that is None) at its largest shipped
     head dim, non-causal where that head dim ships non-causal."""
-    best = {}
+    best = {}  # (variant, dtype) -> (rank, configuration)
     for cfg in cfgs:
         want = dtype_of(cfg["variant"])
         if want is not None and cfg["dtype"] != want:
             continue
-        key = (cfg["variant"], cfg["dtype"])
-        rank = (cfg["head_dim"], not cfg["causal"])
-        if key not in best or rank > (best[key]["head_dim"], not best[key]["causal"]):
-            best[key] = cfg
-    return [best[key] for key in sorted(best)]
+        key, rank = (cfg["variant"], cfg["dtype"]), (cfg["head_dim"], not cfg["causal"])
+        if key not in best or rank > best[key][0]:
+            best[key] = (rank, cfg)
+    return [best[key][1] for key in sorted(best)]
 
 
 def representatives() -> list[dict]:

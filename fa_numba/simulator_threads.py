@@ -5,8 +5,7 @@ that all of them wait at `cuda.syncthreads()` (or have finished) by checking eve
 that never sleeps. That loop holds the interpreter lock for most of its time: the block's own threads run
 only when it is made to give the lock up. A kernel whose lanes hand work to each other often, as the warp
 emulation's exchanges do (every lane waits for its 31 warp mates at each emulated mma), then makes a few
-exchanges a second instead of hundreds, depending on how the lock happens to be handed round; the slow tier's
-traced wavefronts of bwd-kv-mma float32 ran past their five minutes that way.
+exchanges a second instead of hundreds, depending on how the lock happens to be handed round.
 
 `install()` (backend.patch_simulator) gives the simulator a block runner that waits on a condition variable
 which every thread notifies when it reaches a barrier or leaves its kernel, so the main thread sleeps while
