@@ -13,11 +13,13 @@ Layers, top to bottom (each imports only those above it):
     iomodel         the same HBM traffic in closed form (forward and backward), summed over the lists for a mask
     kernels         Numba CUDA kernels v1 and v2, and their registry
     arrays          the caller's array library in and out: NumPy, Numba, PyTorch (CPU or CUDA), CuPy
-    api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library
     split_kv        split-KV decoding on the host: the split rule, the combine's NumPy twin, its tolerance
+    sinks           learnable sinks: the argument as the entry points read it, and the rule of a result with them
+    api             attention(q, k, v, ...): validate, pick tiles, launch, return in the caller's library
     decode          attention_with_kvcache: a few queries over a (paged) cache, split across the keys
     compare, cli    v1 vs v2 side by side (`python -m fa_numba compare | sweep`); timing, plots
-    torch_ops       (torch) the kernels as operators fa_numba::attention and ::attention_backward
+    torch_ops       (torch) the kernels as operators fa_numba::attention, ::attention_backward and
+                    ::attention_backward_lse (LSE's cotangent, the sinks' gradient)
     autograd        (torch) attention as a differentiable function on those operators
     dropins         (torch) sdpa and flash_attn_func: the signatures of torch SDPA and flash-attn
     ring_model      ring attention's schedule (chunks, pair kinds) and communication model
@@ -31,7 +33,7 @@ from fa_numba import backend
 
 backend.select()  # before anything imports numba.cuda
 
-from fa_numba import (iomodel, masks, online_softmax, reference, tiled, tiling, tolerance,  # noqa: E402
+from fa_numba import (iomodel, masks, online_softmax, reference, sinks, tiled, tiling, tolerance,  # noqa: E402
                       tolerance_backward)
 from fa_numba.api import attention, attention_backward  # noqa: E402
 from fa_numba.decode import attention_with_kvcache  # noqa: E402
@@ -48,5 +50,5 @@ def __getattr__(name):
 
 
 __all__ = ["attention", "attention_backward", "attention_with_kvcache", "backend", "flash_attn_func", "iomodel", "masks", "online_softmax",
-           "reference", "sdpa", "tiled", "tiling", "tolerance", "tolerance_backward"]
+           "reference", "sdpa", "sinks", "tiled", "tiling", "tolerance", "tolerance_backward"]
 __version__ = "0.1.0"

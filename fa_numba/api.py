@@ -15,8 +15,10 @@ import numpy as np
 from numba import cuda
 
 from fa_numba import arrays, backend, engines, masks, mods, shapes, value_dims
+from fa_numba import sinks as sink_arrays
 from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
 from fa_numba.kernels import score_mod as kernel_mods
+from fa_numba.kernels import sinks as kernel_sinks
 from fa_numba.kernels.block_lists import kernel_mask
 from fa_numba.kernels.cast import contiguous_copy
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, check_sequence
@@ -86,7 +88,7 @@ def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None,
-              engine: str = "auto", out_dtype=None, score_mod=None):
+              engine: str = "auto", out_dtype=None, score_mod=None, sinks=None):
     """Exact attention softmax(scale Q K^T) V by a FlashAttention kernel, checked against float64 by its tests.
 
     Args:
@@ -111,6 +113,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
         out_dtype: O's dtype, float32 (None), float16 or bfloat16.
         score_mod: a `fa_numba.mods.ScoreMod` (alibi, softcap, relative_bias, temperature, or your own):
             softmax(mod(S)) V, applied after the scale at the visible pairs only.
+        sinks: learnable sinks, (H,) one logit per query head (float32; on q's device for device inputs): a
+            column every row of the head sees that has no value, LSE_i = log(exp(s_h) + sum_j exp(S_ij)) and O
+            scaled by exp(LSE without the sink - LSE); a row that sees no key gets O = 0 and LSE = s_h; -inf is
+            no sink (proofs/L14: merged once into every row after the kernel, exact in any order).
 
     Returns:
         O, or (O, LSE) with return_lse=True, in q's layout and array library (a torch tensor on q's device, read
@@ -134,7 +140,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     ((2, 8, 16), dtype('float32'))
     """
     out_dtype = arrays.dtype_name("out_dtype", out_dtype)
-    call, out, lse = _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod)
+    call, out, lse = _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod, sinks)
     out = arrays.cast(call, out, out_dtype)
     return (out, lse) if return_lse else out
 
@@ -156,8 +162,9 @@ def _check_mod(score_mod, prob, *, backward: bool = False, mask=None):
     return score_mod, kmod
 
 
-def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod=None):
-    """(call, O, LSE) for `attention`, O and LSE float32 in the caller's layout and library."""
+def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod=None, sinks=None):
+    """(call, O, LSE) for `attention`, O and LSE float32 in the caller's layout and library; sinks merged into
+    both where given (kernels.sinks)."""
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES,
@@ -173,7 +180,12 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         engines.resolve(engine, kind=kind, order=order, head_dim=max(prob.d, prob.d_v), block_q=block_q,
                         block_k=block_k)  # its errors, as for any size
         mods.check_score_mod(score_mod)
-        return call, _without_launch(call, out_shape, 0.0), _without_launch(call, q.shape[:-1], -np.inf)
+        lse = -np.inf
+        if sinks is not None:  # every row sees the sink alone: LSE = s_h
+            with call.context():
+                lse = _sink_rows(sink_arrays.host_values(sink_arrays.device_sinks(call, sinks, prob.heads)),
+                                 q.shape[:-1])
+        return call, _without_launch(call, out_shape, 0.0), _without_launch(call, q.shape[:-1], lse)
     causal, mask, form = _resolve_mask(causal, mask, prob)
     score_mod, kmod = _check_mod(score_mod, prob, mask=mask)
     unit = engines.resolve(engine, kind=kind, order=order, head_dim=max(prob.d, prob.d_v), block_q=block_q,
@@ -189,7 +201,8 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         prob = dataclasses.replace(prob, d=width, d_v=width)
     if unit == "mma":
         return (call,) + _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k,
-                                        engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape)
+                                        engines.mma_kind(engine, kind), order, score_mod, kmod, mask, form, out_shape,
+                                        sinks)
     width = max(prob.d, prob.d_v)  # the engine's tiles are staged this wide (Layout.d_pad)
     _check_head_dims(prob)
     default_q, default_k = default_tiles(width)
@@ -214,7 +227,10 @@ def _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, scor
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_k, prob.batch, prob.heads)
                   if mask is not None else None)
         captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
+        sinks_ = None if sinks is None else sink_arrays.device_sinks(call, sinks, prob.heads)
         kernel(dq, dk, dv, out, lse, scale, stream=call.stream, mask=blocks, captured=captured)
+        if sinks_ is not None:
+            kernel_sinks.merge(out, lse, sinks_, stream=call.stream)
         return call, value_dims.result(call, out, out_shape), call.output(lse, layout)
 
 
@@ -225,10 +241,17 @@ def _check_head_dims(prob) -> None:
             raise ValueError(f"{name} must have head dim {what} <= {MAX_HEAD_DIM}, got {dim}")
 
 
-def _without_launch(call, shape, value: float):
-    """A float32 result filled with `value`, in the caller's library, for an empty problem (N_q = 0,
-    N_k = 0 or B = 0): no kernel runs. With N_k = 0 every query sees no key, so O = 0 and LSE = -inf (the
-    rule for a row without a visible key); an empty array has nothing to fill."""
+def _sink_rows(values: np.ndarray, shape) -> np.ndarray:
+    """(..., H, N_q) float32 holding sink s_h on every row of head h: the LSE of rows that see no key."""
+    rows = shapes.batch_shape(tuple(shape) + (1,))[:3]
+    return np.broadcast_to(values[None, :, None], rows).reshape(tuple(shape))
+
+
+def _without_launch(call, shape, value):
+    """A float32 result filled with `value` (a number, or an array of `shape`), in the caller's library, for an
+    empty problem (N_q = 0, N_k = 0 or B = 0): no kernel runs. With N_k = 0 every query sees no key, so O = 0
+    and LSE = -inf (the rule for a row without a visible key; s_h with sinks); an empty array has nothing to
+    fill."""
     host = np.full(tuple(shape), value, dtype=np.float32)
     if not call.on_device:  # a host call's result is this very array (a CPU tensor of it for torch)
         return call.output_host(host)
@@ -237,7 +260,7 @@ def _without_launch(call, shape, value: float):
 
 
 def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, order, score_mod, kmod, mask, form,
-                   out_shape):
+                   out_shape, sinks=None):
     """attention(..., engine="mma" or "mma-tf32"): the tensor-core kernel of `order` and `kind` (the kernel's:
     float16 / bfloat16 on the inputs' 16-bit bits, "float32" (3xTF32) or "tf32" on float32 inputs; d_v =
     prob.d_v, the 16-bit kernels' own, or d). out_shape: O's in the caller's layout, its last axis d_v <= the
@@ -265,8 +288,11 @@ def _attention_mma(call, q, k, v, prob, causal, scale, block_q, block_k, kind, o
         lse = call.empty((prob.batch, prob.heads, prob.n_q))
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, kernel.config.block_q, block_k, prob.batch, prob.heads)
                   if mask is not None else None)
+        sinks_ = None if sinks is None else sink_arrays.device_sinks(call, sinks, prob.heads)
         kernel(*bits, out, lse, scale, stream=call.stream, mask=blocks,
                captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask))
+        if sinks_ is not None:
+            kernel_sinks.merge(out, lse, sinks_, stream=call.stream)
         return value_dims.result(call, out, out_shape), call.output(lse, layout)
 
 
@@ -284,19 +310,22 @@ def _prepare_stats(name: str, x, on_device: bool, ndim: int):
 
 
 def _saved_inputs(call, q, v, named: dict) -> tuple:
-    """out, lse, dout read like q, k, v (same library and side) and checked by name: shapes from q (and v's
-    head dim for out and dout); out
+    """out, lse, dout (and dlse) read like q, k, v (same library and side) and checked by name: shapes from q
+    (and v's head dim for out and dout); out
     and dout in float32 or q's dtype (bfloat16 included: each is read on its own, so a bfloat16 out can
-    come with a float32 dout and the float32 lse), lse float32."""
+    come with a float32 dout and the float32 lse), lse and dlse float32."""
     q_dtype = call.kind_of(q)
     wanted = {"out": f"dtype float32 or q's dtype {q_dtype} (the forward's output)",
-              "dout": f"q's dtype {q_dtype} or float32", "lse": "dtype float32 (the forward's)"}
-    shapes_ = {"out": shapes.out_shape(q, v), "dout": shapes.out_shape(q, v), "lse": tuple(q.shape)[:-1]}
+              "dout": f"q's dtype {q_dtype} or float32", "lse": "dtype float32 (the forward's)",
+              "dlse": "dtype float32 (LSE's cotangent)"}
+    shapes_ = {"out": shapes.out_shape(q, v), "dout": shapes.out_shape(q, v), "lse": tuple(q.shape)[:-1],
+               "dlse": tuple(q.shape)[:-1]}
     found = []
     for name, x in named.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array with .shape and .dtype, got {type(x).__name__}")
-        bf16 = call.bfloat16 and name != "lse"
+        stats = name in ("lse", "dlse")
+        bf16 = call.bfloat16 and not stats
         try:
             one = arrays.adopt({name: x}, allowed=INPUT_DTYPES, bfloat16=bf16)
         except TypeError as error:  # a dtype without a NumPy twin (torch): say what this argument takes
@@ -307,10 +336,10 @@ def _saved_inputs(call, q, v, named: dict) -> tuple:
                             f"{'device' if one.on_device else 'host'}")
         (value,) = one.arrays
         if tuple(value.shape) != tuple(shapes_[name]):
-            source = "q" if name == "lse" else "q and v"
+            source = "q" if stats else "q and v"
             raise ValueError(f"{name} must have shape {tuple(shapes_[name])} (from {source}), got {tuple(value.shape)}")
         dtype = np.dtype(value.dtype)
-        ok = one.bfloat16 or dtype == np.dtype(np.float32) or (name != "lse" and not call.bfloat16
+        ok = one.bfloat16 or dtype == np.dtype(np.float32) or (not stats and not call.bfloat16
                                                                 and dtype == np.dtype(q.dtype))
         if not ok:
             raise TypeError(f"{name} must have {wanted[name]}, got {x.dtype}")
@@ -321,7 +350,7 @@ def _saved_inputs(call, q, v, named: dict) -> tuple:
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                        order: str = "kv", deterministic: bool = False, block_q: int | None = None,
                        block_k: int | None = None, mask=None, engine: str = "auto", score_mod=None,
-                       captured_grads: bool = False):
+                       captured_grads: bool = False, sinks=None, dlse=None):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
     Args:
@@ -340,12 +369,16 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         score_mod: the forward's `fa_numba.mods.ScoreMod`, with its grad: dS = P (dP - D) mod'(S) (proofs/L13).
         captured_grads: also return the gradients of the score mod's captured arrays, computed without
             atomics and bitwise repeatable (kernels/captured_grad.py: a research path, O(B H N_q N_k d)).
+        sinks: the forward's sink logits (then out and lse are the forward's with them): their gradient
+            dsinks_h = -sum_{b, i} exp(s_h - LSE_i) (D_i - dlse_i) is returned too, by a fixed-order sum.
+        dlse: the cotangent of lse, like lse (float32), for a loss that reads LSE as well as O: D_i - dlse_i
+            takes D_i's place (proofs/L14). None: the loss reads O alone.
 
     Returns:
         (dq, dk, dv), float32, in the inputs' layout and array library: dq like q, dk like k, dv like v (H_kv
-        heads: the sums over each group's query heads); with captured_grads=True, (dq, dk, dv, dcaptured),
-        dcaptured one float64 NumPy array per captured array (None where it takes no gradient). A row that
-        sees no key gets zero gradient.
+        heads: the sums over each group's query heads); with sinks, (dq, dk, dv, dsinks), dsinks float32 (H,)
+        in the same library; with captured_grads=True, dcaptured last, one float64 NumPy array per captured
+        array (None where it takes no gradient). A row that sees no key gets zero gradient.
 
     Raises:
         ValueError: an argument the kernels do not take, named with what was expected (shapes, dtypes, tiles,
@@ -370,7 +403,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     accepted = arrays.accepted(INPUT_DTYPES, bfloat16=True)
     prob = shapes.problem(q, k, v, allowed=BF16_BITS if call.bfloat16 else INPUT_DTYPES, names=accepted, empty=True,
                           value_dim=True)
-    out, lse, dout = _saved_inputs(call, q, v, {"out": out, "lse": lse, "dout": dout})
+    saved = {"out": out, "lse": lse, "dout": dout} if dlse is None else {"out": out, "lse": lse, "dout": dout,
+                                                                          "dlse": dlse}
+    out, lse, dout, *dlse_ = _saved_inputs(call, q, v, saved)
+    dlse = dlse_[0] if dlse_ else None
     grad_shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))  # the caller's, before any padding
     empty = 0 in (prob.batch, prob.n_q, prob.n_k)
     if empty:
@@ -391,6 +427,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     if empty:  # every gradient is a sum over no pair: zero (or empty)
         mods.check_score_mod(score_mod)
         grads = tuple(_without_launch(call, x.shape, 0.0) for x in (q, k, v))
+        if sinks is not None:  # D = 0 on every row: dsinks_h = sum exp(s_h - LSE_i) dlse_i
+            with call.context():
+                grads += (_without_launch(call, (prob.heads,), _empty_sink_gradients(call, sinks, prob, lse, dlse)),)
         if captured_grads:
             grads += (tuple(None if cg is None else np.zeros(a.shape) for a, cg in
                             zip(score_mod.captured, score_mod.captured_grad)),)
@@ -413,7 +452,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         prob = dataclasses.replace(prob, d=width, d_v=width)
     if unit == "mma":
         grads = _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, bool(deterministic),
-                                        block_q, block_k, dtype, score_mod, kmod, mask, form, grad_shapes)
+                                        block_q, block_k, dtype, score_mod, kmod, mask, form, grad_shapes, sinks,
+                                        dlse)
         if captured_grads:  # the CUDA-core pair kernels, on the float32 view of the same inputs
             grads += (_captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mod, mask),)
         return grads
@@ -443,10 +483,13 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         blocks = (kernel_mask(mask, prob.n_q, prob.n_k, block_q, block_q, prob.batch, prob.heads)
                   if mask is not None else None)
         captured = kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask)
+        sinks_ = None if sinks is None else sink_arrays.device_sinks(call, sinks, prob.heads)
+        dlse_ = None if dlse is None else _prepare_stats("dlse", dlse, call.on_device, len(q.shape))
         backward.run(dq_, dk_, dv_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, causal=causal, order=order,
                      deterministic=bool(deterministic), block=block_q, stream=call.stream, mask=blocks, mod=kmod,
-                     captured=captured)
+                     captured=captured, dlse=dlse_)
         grads = tuple(value_dims.result(call, g, shape) for g, shape in zip((grad_q, grad_k, grad_v), grad_shapes))
+        grads += _sink_gradients(call, lse_, dvec, sinks_, prob.heads)
         if captured_grads:
             from fa_numba.kernels import captured_grad
 
@@ -470,8 +513,31 @@ def _captured_grads(call, q, k, v, out, lse, dout, prob, causal, scale, score_mo
                                  stream=call.stream, mask_mod=mask if kernel_mods.has_mask_fn(mask) else None)
 
 
+def _sink_gradients(call, lse_, dvec, sinks_, heads: int) -> tuple:
+    """(dsinks,) in the caller's library from the backward's LSE and D (less dlse), or () without sinks."""
+    if sinks_ is None:
+        return ()
+    dsinks = call.empty((heads,))
+    kernel_sinks.gradients(lse_, dvec, sinks_, dsinks, stream=call.stream)
+    return (call.output(dsinks, (heads,)),)
+
+
+def _empty_sink_gradients(call, sinks, prob, lse, dlse) -> np.ndarray:
+    """dsinks of a problem without a pair (N_k = 0: every row has LSE = s_h and O = 0, so D = 0; or no row):
+    sum over its rows of exp(s_h - LSE_i) dlse_i, on the host (float64 sums, rounded once)."""
+    values = sink_arrays.host_values(sink_arrays.device_sinks(call, sinks, prob.heads)).astype(np.float64)
+    if dlse is None or prob.batch * prob.n_q == 0:
+        return np.zeros(prob.heads, np.float32)
+    host = (lambda x: x.copy_to_host()) if call.on_device else np.asarray
+    rows = (prob.batch, prob.heads, prob.n_q)
+    lse_h, dlse_h = (host(x).astype(np.float64).reshape(rows) for x in (lse, dlse))
+    with np.errstate(invalid="ignore", over="ignore"):
+        weight = np.where(lse_h == -np.inf, 0.0, np.exp(values[None, :, None] - lse_h))
+    return (weight * dlse_h).sum(axis=(0, 2)).astype(np.float32)
+
+
 def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, deterministic, block_q, block_k,
-                            kind, score_mod, kmod, mask, form, grad_shapes):
+                            kind, score_mod, kmod, mask, form, grad_shapes, sinks=None, dlse=None):
     """attention_backward(..., engine="mma"): the tensor-core backward (kernels.mma.backward) on the inputs'
     16-bit bits, or on float32 inputs by 3xTF32; dout must be in q's dtype (the products read it as they are). grad_shapes: those of
     (dq, dk, dv) in the caller's layout, their last axes at most the kernels' head dim (value_dims.result)."""
@@ -499,8 +565,11 @@ def _attention_backward_mma(call, q, k, v, out, lse, dout, prob, causal, scale, 
         grad_k = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d))
         grad_v = call.empty((prob.batch, prob.heads_kv, prob.n_k, prob.d_v))
         dvec = cuda.device_array((prob.batch, prob.heads, prob.n_q), dtype=np.float32, stream=call.stream)
+        sinks_ = None if sinks is None else sink_arrays.device_sinks(call, sinks, prob.heads)
+        dlse_ = None if dlse is None else _prepare_stats("dlse", dlse, call.on_device, len(q.shape))
         mma_backward.run(q_, k_, v_, o_, lse_, do_, grad_q, grad_k, grad_v, dvec, scale, kind=kind, causal=causal,
                          deterministic=deterministic, block_q=block_q, block_k=block_k, stream=call.stream, mod=kmod,
                          captured=kernel_mods.device_arrays(score_mod, stream=call.stream, mask=mask), mask=mask,
-                         mask_form=form)
-        return tuple(value_dims.result(call, g, shape) for g, shape in zip((grad_q, grad_k, grad_v), grad_shapes))
+                         mask_form=form, dlse=dlse_)
+        grads = tuple(value_dims.result(call, g, shape) for g, shape in zip((grad_q, grad_k, grad_v), grad_shapes))
+        return grads + _sink_gradients(call, lse_, dvec, sinks_, prob.heads)

@@ -66,7 +66,7 @@ def _flatten(name: str, x):
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto",
               out_dtype=None, block_q: int | None = None, block_k: int | None = None,
-              backward_block: int | None = None, score_mod=None):
+              backward_block: int | None = None, score_mod=None, sinks=None):
     """softmax(scale Q K^T) V for torch tensors, differentiable in q, k and v (see the module docstring).
 
     Arguments as `fa_numba.attention` (layouts, GQA, bottom-right causal alignment, masks) and, for the backward,
@@ -86,24 +86,29 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     crossing the operators by its key: keep it referenced as a score mod). score_mod: a `fa_numba.mods.ScoreMod`
     (with its grad for the backward), compiled into the kernels of either engine (fa_numba.attention's); gradients
     reach q, k, v, not its captured arrays (NumPy arrays, outside autograd); keep the mod referenced while
-    a compiled graph that uses it may run (torch_ops.mod_key)."""
+    a compiled graph that uses it may run (torch_ops.mod_key). sinks: learnable sinks, a float32 (H,) tensor on
+    q's device, one logit per query head (fa_numba.attention's; proofs/L14), differentiable: its gradient is
+    a fixed-order sum, no atomics."""
     out, _ = attention_with_lse(q, k, v, causal=causal, scale=scale, order=order, backward_order=backward_order,
                                 deterministic=deterministic, mask=mask, engine=engine, out_dtype=out_dtype,
-                                block_q=block_q, block_k=block_k, backward_block=backward_block, score_mod=score_mod)
+                                block_q=block_q, block_k=block_k, backward_block=backward_block, score_mod=score_mod,
+                                sinks=sinks)
     return out
 
 
 def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
                        backward_order: str = "kv", deterministic: bool = False, mask=None, engine: str = "auto",
                        out_dtype=None, block_q: int | None = None, block_k: int | None = None,
-                       backward_block: int | None = None, score_mod=None):
-    """`attention`, and LSE (float32, q's shape without d, not differentiable: the backward takes no dLSE)."""
+                       backward_block: int | None = None, score_mod=None, sinks=None):
+    """`attention`, and LSE (float32, q's shape without d; differentiable: a loss may read it, proofs/L14)."""
     engines.backward(engine)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (use fa_numba.attention "
                             "for other arrays)")
-    torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v))
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (H,) or None, got {type(sinks).__name__}")
+    torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v), ("sinks", sinks))
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
     if backward_order not in BACKWARD_ORDERS:
@@ -126,5 +131,5 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     mask_spec, mask_dense = torch_ops.mask_arguments(mask, q.shape, k.shape[-2])
     key = torch_ops.mod_key(mods.check_score_mod(score_mod))
     out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
-                                      tiles[1], backward_order, deterministic, tiles[2], key)
+                                      tiles[1], backward_order, deterministic, tiles[2], key, sinks)
     return out.reshape(shapes.out_shape(q, v)).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])

@@ -15,7 +15,9 @@ import numpy as np
 from numba import cuda
 
 from fa_numba import arrays, backend, engines, machine, shapes, split_kv
+from fa_numba import sinks as sink_arrays
 from fa_numba.kernels import decode as kernels
+from fa_numba.kernels import sinks as kernel_sinks
 from fa_numba.kernels.mma import decode as mma_decode
 from fa_numba.kernels.mma.staging import aligned16
 from fa_numba.kernels.common import BF16_BITS, INPUT_DTYPES, MAX_HEAD_DIM, MAX_SEQUENCE, check_grid
@@ -84,7 +86,7 @@ def _resolve_splits(num_splits, split_size, blocks: int, key_tiles: int, layout)
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
                            causal: bool = True, scale: float | None = None, num_splits: int | None = None,
                            split_size: int | None = None, return_lse: bool = False, engine: str = "auto",
-                           block_k: int | None = None):
+                           block_k: int | None = None, sinks=None):
     """Attention of q over the first cache_seqlens[b] keys of each request's cache (plus k, v if given).
 
     Args:
@@ -109,6 +111,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
         engine: "auto", "simt" (the CUDA-core split kernel) or "mma" (the tensor-core one: float16 and bfloat16,
             d and d_v multiples of 8 up to 128; P rounded to the input type before P V); `engines.decode`.
         block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
+        sinks: learnable sinks, (H,) one logit per query head (`fa_numba.attention`'s): merged once into every
+            row after the combine (proofs/L14), never per split; a row that sees no key gets O = 0, LSE = s_h.
 
     Returns:
         O (B, H, N_q, d_v) float32, or (O, LSE (B, H, N_q)) with return_lse=True, in q's array library. B = 0
@@ -229,6 +233,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     if n_q:
         backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
     _check_launches(batch, heads_kv, rows, n_new, block_q, splits.count)
+    sinks_ = None if sinks is None else sink_arrays.device_sinks(call, sinks, heads)
     # every check is above: from here on the caches are written
     with backend.explain_driver_errors(), backend.serialised(), call.context():
         table_dev = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32), stream=call.stream)
@@ -252,6 +257,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
                     cuda.to_device(lengths.astype(np.int32), stream=call.stream), table_dev,
                     cuda.to_device(lohi, stream=call.stream), layout=layout,
                     tiles_per_split=splits.tiles, stream=call.stream)
+        if sinks_ is not None:  # packed rows: row r of K/V head h_kv is query head h_kv g + r // N_q
+            kernel_sinks.merge(out, lse, sinks_, rows_per_head=n_q, stream=call.stream)
         out = call.output(out, (batch, heads, n_q, d_v))
         return (out, call.output(lse, (batch, heads, n_q))) if return_lse else out
 

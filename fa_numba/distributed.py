@@ -121,9 +121,11 @@ def _tiles(x: torch.Tensor, block):
     return dict(block_q=16, block_k=16) if x.device.type == "cpu" else {}
 
 
-def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, block=None, engine="auto"):
+def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, block=None, engine="auto",
+                 sinks=None):
     """(O, LSE) of this rank's query shard against the whole sequence: O float32 (B, H, N/W, d), LSE float32;
-    each block call on `engine` (fa_numba.attention's)."""
+    each block call on `engine` (fa_numba.attention's). sinks: (H,) sink logits, merged once into each row after
+    the ring's blocks (proofs/L14)."""
     import fa_numba
 
     group = _group(group)
@@ -149,14 +151,21 @@ def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=No
             for request in requests:
                 request.wait()
             held = tuple(buffers)
+    if sinks is not None:  # the sink's state (s_h, 1, 0), merged once per row (L14)
+        for state in states:
+            rows = state.m.shape
+            state.add(torch.zeros_like(state.acc), sinks.to(torch.float32).view(1, -1, 1).expand(rows).contiguous())
     outs, lses = zip(*(state.result() for state in states))
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="zigzag", scale=None, block=None,
-                  engine="auto"):
+                  engine="auto", sinks=None, dlse=None):
     """(dQ, dK, dV) of this rank's shards (float32), K/V travelling with their dK/dV accumulators (L7, L12);
-    each block call on `engine` (fa_numba.attention_backward's)."""
+    each block call on `engine` (fa_numba.attention_backward's). out and lse: the ring's, with the sinks where
+    given; dlse: LSE's cotangent (this rank's rows), passed to every block of its rows (dS = P (dP - D + dLSE)
+    pair by pair, L14). With sinks, (dQ, dK, dV, dsinks): dsinks summed over this rank's rows, then over the
+    group (all_reduce)."""
     import fa_numba
 
     group = _group(group)
@@ -165,6 +174,7 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
     per = len(mine)
     q_chunks, o_chunks, do_chunks = ([c.contiguous() for c in x.chunk(per, dim=-2)] for x in (q, out, dout))
     lse_chunks = [c.contiguous() for c in lse.chunk(per, dim=-1)]
+    dlse_chunks = [None] * per if dlse is None else [c.contiguous() for c in dlse.float().chunk(per, dim=-1)]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_chunks = dq.chunk(per, dim=-2)
     zeros = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (k, v)]  # dK, dV (d_v may differ)
@@ -174,14 +184,15 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
         source = (rank - step) % world
         k_h, v_h, dk_h, dv_h = held
         dk_chunks, dv_chunks = dk_h.chunk(per, dim=-2), dv_h.chunk(per, dim=-2)
-        for qi, q_c, o_c, do_c, m_c, dq_c in zip(mine, q_chunks, o_chunks, do_chunks, lse_chunks, dq_chunks):
+        for qi, q_c, o_c, do_c, m_c, dl_c, dq_c in zip(mine, q_chunks, o_chunks, do_chunks, lse_chunks, dlse_chunks,
+                                                       dq_chunks):
             for kj, k_c, v_c, dk_c, dv_c in zip(chunk_ids(source, world, layout), k_h.chunk(per, dim=-2),
                                                 v_h.chunk(per, dim=-2), dk_chunks, dv_chunks):
                 kind = pair_kind(qi, kj, causal)
                 if kind != SKIP:
                     g_q, g_k, g_v = fa_numba.attention_backward(q_c, k_c.contiguous(), v_c.contiguous(), o_c, m_c, do_c,
                                                                 causal=kind == PARTIAL, scale=scale, block_q=block,
-                                                                block_k=block, engine=engine)
+                                                                block_k=block, engine=engine, dlse=dl_c)
                     dq_c += g_q
                     dk_c += g_k
                     dv_c += g_v
@@ -191,36 +202,48 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
                 request.wait()
             held = tuple(buffers)
     # W exchanges: the accumulators of this rank's own K/V are back
-    return dq, held[2], held[3]
+    if sinks is None:
+        return dq, held[2], held[3]
+    d_row = (dout.float() * out.float()).sum(dim=-1) - (0 if dlse is None else dlse.float())
+    p_sink = torch.where(lse == -math.inf, torch.zeros_like(lse), torch.exp(sinks.float().view(1, -1, 1) - lse))
+    dsinks = -(p_sink * d_row).sum(dim=(0, 2))
+    dist.all_reduce(dsinks, group=group)  # every rank's rows of head h read s_h
+    return dq, held[2], held[3], dsinks
 
 
 class RingAttention(torch.autograd.Function):
     """ring_forward / ring_backward as one differentiable function of this rank's q, k, v shards."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, block, engine):
+    def forward(ctx, q, k, v, group, causal, layout, scale, block, engine, sinks):
+        sink = None if sinks is None else sinks.detach()
         out, lse = ring_forward(q.detach(), k.detach(), v.detach(), group=group, causal=causal, layout=layout,
-                                scale=scale, block=block, engine=engine)
-        ctx.save_for_backward(q, k, v, out, lse)
+                                scale=scale, block=block, engine=engine, sinks=sink)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.options = dict(group=group, causal=causal, layout=layout, scale=scale, block=block, engine=engine)
-        ctx.mark_non_differentiable(lse)  # the kernels take no dLSE (as fa_numba.autograd)
+        ctx.set_materialize_grads(False)  # a loss that reads O alone gives no dLSE: no shift of D then
         return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, out, lse, dout.contiguous(), **ctx.options)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        grads = ring_backward(q, k, v, out, lse, dout, sinks=None if sinks is None else sinks.detach(), dlse=dlse,
+                              **ctx.options)
+        dsinks = None if sinks is None else grads[3].to(sinks.dtype)
+        return (grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)) + (None,) * 6 + (dsinks,)
 
 
 def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
-                   engine: str = "auto", block: int | None = None, return_lse: bool = False):
+                   engine: str = "auto", block: int | None = None, return_lse: bool = False, sinks=None):
     """Attention of this rank's shard of the sequence against the whole sequence, differentiable (see the module
     docstring). q (B, H, N / W, d), k (B, H_kv, N / W, d), v (B, H_kv, N / W, d_v) (d_v may differ from d, as in
     fa_numba.attention): the shards `shard(x, group, layout)` cuts, the same layout on every rank. causal is
     over the global sequence (N_q = N_k). Returns O (B, H, N / W, d_v) in
     q's dtype, the same shard of the single-device result, and with return_lse=True also its float32 LSE
-    (B, H, N / W), not differentiable. engine: each block's, as fa_numba.attention and attention_backward take
+    (B, H, N / W), differentiable (a loss may read it: L14). sinks: learnable sinks, an (H,) float32 tensor on q's
+    device (the same on every rank), merged once into every row after the ring, differentiable (its gradient
+    summed over the group). engine: each block's, as fa_numba.attention and attention_backward take
     it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
     "simt" or "mma" (float32 by 3xTF32, forward and backward; "mma-tf32" without gradients only);
     block: the kernels' square tile (default 16 for CPU tensors, else the kernels' defaults)."""
@@ -242,20 +265,24 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
                          f"{layout!r}, got {q.shape[-2]}")
     from fa_numba import torch_ops
 
-    torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v))  # a tangent would be dropped: said, not zeroed
-    out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block, engine)
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and tuple(sinks.shape) == (q.shape[1],)):
+        raise ValueError(f"sinks must be a torch tensor of shape ({q.shape[1]},) (one logit per query head), got "
+                         f"{getattr(sinks, 'shape', type(sinks).__name__)}")
+    torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v), ("sinks", sinks))  # a tangent would be dropped
+    out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block, engine, sinks)
     return (out, lse) if return_lse else out
 
 
 def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, scale=None,
-                    p_dtype: str | None = None) -> tuple[float, float]:
+                    p_dtype: str | None = None, sinks=None) -> tuple[float, float]:
     """(atol_out, atol_lse) of the ring's result on full host arrays q (B, H, N, d), k, v (B, H_kv, N, d): for each
     query chunk, `split_kv.combined_tolerances` over the key chunks it visits, each a v2 call with tiles
     `block` judged by the v2 rule (with p_dtype, "float16" or "bfloat16", that of a tensor-core call, which
-    rounds P to it: tolerance.baseline), the merge's rounding over their number the derived term (proofs/L12)."""
+    rounds P to it: tolerance.baseline), the merge's rounding over their number the derived term (proofs/L12);
+    sinks: (H,) the sink logits, one more exact part of every row's merge (proofs/L14)."""
     import numpy as np
 
-    from fa_numba import masks, split_kv, tolerance
+    from fa_numba import masks, reference, split_kv, tolerance
 
     count = world * len(chunk_ids(0, 1, layout))
     n = q.shape[-2]
@@ -265,12 +292,17 @@ def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, 
     for i in range(count):
         rows = slice(i * c, (i + 1) * c)
         q_i = q[..., rows, :]
-        whole = tolerance.baseline(q_i, k, v, scale=scale, contractions=("matmul",),
-                                   mask=masks.from_dense(visible[rows]) if causal else None, p_dtype=p_dtype)
+        mask = masks.from_dense(visible[rows]) if causal else None
+        whole = tolerance.baseline(q_i, k, v, scale=scale, contractions=("matmul",), mask=mask, p_dtype=p_dtype)
         parts = [tolerance.baseline(q_i, k[..., j * c:(j + 1) * c, :], v[..., j * c:(j + 1) * c, :], scale=scale,
                                     causal=causal and i == j, block_q=block, block_k=block, p_dtype=p_dtype)
                  for j in range(count) if pair_kind(i, j, causal) != SKIP]
-        atol = np.maximum(atol, split_kv.combined_tolerances(whole.out, whole.lse, parts))
+        ref_out, ref_lse = whole.out, whole.lse
+        if sinks is not None:
+            ref_out, ref_lse = reference.attention(q_i, k, v, scale=scale, mask=mask, sinks=sinks)
+            sink_lse = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], ref_lse.shape)
+            parts.append(split_kv.ExactPart(np.zeros(ref_out.shape), sink_lse))
+        atol = np.maximum(atol, split_kv.combined_tolerances(ref_out, ref_lse, parts))
     return float(atol[0]), float(atol[1])
 
 

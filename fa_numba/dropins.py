@@ -178,7 +178,7 @@ def _rows_without_a_key(key, attn_mask):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, learnable_sink=None):
     """flash-attn 2's flash_attn_func signature and semantics on fa_numba's kernels.
 
     Args:
@@ -194,6 +194,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             (a score mod, `mods.conventions.flash_attn`; no gradient reaches the slopes).
         deterministic: the backward without atomic adds.
         return_attn_probs: also return the LSE.
+        learnable_sink: (H,) float32 tensor, one sink logit per query head (gpt-oss; flash-attn's pull request
+            #1819's name): a column every row sees that has no value, differentiable (`fa_numba.attention`'s
+            sinks, proofs/L14). The LSE returned then includes it.
 
     Returns:
         O (B, S_q, H, d_v) in q's dtype, contiguous; with return_attn_probs=True (out, softmax_lse, None): LSE
@@ -223,6 +226,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     right = 0 if causal else right
     mask = None if (left, right) == (None, None) else masks.sliding_window(left, right)
     out, lse = autograd.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
-                                           mask=mask, deterministic=bool(deterministic), score_mod=mod)
+                                           mask=mask, deterministic=bool(deterministic), score_mod=mod,
+                                           sinks=learnable_sink)
     out = out.transpose(1, 2).contiguous()
     return (out, lse, None) if return_attn_probs else out

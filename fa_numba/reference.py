@@ -33,6 +33,11 @@ NaN (exp(inf - inf)); visible scores that are all -inf give O = 0/0 = NaN and LS
 key is never touched: its scores are -inf by the mask and its value row is never multiplied (0 * NaN would
 be NaN).
 
+Sinks (proofs/L14): `sinks=` (H,), one logit s_h per query head, is a column every row of head h sees and that
+has no value (gpt-oss's learnable sinks): LSE_i = log(exp(s_h) + sum_j exp(S_ij)), O_i = sum_j exp(S_ij - LSE_i)
+V_j, so a row's weights sum to 1 - exp(s_h - LSE_i); a row with no visible key has O = 0 and LSE = s_h. -inf is no
+sink. The backward's dsinks_h = -sum_{b, i} exp(s_h - LSE_i) D_i.
+
 Score mods (`fa_numba.mods`, proofs/L13_score_mods.md): `dense`, `attention`, `dense_backward`,
 `attention_backward` and the float32 twins take `score_mod=` (a `mods.ScoreMod`; None, the default, leaves
 every result bit for bit as without it). The forward then uses S'_bhij = mod(S_bhij, b, h, i, j) on the
@@ -169,12 +174,14 @@ class Dense:
 
 
 def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, dtype=np.float64,
-          contraction: str = "matmul", score_mod=None) -> Dense:
+          contraction: str = "matmul", score_mod=None, sinks=None) -> Dense:
     """The dense forward in `dtype`, its sums in the `contraction` order, with what it materialises.
 
     `attention` (float64) and `attention_naive_f32` (float32) return its `result()`; the tolerance rule's
     derived terms (`fa_numba.tolerance`) read its S, P and O. Materialises S and P: B H N_q N_k elements each.
     score_mod: a `mods.ScoreMod`, evaluated on `dtype` scalars at the visible pairs (module docstring).
+    sinks: (H,) one logit per query head, a column every row of that head sees that has no value (module
+    docstring); P then sums to 1 - exp(sink - LSE) on a row.
     """
     if contraction not in CONTRACTIONS:
         raise ValueError(f"contraction must be one of {CONTRACTIONS}, got {contraction!r}")
@@ -196,24 +203,31 @@ def dense(q, k, v, *, causal: bool = False, scale: float | None = None, mask=Non
     s_raw = None
     if score_mod is not None:  # S' = mod(S) on the visible pairs, -inf on the masked ones, mod never called there
         s_raw, s = s, mods.scores(score_mod, s, visible, dtype)
+    sink = None if sinks is None else shapes.check_sinks(sinks, prob.heads).astype(dtype)[:, None]  # (H, 1)
     with np.errstate(invalid="ignore", divide="ignore"):  # IEEE: NaN and log 0 = -inf where the inputs say so
         m = s.max(axis=-1)  # row max over visible scores: -inf on a dead row, NaN if a visible score is
+        if sink is not None:  # the sink's column joins the max and the sum, never P V
+            m = np.maximum(m, sink)
+            alive = alive | (sink != -np.inf)
         shift = np.where(m == -np.inf, dtype(0), m)  # exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN
         p = np.where(visible, np.exp(s - shift[..., None]), dtype(0))  # every finite exponent argument <= 0
         l = _contract(p, np.ones(p.shape[-1:] + (1,), dtype=dtype), contraction)[..., 0]
+        if sink is not None:
+            l = l + np.exp(sink - shift)
         lse = np.where(alive, shift + np.log(l), dtype(-np.inf))
         p = np.where(alive[..., None], p / l[..., None], dtype(0))
     out = visible_matmul(p, v4, visible, contraction)
     return Dense(s, p, v4, visible, out, lse, tuple(np.shape(q)[:-2]), s_raw, score_mod)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, score_mod=None):
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, score_mod=None, sinks=None):
     """Float64 dense attention. Returns (out, lse) with out like q (its last axis v's head dim d_v, which may differ
     from q's d) and lse like q without its last axis.
 
     mask: a `fa_numba.masks` mask applied densely (not with causal=True; that is mask=masks.causal()).
     score_mod: a `fa_numba.mods.ScoreMod`: softmax(mod(S)) V with mod applied after the scale, at the visible
     pairs only (module docstring); LSE is then log sum_j exp(mod(S_ij)).
+    sinks: (H,) sink logits, one column per head that every row sees and that has no value (module docstring).
 
     >>> import numpy as np
     >>> q = k = v = np.eye(2)
@@ -221,11 +235,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     >>> out[0].tolist(), round(float(lse[0]), 6)   # query 0 sees only key 0: LSE = S_00 = 1/sqrt(2)
     ([1.0, 0.0], 0.707107)
     """
-    return dense(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod).result()
+    return dense(q, k, v, causal=causal, scale=scale, mask=mask, score_mod=score_mod, sinks=sinks).result()
 
 
 def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = None, contraction: str = "matmul",
-                        mask=None, score_mod=None):
+                        mask=None, score_mod=None, sinks=None):
     """The same dense computation in float32: the baseline the tolerance rule scales with (`tolerance`).
 
     contraction picks how the three sums (over d for S, over keys for l and for P V) are evaluated:
@@ -238,7 +252,7 @@ def attention_naive_f32(q, k, v, *, causal: bool = False, scale: float | None = 
     the mod may round more: proofs/L13, after claim 5).
     """
     return dense(q, k, v, causal=causal, scale=scale, mask=mask, dtype=np.float32,
-                 contraction=contraction, score_mod=score_mod).result()
+                 contraction=contraction, score_mod=score_mod, sinks=sinks).result()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,16 +299,20 @@ class DenseBackward:
     ds_mod: np.ndarray | None = None
     mod_grad: np.ndarray | None = None
     dcaptured: tuple = ()
+    dsinks: np.ndarray | None = None
 
 
 def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None, dtype=np.float64,
-                   contraction: str = "matmul", score_mod=None) -> DenseBackward:
+                   contraction: str = "matmul", score_mod=None, sinks=None, dlse=None) -> DenseBackward:
     """The dense gradients in `dtype`, from their own forward (`dense`) in the same dtype and contraction order.
 
     `attention_backward` (float64) and `attention_backward_naive_f32` (float32) return its dq, dk, dv; the
     gradients' rule (`fa_numba.tolerance_backward`) reads its P, dP, D and operands for its floors. Materialises
     S, P, dP and dS: B H N_q N_k elements each. score_mod: a `mods.ScoreMod` with a grad (ValueError without one):
     dS = dS' mod'(S), and the captured arrays' gradients in `dcaptured` (module docstring, proofs/L13).
+    sinks: the forward's (H,) sink logits; their gradient in `dsinks`, (H,) in `dtype`. dlse: a cotangent of
+    LSE, like LSE (None: the loss reads O alone): <dlse, LSE> joins the function differentiated, so D - dlse
+    takes D's place in dS and in dsinks (proofs/L14).
     """
     prob = shapes.problem(q, k, v, value_dim=True)
     shapes.check_like("dout", dout, shapes.out_shape(q, v), "as q with v's head dim")
@@ -305,7 +323,7 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
                          "(mods.ScoreMod(fn, grad=...))")
     # Its own forward, in the same dtype and contraction order: O and LSE as `attention` computes them.
     forward = dense(q, k, v, causal=causal, scale=scale, mask=mask, dtype=dtype, contraction=contraction,
-                    score_mod=score_mod)
+                    score_mod=score_mod, sinks=sinks)
     out4, lse4 = forward.out, forward.lse  # (B, H, N_q, d), (B, H, N_q)
     del forward  # its S and P: the backward recomputes its own
     scale = dtype(shapes.resolve_scale(scale, prob.d))
@@ -328,6 +346,16 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     # multiplied (visible_matmul), so a row with no visible key gives exactly 0 in dQ and adds nothing to
     # dK, dV, whatever its dO holds.
     d_row = _contract(do4 * out4, np.ones((prob.d_v, 1), dtype=dtype), contraction)[..., 0]  # D: (B, H, N_q)
+    if dlse is not None:  # dS_ij = P_ij (dP_ij - D_i) + dlse_i P_ij (proofs/L14)
+        shapes.check_like("dlse", dlse, tuple(np.shape(q))[:-1], "as q without its last axis (LSE's shape)")
+        d_row = d_row - np.asarray(dlse).reshape(d_row.shape).astype(dtype)
+    dsinks = None
+    if sinks is not None:  # d sink_h = -sum_{b, i} P_sink (D_i - dlse_i), P_sink = exp(sink_h - LSE_i) (proofs/L14)
+        sink = shapes.check_sinks(sinks, prob.heads).astype(dtype)[:, None]
+        with np.errstate(invalid="ignore", over="ignore"):
+            p_sink = np.where(lse4 == -np.inf, dtype(0), np.exp(sink - shift))
+            dsinks = -_contract((p_sink * d_row).transpose(1, 0, 2).reshape(prob.heads, 1, -1),
+                                np.ones((prob.batch * prob.n_q, 1), dtype=dtype), contraction)[:, 0, 0]
     dp = _contract(do4, np.swapaxes(v4, -1, -2), contraction)  # dP: (B, H, N_q, N_k)
     with np.errstate(invalid="ignore"):
         ds = np.where(visible, p * (dp - d_row[..., None]), dtype(0))  # dS
@@ -350,11 +378,11 @@ def dense_backward(q, k, v, dout, *, causal: bool = False, scale: float | None =
     dq, dk, dv = (shapes.drop_lead(g, x.shape[:-2]) for g, x in ((dq, q), (dk, k), (dv, v)))
     return DenseBackward(dq, dk, dv,
                          q4, k4, v4, do4, out4, shift, p, dp, d_row, visible, scale, prob,
-                         s_raw, ds_mod, mod_grad, dcaptured)
+                         s_raw, ds_mod, mod_grad, dcaptured, dsinks)
 
 
 def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,
-                       score_mod=None):
+                       score_mod=None, sinks=None, dlse=None):
     """Float64 gradients (dq, dk, dv) of <dout, O(q, k, v)>, densely from its own float64 forward (O, LSE).
 
     dout is like the forward's out (q's shape with v's head dim d_v); dq comes out like q, dk and dv like k and
@@ -364,8 +392,9 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     dv. The formulas and their proof: proofs/L7_backward.md. Materialises S, P, dP, dS:
     B H N_q N_k elements each (it is the definition, not a memory-efficient algorithm).
     score_mod: a `fa_numba.mods.ScoreMod` with a grad: the gradients of <dout, O> with O = softmax(mod(S)) V,
-    dS = P (dP - D) mod'(S) (proofs/L13). Always returns (dq, dk, dv); `attention_backward_mod` adds the
-    captured arrays' gradients.
+    dS = P (dP - D) mod'(S) (proofs/L13). Returns (dq, dk, dv); `attention_backward_mod` adds the
+    captured arrays' gradients. sinks: the forward's sink logits: (dq, dk, dv, dsinks). dlse: LSE's cotangent,
+    for a loss that reads LSE too (proofs/L14).
 
     >>> import numpy as np
     >>> q = k = v = np.eye(2)
@@ -374,8 +403,9 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     >>> np.allclose(dv, [[1 + p10] * 2, [1 - p10] * 2], rtol=1e-15, atol=0)   # dV_j = sum_i P_ij dO_i
     True
     """
-    grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
-    return grads.dq, grads.dk, grads.dv
+    grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod, sinks=sinks,
+                           dlse=dlse)
+    return (grads.dq, grads.dk, grads.dv) + (() if sinks is None else (grads.dsinks,))
 
 
 def attention_backward_mod(q, k, v, dout, *, score_mod, causal: bool = False, scale: float | None = None,
@@ -406,13 +436,13 @@ def attention_backward_mod(q, k, v, dout, *, score_mod, causal: bool = False, sc
 
 
 def attention_backward_naive_f32(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
-                                 contraction: str = "matmul", mask=None, score_mod=None):
+                                 contraction: str = "matmul", mask=None, score_mod=None, sinks=None, dlse=None):
     """The same dense gradients in float32: the baseline of the gradients' tolerance rule.
 
     contraction picks how every sum (over d for S, dP and D; over keys for l, O and dQ; over queries for
     dK and dV) is evaluated, as in `attention_naive_f32`: one of CONTRACTIONS. score_mod: evaluated on
-    float32 scalars, as in `attention_naive_f32`.
+    float32 scalars, as in `attention_naive_f32`. sinks, dlse: as `attention_backward` (dsinks fourth).
     """
     grads = dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, dtype=np.float32,
-                           contraction=contraction, score_mod=score_mod)
-    return grads.dq, grads.dk, grads.dv
+                           contraction=contraction, score_mod=score_mod, sinks=sinks, dlse=dlse)
+    return (grads.dq, grads.dk, grads.dv) + (() if sinks is None else (grads.dsinks,))

@@ -166,6 +166,23 @@ def resolve_scale(scale, d: int) -> float:
     return scale
 
 
+def check_sinks(sinks, heads: int) -> np.ndarray:
+    """Learnable sinks on the host: one logit per query head, a real (H,) array (float32, or a float type whose
+    values float32 takes: they are rounded to it, the kernels' arithmetic); returns it float32. Any value is
+    taken: -inf is no sink, NaN and +inf make every row of their head NaN (IEEE, as a NaN or +inf score)."""
+    if isinstance(sinks, (bool, int, float)) or not hasattr(sinks, "__len__") and not hasattr(sinks, "shape"):
+        raise TypeError(f"sinks must be an array of {heads} logits (one per query head), got "
+                        f"{type(sinks).__name__}")
+    array = np.asarray(sinks)
+    if array.dtype.kind != "f":
+        raise TypeError(f"sinks must be a float array (float32, one logit per query head), got dtype {array.dtype}")
+    if array.shape != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},) (one logit per query head H = {heads}), got "
+                         f"{array.shape}")
+    with np.errstate(over="ignore"):
+        return array.astype(np.float32)
+
+
 def check_block(name: str, value) -> int:
     """Tile sizes are positive Python ints (they become compile-time constants in the kernels)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

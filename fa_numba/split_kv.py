@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fa_numba import masks, online_softmax, tolerance
+from fa_numba import masks, online_softmax, reference, tolerance
 from fa_numba.tolerance import EXP_REL, U32
 
 #: The heuristic stops adding splits once the grid fills this share of the SMs without them (flash-attn's
@@ -119,8 +119,20 @@ def combine_terms(lse_s: np.ndarray, share: np.ndarray, o_abs: np.ndarray, out_a
     return out_term, compound + EXP_REL * np.log(splits) + U32, compound
 
 
+@dataclass(frozen=True)
+class ExactPart:
+    """A part of a merge that carries no error (a sink's state: O = 0, LSE = s_h, proofs/L14), beside the
+    `tolerance.Baseline`s that `combined_tolerances` merges."""
+
+    out: np.ndarray
+    lse: np.ndarray
+
+    def tolerances(self, order=None) -> tuple[float, float]:
+        return 0.0, 0.0
+
+
 def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits: Splits | None,
-          name: str = "decode", contractions=None, p_dtype: str | None = None) -> DecodeCheck:
+          name: str = "decode", contractions=None, p_dtype: str | None = None, sinks=None) -> DecodeCheck:
     """Judge one request's decode result against the float64 reference with the derived rule: q (H, N_q, d),
     k, v (H_kv, n, d) its keys (the cache up to its length), out (H, N_q, d), lse (H, N_q).
 
@@ -131,29 +143,46 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
     (`combine_terms`). A request with no key gets exactly O = 0 and LSE = -inf. contractions: the naive float32
     evaluations' orders (tolerance.baseline's; ("matmul",) on large problems). p_dtype: the kernel rounds P to
     this 16-bit type before P V (the tensor-core split kernel), which each split's rule and the whole's then
-    carry (`tolerance.p_rounding_term`, proofs/L6 part 7)."""
+    carry (`tolerance.p_rounding_term`, proofs/L6 part 7). sinks: (H,) the sink logits the call merged into every
+    row after the combine (proofs/L14): one more exact part of the merge, so the rule is the combined one even
+    unsplit."""
     more = {} if contractions is None else {"contractions": contractions}
     more["p_dtype"] = p_dtype
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if n_k == 0:
+        empty = -np.inf if sinks is None else np.broadcast_to(np.asarray(sinks, np.float64)[:, None], lse.shape)
         tolerance.assert_close(out, np.zeros(out.shape), 0.0, name=f"{name} out")
-        tolerance.assert_close(lse, np.full(lse.shape, -np.inf), 0.0, name=f"{name} lse")
+        tolerance.assert_close(lse, np.full(lse.shape, empty), 0.0, name=f"{name} lse")
         return DecodeCheck(0.0, 0.0, 0.0, 0.0)
     visible = masks.causal().dense(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
     whole = tolerance.baseline(q, k, v, scale=scale, mask=_mask(visible), block_q=1, block_k=block_k, **more)
+    if sinks is not None:  # the reference with the sinks' columns, and the sink as one more part of the merge
+        ref_out, ref_lse = reference.attention(q, k, v, scale=scale, mask=_mask(visible), sinks=sinks)
+        sink = ExactPart(np.zeros(ref_out.shape), np.broadcast_to(np.asarray(sinks, np.float64)[:, None],
+                                                                  ref_lse.shape))
+        parts = [whole] if splits is None else _parts(q, k, v, scale, visible, block_k, splits, more)
+        atol_out, atol_lse = combined_tolerances(ref_out, ref_lse, parts + [sink])
+        err_out = tolerance.assert_close(out, ref_out, atol_out, name=f"{name} out")
+        err_lse = tolerance.assert_close(lse, ref_lse, atol_lse, name=f"{name} lse")
+        return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
     if splits is None:
         atol_out, atol_lse = whole.tolerances("v2")
         err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
         err_lse = tolerance.assert_close(lse, whole.lse, atol_lse, name=f"{name} lse")
         return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
-    parts = [tolerance.baseline(q, k[..., lo:hi, :], v[..., lo:hi, :], scale=scale, mask=_mask(visible[:, lo:hi]),
-                                block_q=1, block_k=block_k, **more)
-             for lo, hi in splits.ranges(n_k) if hi > lo and visible[:, lo:hi].any()]
+    parts = _parts(q, k, v, scale, visible, block_k, splits, more)
     atol_out, atol_lse = combined_tolerances(whole.out, whole.lse, parts)
     err_out = tolerance.assert_close(out, whole.out, atol_out, name=f"{name} out")
     err_lse = tolerance.assert_close(lse, whole.lse, atol_lse, name=f"{name} lse")
     return DecodeCheck(err_out, err_lse, atol_out, atol_lse)
+
+
+def _parts(q, k, v, scale, visible, block_k, splits: Splits, more: dict) -> list:
+    """The baselines of the splits that see a key of these rows (each a v2 problem on its keys)."""
+    return [tolerance.baseline(q, k[..., lo:hi, :], v[..., lo:hi, :], scale=scale, mask=_mask(visible[:, lo:hi]),
+                               block_q=1, block_k=block_k, **more)
+            for lo, hi in splits.ranges(k.shape[-2]) if hi > lo and visible[:, lo:hi].any()]
 
 
 def combined_tolerances(ref_out: np.ndarray, ref_lse: np.ndarray, parts: list) -> tuple[float, float]:

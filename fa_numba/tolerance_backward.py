@@ -91,6 +91,19 @@ def _recompute_floors(grads: reference.DenseBackward) -> tuple[float, float, flo
     return _finite_max(floor_dq), _finite_max(floor_dk), _finite_max(floor_dv)
 
 
+def _sink_floor(grads: reference.DenseBackward, sinks) -> float:
+    """The recomputation floor of dsinks_h = -sum_{b, i} P_sink (D_i - dlse_i), P_sink = exp(s_h - LSE_i)
+    (proofs/L14), as `_recompute_floors` places it: one ulp of the stored LSE_i in every P_sink (times
+    |D_i - dlse_i|) and one ulp of D's terms, sum_x |dO_ix| |O_ix| (times P_sink), summed over the rows. With a
+    finite sink every LSE_i is finite (shift = LSE); a sink of -inf has P_sink = 0."""
+    sink = np.asarray(sinks, dtype=grads.p.dtype)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p_sink = np.exp(sink - grads.shift)
+        mag_d = (np.abs(grads.dout) * np.abs(grads.out)).sum(axis=-1)
+        rows = p_sink * ULP32_PER_UNIT * (np.abs(grads.shift) * np.abs(grads.d_row) + mag_d)
+    return _finite_max(rows.sum(axis=(0, 2)))
+
+
 def grad_rounding_terms(grads: reference.DenseBackward, p_dtype: str) -> tuple[float, float, float]:
     """(term_dq, term_dk, term_dv): how far rounding P and dS to the 16-bit type `p_dtype` before their products
     (a tensor-core backward) can move each entry of dq, dk, dv (proofs/L7, floating point), from the float64
@@ -259,11 +272,13 @@ class BaselineBackward:
     atol_dq: float
     atol_dk: float
     atol_dv: float
+    dsinks: np.ndarray | None = None  # with sinks: their gradient (H,) and its atol
+    atol_dsinks: float = 0.0
 
 
 def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None,
                       contractions=reference.CONTRACTIONS, mask=None, p_dtype: str | None = None,
-                      score_mod=None, products: str | None = None) -> BaselineBackward:
+                      score_mod=None, products: str | None = None, sinks=None, dlse=None) -> BaselineBackward:
     """Reference gradients and their tolerances, computed once per problem (as `baseline` for the forward).
 
     p_dtype ("float16" or "bfloat16"): the implementation rounds P (before dV) and dS (before dK and dQ) to
@@ -276,6 +291,9 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
     them), and the recomputation floors carry |mod'(S)| (`_recompute_floors`; proofs/L13, the kernels).
     With both, the 16-bit terms round P = exp(mod(S) - LSE) and dS = dS' mod'(S), what a tensor-core backward
     with the mod rounds (`grad_rounding_terms`).
+    sinks, dlse (proofs/L14): the forward's sink logits and LSE's cotangent, in the reference and the naive
+    evaluations; with sinks, dsinks is judged by the same 3x rule with its own recomputation floor
+    (`_sink_floor`). The 16-bit and tf32 terms are the ones without sinks: a sink only lowers every P.
     """
     if p_dtype is not None:
         _p_rounding(p_dtype)  # a bad p_dtype fails before the reference is computed
@@ -284,8 +302,11 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
         if p_dtype is not None:
             raise ValueError("p_dtype (16-bit products) and products (tf32 parts of float32) name two different "
                              "tensor-core backwards: give one")
-    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod)
+    grads = reference.dense_backward(q, k, v, dout, causal=causal, scale=scale, mask=mask, score_mod=score_mod,
+                                     sinks=sinks, dlse=dlse)
     ref, floors = (grads.dq, grads.dk, grads.dv), _recompute_floors(grads)
+    if sinks is not None:
+        ref, floors = ref + (grads.dsinks,), floors + (_sink_floor(grads, sinks),)
     terms = (0.0, 0.0, 0.0)
     if p_dtype is not None:  # a tensor-core backward: P and dS rounded to 16 bits, P recomputed by ex2
         terms = tuple(a + b for a, b in zip(grad_rounding_terms(grads, p_dtype), grad_exp2_terms(grads)))
@@ -293,14 +314,22 @@ def baseline_backward(q, k, v, dout, *, causal: bool = False, scale: float | Non
         terms = tuple(a + b for a, b in zip(grad_split_terms(grads, products), grad_exp2_terms(grads)))
     del grads  # its P and dP (B H N_q N_k each): the naive evaluations need not hold them beside their own
     naive = [reference.attention_backward_naive_f32(q, k, v, dout, causal=causal, scale=scale, contraction=c, mask=mask,
-                                                    score_mod=score_mod)
+                                                    score_mod=score_mod, sinks=sinks, dlse=dlse)
              for c in contractions]
+    terms += (0.0,) * (len(ref) - 3)
     atols = [tolerance_backward(r, [n[t] for n in naive], floors[t]) + terms[t] for t, r in enumerate(ref)]
-    return BaselineBackward(*ref, *atols)
+    if sinks is None:
+        return BaselineBackward(*ref, *atols)
+    return BaselineBackward(*ref[:3], *atols[:3], ref[3], atols[3])
 
 
-def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel") -> CheckBackward:
-    """Assert (dq, dk, dv) are within the baseline's tolerances; returns the errors."""
+def judge_backward(dq, dk, dv, base: BaselineBackward, *, name: str = "kernel", dsinks=None) -> CheckBackward:
+    """Assert (dq, dk, dv) are within the baseline's tolerances, and dsinks for a baseline with sinks (which
+    must be given then); returns the errors of dq, dk, dv."""
+    if (dsinks is None) != (base.dsinks is None):
+        raise ValueError("give dsinks exactly when the baseline was built with sinks")
+    if dsinks is not None:
+        assert_close(dsinks, base.dsinks, base.atol_dsinks, name=f"{name} dsinks")
     err_dq = assert_close(dq, base.dq, base.atol_dq, name=f"{name} dq")
     err_dk = assert_close(dk, base.dk, base.atol_dk, name=f"{name} dk")
     err_dv = assert_close(dv, base.dv, base.atol_dv, name=f"{name} dv")

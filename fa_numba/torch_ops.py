@@ -1,11 +1,14 @@
 """fa_numba's kernels as PyTorch operators, so that torch.compile traces a model that calls them.
 
-Two operators, registered with `torch.library.custom_op`:
+Three operators, registered with `torch.library.custom_op`:
 
     fa_numba::attention(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k,
-                        backward_order, deterministic, backward_block, score_mod="") -> (out, lse)
+                        backward_order, deterministic, backward_block, score_mod="", sinks=None) -> (out, lse)
     fa_numba::attention_backward(q, k, v, out, lse, dout, causal, scale, order, deterministic,
                                  mask_spec, mask_dense, block, engine="auto", score_mod="") -> (dq, dk, dv)
+    fa_numba::attention_backward_lse(q, k, v, out, lse, dout, dlse, causal, scale, order, deterministic,
+                                     mask_spec, mask_dense, block, engine, score_mod, sinks)
+                                     -> (dq, dk, dv, dsinks)
 
 Tile sizes are ints, 0 for the default: the shipped tiles of the head dim on a GPU, 16 in the CUDA
 simulator (SIMULATOR_TILE), where the shipped tiles cost seconds (forward) to minutes (backward) per
@@ -18,7 +21,10 @@ forward's autograd formula (`register_autograd`) saves q, k, v, out, lse and cal
 backward recomputes P from LSE, as the eager path does. Outputs are float32 (out, lse, dq, dk, dv), the
 kernels' arithmetic; `fa_numba.autograd.attention` casts them to the caller's dtype outside the operator, so
 the backward always reads the float32 O the forward computed (its D_i = rowsum(dO_i * O_i) is not rounded).
-LSE is not differentiable (mark_non_differentiable): the backward kernels take no dLSE.
+LSE is differentiable: a loss that reads it gives its cotangent dLSE, which enters the backward as D - dLSE
+in D's place (proofs/L14), through a third operator, `fa_numba::attention_backward_lse(..., dlse, ..., sinks)`
+-> (dq, dk, dv, dsinks), which also carries learnable sinks (`sinks`, an optional (H,) float32 tensor argument
+of `fa_numba::attention`, differentiable). Without either, the backward is `fa_numba::attention_backward`.
 
 A mask crosses the operator boundary as plain data, since an operator takes tensors and scalars only:
 `mask_spec` is a built-in mask's text (`masks.parse` reads it back; "" for none) and `mask_dense` a bool
@@ -105,18 +111,23 @@ def _mask(mask_spec: str, mask_dense: Optional[Tensor]):
 @torch.library.custom_op("fa_numba::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, order: str, mask_spec: str,
                  mask_dense: Optional[Tensor], engine: str, block_q: int, block_k: int, backward_order: str,
-                 deterministic: bool, backward_block: int, score_mod: str = "") -> tuple[Tensor, Tensor]:
+                 deterministic: bool, backward_block: int, score_mod: str = "", sinks: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor]:
     """O and LSE (float32) of softmax(scale Q K^T) V; arguments as fa_numba.attention (score_mod: a
-    `mod_key`). backward_order, deterministic and backward_block are not the forward's: they say how its
-    autograd formula runs the backward."""
+    `mod_key`; sinks: (H,) float32 sink logits or None). backward_order, deterministic and backward_block are
+    not the forward's: they say how its autograd formula runs the backward."""
     tiles = dict(block_q=_tile(block_q), block_k=_tile(block_k), score_mod=_score_mod(score_mod))
     return api.attention(q, k, v, causal=causal, scale=scale, order=order, return_lse=True,
-                         mask=_mask(mask_spec, mask_dense), engine=engine, **tiles)
+                         mask=_mask(mask_spec, mask_dense), engine=engine, sinks=_detached(sinks), **tiles)
+
+
+def _detached(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.detach()
 
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order,
-                    deterministic, backward_block, score_mod=""):
+                    deterministic, backward_block, score_mod="", sinks=None):
     return (q.new_empty(shapes.out_shape(q, v), dtype=torch.float32), q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
@@ -144,23 +155,57 @@ def _attention_backward_fake(q, k, v, out, lse, dout, causal, scale, order, dete
     return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v))
 
 
+@torch.library.custom_op("fa_numba::attention_backward_lse", mutates_args=())
+def attention_backward_lse_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                              dlse: Tensor, causal: bool, scale: float, order: str, deterministic: bool,
+                              mask_spec: str, mask_dense: Optional[Tensor], block: int, engine: str, score_mod: str,
+                              sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks), float32, of sum(dout * O) + sum(dlse * LSE), LSE with the sinks where given
+    (proofs/L14); dsinks (H,), or empty (0,) without sinks. Arguments as `attention_backward_op`."""
+    dout = dout.contiguous()
+    tiles = dict(block_q=_tile(block), block_k=_tile(block), score_mod=_score_mod(score_mod))
+    if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
+        dout = dout.to(q.dtype)
+    grads = api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
+                                   deterministic=deterministic, mask=_mask(mask_spec, mask_dense), engine=engine,
+                                   sinks=_detached(sinks), dlse=dlse.to(torch.float32).contiguous(), **tiles)
+    return tuple(grads[:3]) + ((grads[3],) if sinks is not None else (q.new_empty((0,), dtype=torch.float32),))
+
+
+@attention_backward_lse_op.register_fake
+def _attention_backward_lse_fake(q, k, v, out, lse, dout, dlse, causal, scale, order, deterministic, mask_spec,
+                                 mask_dense, block, engine, score_mod, sinks):
+    return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v)) + (
+        q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32),)
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, order, mask_spec, mask_dense, engine, block_q, block_k, backward_order, deterministic,
-     backward_block, score_mod) = inputs
+     backward_block, score_mod, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask_dense)
+    ctx.save_for_backward(q, k, v, out, lse, mask_dense, sinks)
+    ctx.set_materialize_grads(False)  # a cotangent the loss does not give stays None: no dLSE pass without one
     ctx.settings = (causal, scale, backward_order, deterministic, mask_spec, backward_block, engine, score_mod)
     ctx.score_mod = _score_mod(score_mod)  # held until the backward: a mod made for one call stays alive
     ctx.mask_mod = _mask(mask_spec, None) if mask_spec.startswith(slice_masks.KEY_PREFIX) else None  # the same
-    ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, mask_dense = ctx.saved_tensors
+    q, k, v, out, lse, mask_dense, sinks = ctx.saved_tensors
     causal, scale, order, deterministic, mask_spec, block, engine, score_mod = ctx.settings
-    dq, dk, dv = attention_backward_op(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec,
-                                       mask_dense, block, engine, score_mod)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12
+    if dout is None:  # the loss reads LSE alone
+        dout = torch.zeros_like(out)
+    if sinks is None and dlse is None:
+        dq, dk, dv = attention_backward_op(q, k, v, out, lse, dout, causal, scale, order, deterministic, mask_spec,
+                                           mask_dense, block, engine, score_mod)
+        dsinks = None
+    else:
+        dlse = torch.zeros_like(lse) if dlse is None else dlse
+        dq, dk, dv, dsinks = attention_backward_lse_op(q, k, v, out, lse, dout, dlse, causal, scale, order,
+                                                       deterministic, mask_spec, mask_dense, block, engine, score_mod,
+                                                       sinks)
+        dsinks = None if sinks is None else dsinks.to(sinks.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12 + (dsinks,)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

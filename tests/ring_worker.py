@@ -40,15 +40,25 @@ def run(rank: int, world: int, port: int, case: dict, path: str) -> None:
 
         fa_numba.attention, fa_numba.attention_backward = counted, seen
         shards = [fd.shard(x, layout=layout).requires_grad_() for x in (q, k, v)]
+        sinks = dlse = None
+        if case.get("sinks"):  # learnable sinks, and a loss that reads LSE too (proofs/L14)
+            sinks = torch.from_numpy((2 * rng.standard_normal(h)).astype(np.float32)).requires_grad_()
+            dlse = torch.from_numpy(rng.standard_normal((b, h, n)).astype(np.float32))
         out, lse = fd.ring_attention(*shards, causal=causal, layout=layout, block=case["block"], return_lse=True,
-                                     engine=case.get("engine", "auto"))
-        out.backward(fd.shard(dout, layout=layout))
+                                     engine=case.get("engine", "auto"), sinks=sinks)
+        if sinks is None:
+            out.backward(fd.shard(dout, layout=layout))
+        else:
+            loss = (out * fd.shard(dout, layout=layout)).sum() + (lse * fd.shard(dlse[..., None], layout=layout)[..., 0]).sum()
+            loss.backward()
         full = [fd.unshard(x.float(), layout=layout) for x in (out.detach(), *(s.grad for s in shards))]
         full.append(fd.unshard(lse[..., None], layout=layout)[..., 0])
         work = [None] * world
         dist.all_gather_object(work, calls)
+        extra = {} if sinks is None else dict(sinks=sinks.detach().numpy(), dsinks=sinks.grad.numpy(),
+                                              dlse=dlse.numpy())
         if rank == 0:
-            np.savez(path, q=q.float().numpy(), k=k.float().numpy(), v=v.float().numpy(), dout=dout.float().numpy(),
+            np.savez(path, **extra, q=q.float().numpy(), k=k.float().numpy(), v=v.float().numpy(), dout=dout.float().numpy(),
                      work=np.array([[w["full"], w["partial"]] for w in work]),
                      engines=np.array(sorted(set().union(*(w["engines"] for w in work)))),
                      **{name: x.numpy() for name, x in zip(("out", "dq", "dk", "dv", "lse"), full)})

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from numba import cuda, float32, uint64 as u64
 
 from fa_numba import backend, banks, warp
-from fa_numba.kernels import disk_cache
+from fa_numba.kernels import disk_cache, sinks
 from fa_numba.kernels.block_lists import LIST_FORMS, PAIR_FORMS
 from fa_numba.kernels.common import (NEG_INF, SHARED_BYTES_LIMIT, ZERO, CompiledKernel, ValueDim,
                                      check_grid, check_mask_form, check_sequence, mask_arrays, to_f32)
@@ -734,11 +734,12 @@ def make(kind: str, block: int, head_dim: int, causal: bool, flag: bool = False,
 
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv", deterministic=False, block=None,
-        stream=0, mask=None, mod: KernelMod | None = None, captured=NO_CAPTURED):
+        stream=0, mask=None, mod: KernelMod | None = None, captured=NO_CAPTURED, dlse=None):
     """Launch the backward of one call on (B, H, N, d) device arrays (v, out and dout d_v wide, d_v may differ
     from d): dq (B, H, N_q, d), dk (B, H_kv, N_k, d), dv (B, H_kv, N_k, d_v) float32 outputs, dvec (B, H, N_q) float32 workspace for D. order "kv" (deterministic or not) or "q";
     mask: the KernelMask of a block mask (its tiles must be block x block), None for none or causal; mod and
-    captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's."""
+    captured: a score mod's KernelMod and its device arrays (`score_mod.device_arrays`), the forward's; dlse: LSE's
+    cotangent (B, H, N_q) float32 or None, taken from D after the preprocess (kernels.sinks.shift)."""
     batch, heads, n_q, d = q.shape
     heads_kv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     block = block or default_backward_tiles(max(d, d_v))[0]
@@ -758,6 +759,8 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, causal, order="kv",
         grid, threads = kernel.launch_shape(batch, heads_, rows)
         with backend.serialised(math.prod(threads)):  # the simulator runs one launch at a time
             kernel.kernel[grid, threads, stream](*arguments[kernel.config.kind])
+        if kernel.config.kind == "preprocess" and dlse is not None:
+            sinks.shift(dvec, dlse, stream=stream)
 
 
 def _launches(block, d, causal, order, deterministic, form, mod=None, d_v=0) -> list:

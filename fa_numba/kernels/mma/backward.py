@@ -75,7 +75,7 @@ import numpy as np
 
 from numba import cuda, float32
 
-from fa_numba.kernels import disk_cache
+from fa_numba.kernels import disk_cache, sinks
 from fa_numba.kernels.block_lists import LIST_FORMS, kernel_mask, mask_arrays, mask_types
 from fa_numba.kernels.mma import masking
 from fa_numba.kernels.mma.backward_dq import dq_products16, dq_source
@@ -344,7 +344,7 @@ def _aligned(*arrays) -> bool:
 
 def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deterministic=False, block_q=None,
         block_k=None, stream=0, mod: KernelMod | None = None, captured=NO_CAPTURED, mask=None,
-        mask_form: str = "none") -> None:
+        mask_form: str = "none", dlse=None) -> None:
     """The tensor-core backward of one call on (B, H, N, d) device arrays: q, k, v, dout float16 arrays or the uint16
     bits of `kind` (the preprocess reads dout as it is, the tensor-core kernels its bits), out as the forward gave
     it (any dtype the CUDA-core preprocess reads), lse float32 (B, H, N_q); v, out and dout with V's head dim d_v
@@ -352,7 +352,8 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deter
     dvec (B, H, N_q) float32 workspace for D; mod and captured: a score mod's KernelMod and its device arrays
     (`score_mod.device_arrays`), the forward's; mask: a block mask (a fa_numba.masks mask fixed for these sizes,
     or a slice_masks mask) of kernel form mask_form, its lists built for each kernel's own tiles
-    (kernels.block_lists.kernel_mask), or None."""
+    (kernels.block_lists.kernel_mask), or None; dlse: LSE's cotangent (B, H, N_q) float32 or None, taken from D
+    after the preprocess (kernels.sinks.shift)."""
     from fa_numba.kernels import backward as simt
 
     batch, heads, n_q, d = q.shape
@@ -372,6 +373,8 @@ def run(q, k, v, out, lse, dout, dq, dk, dv, dvec, scale, *, kind, causal, deter
     grid, threads = pre.launch_shape(batch, heads, n_q)
     with backend.serialised(threads[0]):
         pre.kernel[grid, threads, stream](out, dout, dvec, dq)  # D = rowsum(dO o O), and dQ = 0 for the atomics
+    if dlse is not None:
+        sinks.shift(dvec, dlse, stream=stream)
     for kernel, side in kernels:
         c = kernel.config
         if c.async_copy and not aligned:  # cp.async needs 16-byte rows
