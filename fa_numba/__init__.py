@@ -8,6 +8,7 @@ Layers, top to bottom (each imports only those above it):
     tiling          tile grid, SKIP / FULL / PARTIAL classification (causal or any mask), block masks, schedules
     masks           causal, sliding window, documents, prefix-LM, from_function / from_dense: predicate,
                     tile classification, row intervals, the form a kernel reads (imports tiling for Kind)
+    packed          packed variable-length batches (cu_seqlens) as one mask of the offsets, in closed form
     tiled           the executable NumPy spec of both schedules (and of the backward's two orders), with an HBM ledger;
                     causal or any mask (it visits exactly the block mask's listed tiles)
     iomodel         the same HBM traffic in closed form (forward and backward), summed over the lists for a mask
@@ -33,22 +34,23 @@ from fa_numba import backend
 
 backend.select()  # before anything imports numba.cuda
 
-from fa_numba import (iomodel, masks, online_softmax, reference, sinks, tiled, tiling, tolerance,  # noqa: E402
-                      tolerance_backward)
+from fa_numba import (iomodel, masks, online_softmax, packed, reference, sinks, tiled, tiling,  # noqa: E402
+                      tolerance, tolerance_backward)
 from fa_numba.api import attention, attention_backward  # noqa: E402
 from fa_numba.decode import attention_with_kvcache  # noqa: E402
 
 
 def __getattr__(name):
-    """fa_numba.sdpa and fa_numba.flash_attn_func (fa_numba.dropins), imported on first use: they need
-    torch, which `import fa_numba` does not import."""
-    if name in ("sdpa", "flash_attn_func"):
+    """fa_numba.sdpa, fa_numba.flash_attn_func and fa_numba.flash_attn_varlen_func (fa_numba.dropins), imported
+    on first use: they need torch, which `import fa_numba` does not import."""
+    if name in ("sdpa", "flash_attn_func", "flash_attn_varlen_func"):
         from fa_numba import dropins
 
         return getattr(dropins, name)
     raise AttributeError(f"module 'fa_numba' has no attribute {name!r}")
 
 
-__all__ = ["attention", "attention_backward", "attention_with_kvcache", "backend", "flash_attn_func", "iomodel", "masks", "online_softmax",
+__all__ = ["attention", "attention_backward", "attention_with_kvcache", "backend", "flash_attn_func",
+           "flash_attn_varlen_func", "iomodel", "masks", "online_softmax", "packed",
            "reference", "sdpa", "sinks", "tiled", "tiling", "tolerance", "tolerance_backward"]
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, engines, masks, mods, shapes, value_dims
+from fa_numba import arrays, backend, engines, masks, mods, packed, shapes, value_dims
 from fa_numba import sinks as sink_arrays
 from fa_numba.kernels import SIMT_VARIANTS, VARIANTS, default_tiles
 from fa_numba.kernels import score_mod as kernel_mods
@@ -88,7 +88,8 @@ def _check_value_range(v, n_k: int, bfloat16: bool, on_device: bool) -> None:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, order: str = "v2",
               block_q: int | None = None, block_k: int | None = None, return_lse: bool = False, mask=None,
-              engine: str = "auto", out_dtype=None, score_mod=None, sinks=None):
+              engine: str = "auto", out_dtype=None, score_mod=None, sinks=None, cu_seqlens_q=None,
+              cu_seqlens_k=None):
     """Exact attention softmax(scale Q K^T) V by a FlashAttention kernel, checked against float64 by its tests.
 
     Args:
@@ -117,6 +118,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
             column every row of the head sees that has no value, LSE_i = log(exp(s_h) + sum_j exp(S_ij)) and O
             scaled by exp(LSE without the sink - LSE); a row that sees no key gets O = 0 and LSE = s_h; -inf is
             no sink (proofs/L14: merged once into every row after the kernel, exact in any order).
+        cu_seqlens_q, cu_seqlens_k: a packed batch: (B + 1,) int offsets of B sequences along N (flash-attn's
+            cu_seqlens; q (H, total_q, d), k and v (H_kv, total_k, d)); each row sees only its own sequence's
+            keys, causal bottom-right inside it: the short form of mask=packed.varlen(cu_seqlens_q,
+            cu_seqlens_k, causal=causal), which also takes a window.
 
     Returns:
         O, or (O, LSE) with return_lse=True, in q's layout and array library (a torch tensor on q's device, read
@@ -140,9 +145,22 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     ((2, 8, 16), dtype('float32'))
     """
     out_dtype = arrays.dtype_name("out_dtype", out_dtype)
+    causal, mask = _packed_mask(causal, mask, cu_seqlens_q, cu_seqlens_k)
     call, out, lse = _forward(q, k, v, causal, scale, order, block_q, block_k, mask, engine, score_mod, sinks)
     out = arrays.cast(call, out, out_dtype)
     return (out, lse) if return_lse else out
+
+
+def _packed_mask(causal, mask, cu_seqlens_q, cu_seqlens_k):
+    """(causal, mask) with a packed batch's offsets turned into its mask (`fa_numba.packed`)."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return causal, mask
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("give both cu_seqlens_q and cu_seqlens_k (a packed batch's offsets), or neither")
+    if mask is not None:
+        raise ValueError("pass cu_seqlens_q and cu_seqlens_k, or mask=..., not both (a window inside packed "
+                         "sequences: mask=fa_numba.packed.varlen(cu_seqlens_q, cu_seqlens_k, window=(left, right)))")
+    return False, packed.varlen(cu_seqlens_q, cu_seqlens_k, causal=causal)
 
 
 def _check_mod(score_mod, prob, *, backward: bool = False, mask=None):
@@ -350,7 +368,7 @@ def _saved_inputs(call, q, v, named: dict) -> tuple:
 def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float | None = None,
                        order: str = "kv", deterministic: bool = False, block_q: int | None = None,
                        block_k: int | None = None, mask=None, engine: str = "auto", score_mod=None,
-                       captured_grads: bool = False, sinks=None, dlse=None):
+                       captured_grads: bool = False, sinks=None, dlse=None, cu_seqlens_q=None, cu_seqlens_k=None):
     """Gradients (dq, dk, dv) of sum(dout * attention(q, k, v)), recomputing P from the forward's LSE.
 
     Args:
@@ -373,6 +391,7 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
             dsinks_h = -sum_{b, i} exp(s_h - LSE_i) (D_i - dlse_i) is returned too, by a fixed-order sum.
         dlse: the cotangent of lse, like lse (float32), for a loss that reads LSE as well as O: D_i - dlse_i
             takes D_i's place (proofs/L14). None: the loss reads O alone.
+        cu_seqlens_q, cu_seqlens_k: the forward's packed batch (`attention`).
 
     Returns:
         (dq, dk, dv), float32, in the inputs' layout and array library: dq like q, dk like k, dv like v (H_kv
@@ -397,6 +416,8 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
     """
     engines.backward(engine)  # the engine's name, before anything is read
     from fa_numba.kernels import backward
+
+    causal, mask = _packed_mask(causal, mask, cu_seqlens_q, cu_seqlens_k)
 
     call = arrays.adopt({"q": q, "k": k, "v": v}, allowed=INPUT_DTYPES, bfloat16=True)
     q, k, v = call.arrays

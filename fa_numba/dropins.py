@@ -1,5 +1,6 @@
-"""Drop-ins with the signatures people already call: `sdpa` (torch's scaled_dot_product_attention) and
-`flash_attn_func` (flash-attn 2's), differentiable, traced by torch.compile, on fa_numba's kernels.
+"""Drop-ins with the signatures people already call: `sdpa` (torch's scaled_dot_product_attention),
+`flash_attn_func` and `flash_attn_varlen_func` (flash-attn 2's), differentiable, traced by torch.compile, on
+fa_numba's kernels.
 
     >>> import torch, fa_numba
     >>> q = torch.randn(1, 2, 8, 4)
@@ -230,3 +231,53 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                                            sinks=learnable_sink)
     out = out.transpose(1, 2).contiguous()
     return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, learnable_sink=None):
+    """flash-attn 2's flash_attn_varlen_func on fa_numba's kernels: B sequences packed along the first axis.
+
+    Args:
+        q: (total_q, H, d) torch tensor, the sequences' queries one after another; k, v: (total_k, H_kv, d) and
+            (total_k, H_kv, d_v).
+        cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 offsets, sequence t being rows [cu[t], cu[t + 1]); lengths may
+            be 0 and may differ between q and k (each sequence aligned bottom-right, as flash-attn).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence (flash-attn sizes its grid by them; here they
+            are checked, not needed).
+        the rest: as `flash_attn_func`, per sequence; alibi_slopes is refused (its distances would need each
+            sequence's own positions, which the score mods do not yet take).
+
+    Returns:
+        O (total_q, H, d_v) in q's dtype; with return_attn_probs=True (out, softmax_lse (H, total_q) float32, None).
+
+    Packed, not padded: the mask of the offsets (`fa_numba.packed`) gives each row its key interval and each
+    tile its kind in closed form, so the kernels visit only the tiles inside some sequence's block, and the
+    tensors are read where they are ((total, H, d) is the strided (1, H, total, d) view)."""
+    from fa_numba import packed
+
+    _float_inputs(("q", q), ("k", k), ("v", v))
+    _no_dropout(dropout_p)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have shape (total, H, d) (flash-attn's packed layout), got {tuple(x.shape)}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes with packed sequences is not supported: pass the sequences padded "
+                                  "to flash_attn_func, or drop alibi_slopes")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    left, right = window_size
+    mask = packed.varlen(cu_seqlens_q, cu_seqlens_k, causal=bool(causal), window=(left, -1 if causal else right))
+    for name, offsets, bound in (("max_seqlen_q", mask.cu_q, max_seqlen_q), ("max_seqlen_k", mask.cu_k, max_seqlen_k)):
+        longest = max(np.diff(offsets), default=0)
+        if not isinstance(bound, (int, np.integer)) or isinstance(bound, bool) or bound < longest:
+            raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {bound!r}")
+    mod = None
+    if softcap != 0.0:
+        mod = _cached_mod("flash_attn", None, softcap=softcap, delta=0, batch=1, heads=q.shape[1])
+    as4 = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731 - (1, H, total, d): a view, no copy
+    out, lse = autograd.attention_with_lse(as4(q), as4(k), as4(v), scale=softmax_scale, mask=mask,
+                                           deterministic=bool(deterministic), score_mod=mod, sinks=learnable_sink)
+    out = out[0].transpose(0, 1).contiguous()
+    return (out, lse[0], None) if return_attn_probs else out

@@ -559,7 +559,7 @@ def fixed(mask: Mask, n_q: int, n_k: int) -> Mask:
 # The CLI's syntax.
 
 SYNTAX = ('"causal", "window:LEFT,RIGHT" (ints >= 0, or "inf" for unbounded), "documents:L1,L2,...", '
-          '"documents-causal:L1,L2,...", "prefix:P"')
+          '"documents-causal:L1,L2,...", "prefix:P", "varlen:Q0,Q1,...;K0,K1,...;LEFT,RIGHT"')
 
 
 def _parse_int(text: str, what: str, source: str, *, unbounded: bool = False) -> int | None:
@@ -586,8 +586,12 @@ def parse(text: str) -> Mask:
     name = name.strip().lower()
     if name == "causal" and not sep:
         return causal()
-    if not sep or name not in ("window", "documents", "documents-causal", "prefix"):
+    if not sep or name not in ("window", "documents", "documents-causal", "prefix", "varlen"):
         raise ValueError(f"mask {source!r}: expected one of {SYNTAX}")
+    if name == "varlen":  # a packed batch's offsets (fa_numba.packed, which imports this module)
+        from fa_numba import packed
+
+        return packed.parse(args, source)
     values = args.split(",")
     try:
         if name == "window":
