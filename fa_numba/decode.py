@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from fa_numba import arrays, backend, engines, machine, shapes, split_kv
+from fa_numba import arrays, backend, engines, machine, masks, packed, shapes, split_kv
 from fa_numba import sinks as sink_arrays
 from fa_numba.kernels import decode as kernels
 from fa_numba.kernels import sinks as kernel_sinks
@@ -86,7 +86,7 @@ def _resolve_splits(num_splits, split_size, blocks: int, key_tiles: int, layout)
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
                            causal: bool = True, scale: float | None = None, num_splits: int | None = None,
                            split_size: int | None = None, return_lse: bool = False, engine: str = "auto",
-                           block_k: int | None = None, sinks=None):
+                           block_k: int | None = None, sinks=None, mask=None):
     """Attention of q over the first cache_seqlens[b] keys of each request's cache (plus k, v if given).
 
     Args:
@@ -111,6 +111,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
         engine: "auto", "simt" (the CUDA-core split kernel) or "mma" (the tensor-core one: float16 and bfloat16,
             d and d_v multiples of 8 up to 128; P rounded to the input type before P V); `engines.decode`.
         block_k: the key tile (default: the largest that fits; mma: a multiple of 16).
+        mask: a `fa_numba.masks` mask with row intervals (sliding_window, prefix_lm), over each request's own
+            positions: query i is at n_b - N_q + i, so window(left, 0) keeps the last left + 1 keys up to it;
+            intersected with causal (pass causal=False for a window that looks ahead). Read by both split kernels
+            as each row's key interval: tiles outside it are never read.
         sinks: learnable sinks, (H,) one logit per query head (`fa_numba.attention`'s): merged once into every
             row after the combine (proofs/L14), never per split; a row that sees no key gets O = 0, LSE = s_h.
 
@@ -233,6 +237,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
     if n_q:
         backend.check_simulator_work(batch, heads, n_q, int(lengths.max()), max(d, d_v))
     _check_launches(batch, heads_kv, rows, n_new, block_q, splits.count)
+    lohi = split_kv.row_intervals(lengths, n_q, group, causal, _interval_mask(mask))  # before anything is written
     sinks_ = None if sinks is None else sink_arrays.device_sinks(call, sinks, heads)
     # every check is above: from here on the caches are written
     with backend.explain_driver_errors(), backend.serialised(), call.context():
@@ -241,7 +246,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
             _append(call, kc, vc, new_k, new_v, starts, table, table_dev, page)
         if n_q == 0:  # no query: appending the new keys and values was the whole call
             return _empty_results(call, batch, heads, n_q, d_v, return_lse)
-        lohi = split_kv.row_intervals(lengths, n_q, group, causal)
         if call.on_device:
             q_dev, k_dev, v_dev = q_.reshape(batch, heads_kv, rows, d), kc, vc
         else:
@@ -261,6 +265,20 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, k=None, v
             kernel_sinks.merge(out, lse, sinks_, rows_per_head=n_q, stream=call.stream)
         out = call.output(out, (batch, heads, n_q, d_v))
         return (out, call.output(lse, (batch, heads, n_q))) if return_lse else out
+
+
+def _interval_mask(mask):
+    """mask checked for decoding: None, or a masks mask whose rows see one interval each (its `row_intervals`
+    at any size); a mask fixed to one size (documents, packed, a dense array) or per batch and head is refused
+    by name."""
+    _, mask = shapes.check_mask(False, mask)
+    if mask is None:
+        return None
+    if (getattr(mask, "sliced", False) or mask.kernel_form() not in ("causal", "intervals")
+            or isinstance(mask, (masks.Documents, packed.Varlen))):
+        raise ValueError(f"mask must be one whose rows each see one interval of the cache at any length "
+                         f"(masks.sliding_window, masks.prefix_lm, masks.causal), got {mask!r}")
+    return mask
 
 
 def _check_in_place(call, named: dict, n_new: int) -> None:

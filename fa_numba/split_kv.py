@@ -49,14 +49,26 @@ def heuristic_splits(blocks: int, key_tiles: int, slots: int, max_splits: int) -
     return next(s for s in eligible if efficiency[s] >= EFFICIENCY_SLACK * best)
 
 
-def row_intervals(lengths: np.ndarray, n_q: int, group: int, causal: bool) -> np.ndarray:
+def row_intervals(lengths: np.ndarray, n_q: int, group: int, causal: bool, mask=None) -> np.ndarray:
     """(B, R, 2) int32: the keys [lo, hi) packed row r = t N_q + i of each request sees: all n_b of them, or
-    with causal masking those up to n_b - N_q + i (bottom-right aligned), none past the request's length."""
+    with causal masking those up to n_b - N_q + i (bottom-right aligned), none past the request's length.
+    mask: a `fa_numba.masks` mask with row intervals (window, prefix-LM, causal), evaluated per request over
+    (N_q, n_b), so its diagonal is the request's bottom-right one (query i at absolute position n_b - N_q + i);
+    a row sees the intersection of the mask's interval and the causal one."""
     i = np.tile(np.arange(n_q), group)  # the query index of each packed row
     hi = np.broadcast_to(lengths[:, None], (len(lengths), n_q * group))
     if causal:
         hi = np.clip(lengths[:, None] - n_q + i[None, :] + 1, 0, lengths[:, None])
-    return np.ascontiguousarray(np.stack([np.zeros_like(hi), hi], axis=-1).astype(np.int32))
+    lo = np.zeros_like(hi)
+    if mask is not None:
+        lo, hi = lo.copy(), hi.copy()
+        for b, n in enumerate(lengths):
+            if n == 0 or n_q == 0:
+                continue
+            mask_lo, mask_hi = (np.tile(x.astype(np.int64), group) for x in mask.row_intervals(n_q, int(n)))
+            lo[b], hi[b] = np.maximum(lo[b], mask_lo), np.minimum(hi[b], mask_hi)
+        lo = np.minimum(lo, hi)  # lo = hi: the row sees no key
+    return np.ascontiguousarray(np.stack([lo, hi], axis=-1).astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -132,7 +144,7 @@ class ExactPart:
 
 
 def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits: Splits | None,
-          name: str = "decode", contractions=None, p_dtype: str | None = None, sinks=None) -> DecodeCheck:
+          name: str = "decode", contractions=None, p_dtype: str | None = None, sinks=None, mask=None) -> DecodeCheck:
     """Judge one request's decode result against the float64 reference with the derived rule: q (H, N_q, d),
     k, v (H_kv, n, d) its keys (the cache up to its length), out (H, N_q, d), lse (H, N_q).
 
@@ -145,7 +157,7 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
     this 16-bit type before P V (the tensor-core split kernel), which each split's rule and the whole's then
     carry (`tolerance.p_rounding_term`, proofs/L6 part 7). sinks: (H,) the sink logits the call merged into every
     row after the combine (proofs/L14): one more exact part of the merge, so the rule is the combined one even
-    unsplit."""
+    unsplit. mask: the call's mask (`row_intervals`), intersected with causal as the call does."""
     more = {} if contractions is None else {"contractions": contractions}
     more["p_dtype"] = p_dtype
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
@@ -156,6 +168,8 @@ def check(out, lse, q, k, v, *, causal: bool, scale: float, block_k: int, splits
         tolerance.assert_close(lse, np.full(lse.shape, empty), 0.0, name=f"{name} lse")
         return DecodeCheck(0.0, 0.0, 0.0, 0.0)
     visible = masks.causal().dense(n_q, n_k) if causal else np.ones((n_q, n_k), bool)
+    if mask is not None:
+        visible = visible & mask.dense(n_q, n_k)
     whole = tolerance.baseline(q, k, v, scale=scale, mask=_mask(visible), block_q=1, block_k=block_k, **more)
     if sinks is not None:  # the reference with the sinks' columns, and the sink as one more part of the merge
         ref_out, ref_lse = reference.attention(q, k, v, scale=scale, mask=_mask(visible), sinks=sinks)

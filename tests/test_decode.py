@@ -537,3 +537,29 @@ def test_the_combine_term_is_needed_and_enough():
 
     assert np.all(np.abs(combined(sign) - whole_out) <= out_term)
     assert np.abs(combined(10 * sign) - whole_out)[0, 0] > out_term[0, 0]
+
+
+@pytest.mark.parametrize("engine, dtype, p_dtype", [("simt", np.float32, None), ("mma", np.float16, "float16")])
+def test_a_sliding_window_decodes_over_the_cache_within_the_rule(engine, dtype, p_dtype):
+    """mask=sliding_window(left, 0) over each request's positions (query i at n_b - N_q + i), both split kernels,
+    three splits: within split_kv.check's rule with the window; a request shorter than the window sees all."""
+    from fa_numba import masks
+
+    rng = np.random.default_rng(21)
+    q, k, v = problem(rng, 3, 4, 2, 2, 48, d=16, dtype=dtype)
+    lengths = [40, 5, 33]
+    window = masks.sliding_window(12, 0)
+    out, lse = fa_numba.attention_with_kvcache(q, k, v, lengths, mask=window, split_size=16, block_k=16,
+                                               engine=engine, return_lse=True)
+    for b, n in enumerate(lengths):
+        split_kv.check(out[b], lse[b], q[b], keys_of(k, b, n), keys_of(v, b, n), causal=True, scale=0.25,
+                       block_k=16, splits=split_kv.Splits(3, 1, 16), mask=window, p_dtype=p_dtype)
+
+
+def test_a_mask_fixed_to_one_size_is_refused_for_decoding():
+    from fa_numba import masks
+
+    rng = np.random.default_rng(22)
+    q, k, v = problem(rng, 1, 2, 2, 1, 16)
+    with pytest.raises(ValueError, match="mask must be one whose rows each see one interval"):
+        fa_numba.attention_with_kvcache(q, k, v, [8], mask=masks.documents([4, 4]), block_k=8)
