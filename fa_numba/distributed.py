@@ -32,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from fa_numba import shapes
 from fa_numba.ring_model import FULL, LAYOUTS, PARTIAL, SKIP, chunk_ids, pair_counts, pair_kind  # noqa: F401
 
 
@@ -122,10 +123,10 @@ def _tiles(x: torch.Tensor, block):
 
 
 def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, block=None, engine="auto",
-                 sinks=None):
+                 sinks=None, mask=None):
     """(O, LSE) of this rank's query shard against the whole sequence: O float32 (B, H, N/W, d), LSE float32;
     each block call on `engine` (fa_numba.attention's). sinks: (H,) sink logits, merged once into each row after
-    the ring's blocks (proofs/L14)."""
+    the ring's blocks (proofs/L14). mask: an interval mask over the global sequence (`_pair`)."""
     import fa_numba
 
     group = _group(group)
@@ -141,10 +142,10 @@ def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=No
         k_chunks, v_chunks = ([c.contiguous() for c in x.chunk(len(mine), dim=-2)] for x in held)
         for qi, state, q_c in zip(mine, states, q_chunks):
             for kj, k_c, v_c in zip(chunk_ids(source, world, layout), k_chunks, v_chunks):
-                kind = pair_kind(qi, kj, causal)
+                kind, pair_mask = _pair(qi, kj, causal, mask, q_c.shape[-2], world * len(mine))
                 if kind != SKIP:
-                    o, m = fa_numba.attention(q_c, k_c, v_c, causal=kind == PARTIAL, scale=scale, return_lse=True,
-                                              engine=engine, **tiles)
+                    o, m = fa_numba.attention(q_c, k_c, v_c, causal=kind == PARTIAL and mask is None, scale=scale,
+                                              return_lse=True, engine=engine, mask=pair_mask, **tiles)
                     state.add(o, m)
         if pending is not None:
             buffers, requests = pending
@@ -160,7 +161,7 @@ def ring_forward(q, k, v, *, group=None, causal=False, layout="zigzag", scale=No
 
 
 def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="zigzag", scale=None, block=None,
-                  engine="auto", sinks=None, dlse=None):
+                  engine="auto", sinks=None, dlse=None, mask=None):
     """(dQ, dK, dV) of this rank's shards (float32), K/V travelling with their dK/dV accumulators (L7, L12);
     each block call on `engine` (fa_numba.attention_backward's). out and lse: the ring's, with the sinks where
     given; dlse: LSE's cotangent (this rank's rows), passed to every block of its rows (dS = P (dP - D + dLSE)
@@ -188,11 +189,12 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
                                                        dq_chunks):
             for kj, k_c, v_c, dk_c, dv_c in zip(chunk_ids(source, world, layout), k_h.chunk(per, dim=-2),
                                                 v_h.chunk(per, dim=-2), dk_chunks, dv_chunks):
-                kind = pair_kind(qi, kj, causal)
+                kind, pair_mask = _pair(qi, kj, causal, mask, q_c.shape[-2], world * per)
                 if kind != SKIP:
                     g_q, g_k, g_v = fa_numba.attention_backward(q_c, k_c.contiguous(), v_c.contiguous(), o_c, m_c, do_c,
-                                                                causal=kind == PARTIAL, scale=scale, block_q=block,
-                                                                block_k=block, engine=engine, dlse=dl_c)
+                                                                causal=kind == PARTIAL and mask is None, scale=scale,
+                                                                block_q=block, block_k=block, engine=engine,
+                                                                dlse=dl_c, mask=pair_mask)
                     dq_c += g_q
                     dk_c += g_k
                     dv_c += g_v
@@ -211,16 +213,32 @@ def ring_backward(q, k, v, out, lse, dout, *, group=None, causal=False, layout="
     return dq, held[2], held[3], dsinks
 
 
+def _pair(i: int, j: int, causal: bool, mask, chunk: int, count: int):
+    """(kind, mask) of query chunk i against key chunk j: L3 on chunks without a mask; with one, the chunk pair's
+    kind and, for a PARTIAL pair, its own mask in the pair's local positions (`packed.restrict`: from the global
+    mask's row intervals over count chunks of `chunk` positions)."""
+    if mask is None:
+        return pair_kind(i, j, causal), None
+    from fa_numba import packed
+
+    from fa_numba import tiling
+
+    n = chunk * count
+    kind, pair_mask = packed.restrict(mask, n, n, (i * chunk, (i + 1) * chunk), (j * chunk, (j + 1) * chunk))
+    return {tiling.SKIP: SKIP, tiling.FULL: FULL, tiling.PARTIAL: PARTIAL}[kind], pair_mask
+
+
 class RingAttention(torch.autograd.Function):
     """ring_forward / ring_backward as one differentiable function of this rank's q, k, v shards."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, scale, block, engine, sinks):
+    def forward(ctx, q, k, v, group, causal, layout, scale, block, engine, sinks, mask):
         sink = None if sinks is None else sinks.detach()
         out, lse = ring_forward(q.detach(), k.detach(), v.detach(), group=group, causal=causal, layout=layout,
-                                scale=scale, block=block, engine=engine, sinks=sink)
+                                scale=scale, block=block, engine=engine, sinks=sink, mask=mask)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.options = dict(group=group, causal=causal, layout=layout, scale=scale, block=block, engine=engine)
+        ctx.options = dict(group=group, causal=causal, layout=layout, scale=scale, block=block, engine=engine,
+                           mask=mask)
         ctx.set_materialize_grads(False)  # a loss that reads O alone gives no dLSE: no shift of D then
         return out.to(q.dtype), lse
 
@@ -231,11 +249,11 @@ class RingAttention(torch.autograd.Function):
         grads = ring_backward(q, k, v, out, lse, dout, sinks=None if sinks is None else sinks.detach(), dlse=dlse,
                               **ctx.options)
         dsinks = None if sinks is None else grads[3].to(sinks.dtype)
-        return (grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)) + (None,) * 6 + (dsinks,)
+        return (grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)) + (None,) * 6 + (dsinks, None)
 
 
 def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "zigzag", scale: float | None = None,
-                   engine: str = "auto", block: int | None = None, return_lse: bool = False, sinks=None):
+                   engine: str = "auto", block: int | None = None, return_lse: bool = False, sinks=None, mask=None):
     """Attention of this rank's shard of the sequence against the whole sequence, differentiable (see the module
     docstring). q (B, H, N / W, d), k (B, H_kv, N / W, d), v (B, H_kv, N / W, d_v) (d_v may differ from d, as in
     fa_numba.attention): the shards `shard(x, group, layout)` cuts, the same layout on every rank. causal is
@@ -243,7 +261,10 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     q's dtype, the same shard of the single-device result, and with return_lse=True also its float32 LSE
     (B, H, N / W), differentiable (a loss may read it: L14). sinks: learnable sinks, an (H,) float32 tensor on q's
     device (the same on every rank), merged once into every row after the ring, differentiable (its gradient
-    summed over the group). engine: each block's, as fa_numba.attention and attention_backward take
+    summed over the group). mask: a mask over the global sequence (N = W times the shard length) whose rows
+    each see one interval (sliding_window, prefix_lm, documents, a packed batch's `packed.varlen`), not with
+    causal=True: every chunk pair is classified by it, and a PARTIAL pair runs with its restriction to the
+    pair (`packed.restrict`); the layout's chunks are the global sequence's. engine: each block's, as fa_numba.attention and attention_backward take
     it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
     "simt" or "mma" (float32 by 3xTF32, forward and backward; "mma-tf32" without gradients only);
     block: the kernels' square tile (default 16 for CPU tensors, else the kernels' defaults)."""
@@ -269,17 +290,25 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
         raise ValueError(f"sinks must be a torch tensor of shape ({q.shape[1]},) (one logit per query head), got "
                          f"{getattr(sinks, 'shape', type(sinks).__name__)}")
     torch_ops.refuse_forward_ad(("q", q), ("k", k), ("v", v), ("sinks", sinks))  # a tangent would be dropped
-    out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block, engine, sinks)
+    causal, mask = shapes.check_mask(causal, mask)
+    if mask is not None:
+        n = q.shape[-2] * _rank_world(_group(group))[1]  # the global sequence: W shards
+        mask.check(n, n)
+        if mask.row_intervals(n, n) is None:
+            raise ValueError(f"mask must be one whose rows each see one interval (window, prefix-LM, documents, "
+                             f"packed sequences), got {mask!r}")
+    out, lse = RingAttention.apply(q, k, v, group, bool(causal), layout, scale, block, engine, sinks, mask)
     return (out, lse) if return_lse else out
 
 
 def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, scale=None,
-                    p_dtype: str | None = None, sinks=None) -> tuple[float, float]:
+                    p_dtype: str | None = None, sinks=None, mask=None) -> tuple[float, float]:
     """(atol_out, atol_lse) of the ring's result on full host arrays q (B, H, N, d), k, v (B, H_kv, N, d): for each
     query chunk, `split_kv.combined_tolerances` over the key chunks it visits, each a v2 call with tiles
     `block` judged by the v2 rule (with p_dtype, "float16" or "bfloat16", that of a tensor-core call, which
     rounds P to it: tolerance.baseline), the merge's rounding over their number the derived term (proofs/L12);
-    sinks: (H,) the sink logits, one more exact part of every row's merge (proofs/L14)."""
+    sinks: (H,) the sink logits, one more exact part of every row's merge (proofs/L14); mask: the ring's global
+    mask (not with causal), each pair judged with its restriction."""
     import numpy as np
 
     from fa_numba import masks, reference, split_kv, tolerance
@@ -287,19 +316,23 @@ def ring_tolerances(q, k, v, causal: bool, world: int, layout: str, block: int, 
     count = world * len(chunk_ids(0, 1, layout))
     n = q.shape[-2]
     c = n // count
-    visible = masks.causal().dense(n, n) if causal else None
+    visible = masks.causal().dense(n, n) if causal else None if mask is None else mask.dense(n, n)
     atol = np.zeros(2)
     for i in range(count):
         rows = slice(i * c, (i + 1) * c)
         q_i = q[..., rows, :]
-        mask = masks.from_dense(visible[rows]) if causal else None
-        whole = tolerance.baseline(q_i, k, v, scale=scale, contractions=("matmul",), mask=mask, p_dtype=p_dtype)
-        parts = [tolerance.baseline(q_i, k[..., j * c:(j + 1) * c, :], v[..., j * c:(j + 1) * c, :], scale=scale,
-                                    causal=causal and i == j, block_q=block, block_k=block, p_dtype=p_dtype)
-                 for j in range(count) if pair_kind(i, j, causal) != SKIP]
+        row_mask = masks.from_dense(visible[rows]) if visible is not None else None
+        whole = tolerance.baseline(q_i, k, v, scale=scale, contractions=("matmul",), mask=row_mask, p_dtype=p_dtype)
+        parts = []
+        for j in range(count):
+            kind, pair_mask = _pair(i, j, causal, mask, c, count)
+            if kind != SKIP:
+                parts.append(tolerance.baseline(q_i, k[..., j * c:(j + 1) * c, :], v[..., j * c:(j + 1) * c, :],
+                                                scale=scale, causal=causal and i == j, mask=pair_mask, block_q=block,
+                                                block_k=block, p_dtype=p_dtype))
         ref_out, ref_lse = whole.out, whole.lse
         if sinks is not None:
-            ref_out, ref_lse = reference.attention(q_i, k, v, scale=scale, mask=mask, sinks=sinks)
+            ref_out, ref_lse = reference.attention(q_i, k, v, scale=scale, mask=row_mask, sinks=sinks)
             sink_lse = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None], ref_lse.shape)
             parts.append(split_kv.ExactPart(np.zeros(ref_out.shape), sink_lse))
         atol = np.maximum(atol, split_kv.combined_tolerances(ref_out, ref_lse, parts))

@@ -547,8 +547,8 @@ def fixed(mask: Mask, n_q: int, n_k: int) -> Mask:
     any other (from_function, or a mask class of one's own) is evaluated now, on every pair, and comes back
     as from_dense of its answers. Call it once per launch: a predicate reading changing state is then seen
     as it is at that call, and every cache keys by content."""
-    if isinstance(mask, VALUE_MASKS):
-        mask.check(n_q, n_k)
+    if isinstance(mask, VALUE_MASKS) or getattr(type(mask), "VALUE", False):  # VALUE: a value mask defined
+        mask.check(n_q, n_k)                                                      # elsewhere (fa_numba.packed)
         return mask
     if isinstance(mask, SlicedMask):  # a 4-D from_dense is a value; a mask_mod's scan keys by content
         return mask

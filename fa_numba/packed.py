@@ -1,5 +1,6 @@
-"""Packed variable-length batches: B sequences concatenated along N, told apart by their offsets (flash-attn's
-`cu_seqlens`), as one mask over the packed rows and keys.
+"""Masks given by each row's key interval: packed variable-length batches (`Varlen`: B sequences concatenated
+along N, told apart by their offsets, flash-attn's `cu_seqlens`), and a block of any interval mask in the block's
+own positions (`restrict`, `Intervals`: what one chunk pair of ring attention sees).
 
 Sequence t holds the queries [qs_t, qs_(t+1)) and the keys [ks_t, ks_(t+1)) of the packed tensors, cu_seqlens_q =
 (qs_0 = 0, ..., qs_B = total_q) and cu_seqlens_k likewise; its lengths L_t = qs_(t+1) - qs_t and M_t = ks_(t+1) -
@@ -62,6 +63,71 @@ def check_offsets(name: str, offsets, batch: int | None = None) -> tuple[int, ..
     return tuple(int(x) for x in array)
 
 
+@dataclass(frozen=True, repr=False, eq=False)
+class Intervals(masks.Mask):
+    """A mask given by each row's keys [lo_i, hi_i) over one size (N_q = len(lo), N_k): what a ring step's chunk
+    pair sees of a global mask (`restrict`). Tiles classified from the rows' intervals as Varlen's are.
+    Compared and hashed by content."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    n_k: int
+    kernel = "intervals"
+    VALUE = True  # fixed when made: masks.fixed keeps it, the kernels' mask cache keys by its content
+
+    def __eq__(self, other):
+        return (isinstance(other, Intervals) and self.n_k == other.n_k and np.array_equal(self.lo, other.lo)
+                and np.array_equal(self.hi, other.hi))
+
+    def __hash__(self):
+        return hash((self.n_k, self.lo.tobytes(), self.hi.tobytes()))
+
+    def check(self, n_q, n_k):
+        if (n_q, n_k) != (len(self.lo), self.n_k):
+            raise ValueError(f"this interval mask is for N_q = {len(self.lo)}, N_k = {self.n_k}, got {n_q}, {n_k}")
+        super().check(n_q, n_k)
+
+    def visible(self, i, j, n_q, n_k):
+        i = np.asarray(i)
+        return (self.lo[i] <= j) & (j < self.hi[i])
+
+    def classify_tile(self, r0, r1, c0, c1, n_q, n_k):
+        self._check_tile(r0, r1, c0, c1, n_q, n_k)
+        return _interval_kind(self.lo[r0:r1], self.hi[r0:r1], c0, c1)
+
+    def row_intervals(self, n_q, n_k):
+        self.check(n_q, n_k)
+        return self.lo.astype(np.int32), self.hi.astype(np.int32)
+
+    def describe(self):
+        return f"intervals({len(self.lo)} rows x {self.n_k} keys)"
+
+
+def _interval_kind(lo: np.ndarray, hi: np.ndarray, c0: int, c1: int):
+    """SKIP iff no row's [lo, hi) meets [c0, c1); FULL iff every row's holds it."""
+    if not (np.maximum(lo, c0) < np.minimum(hi, c1)).any():
+        return SKIP
+    return FULL if bool(((lo <= c0) & (hi >= c1)).all()) else PARTIAL
+
+
+def restrict(mask, n_q: int, n_k: int, rows: tuple[int, int], keys: tuple[int, int]):
+    """(kind, mask) of the block rows [r0, r1) x keys [c0, c1) of `mask` over (n_q, n_k): its tiling kind and,
+    for a PARTIAL block, the block's own mask (an `Intervals` in the block's local positions, from the mask's
+    row intervals: a mask without them is a ValueError naming it); None for SKIP and FULL blocks."""
+    (r0, r1), (c0, c1) = rows, keys
+    intervals = mask.row_intervals(n_q, n_k)
+    if intervals is None:
+        raise ValueError(f"mask {mask!r} has no row intervals: only interval masks (window, prefix-LM, documents, "
+                         "packed sequences) can be cut into blocks")
+    lo, hi = (x[r0:r1].astype(np.int64) for x in intervals)
+    kind = _interval_kind(lo, hi, c0, c1)
+    if kind != PARTIAL:
+        return kind, None
+    local_lo = np.clip(lo - c0, 0, c1 - c0)
+    local_hi = np.maximum(np.clip(hi - c0, 0, c1 - c0), local_lo)
+    return kind, Intervals(local_lo, local_hi, c1 - c0)
+
+
 @dataclass(frozen=True, repr=False)
 class Varlen(masks.Mask):
     """The mask of a packed batch (module docstring): offsets of the queries and of the keys, and the window
@@ -72,6 +138,7 @@ class Varlen(masks.Mask):
     left: int | None = None
     right: int | None = None
     kernel = "intervals"
+    VALUE = True  # fixed when made (masks.fixed keeps it): its fields say all
 
     @property
     def sequences(self) -> int:
@@ -103,10 +170,7 @@ class Varlen(masks.Mask):
 
     def classify_tile(self, r0, r1, c0, c1, n_q, n_k):
         self._check_tile(r0, r1, c0, c1, n_q, n_k)
-        lo, hi = (x[r0:r1] for x in self._intervals)
-        if not (np.maximum(lo, c0) < np.minimum(hi, c1)).any():
-            return SKIP
-        return FULL if bool(((lo <= c0) & (hi >= c1)).all()) else PARTIAL
+        return _interval_kind(*(x[r0:r1] for x in self._intervals), c0, c1)
 
     def row_intervals(self, n_q, n_k):
         self.check(n_q, n_k)

@@ -44,8 +44,9 @@ def run(rank: int, world: int, port: int, case: dict, path: str) -> None:
         if case.get("sinks"):  # learnable sinks, and a loss that reads LSE too (proofs/L14)
             sinks = torch.from_numpy((2 * rng.standard_normal(h)).astype(np.float32)).requires_grad_()
             dlse = torch.from_numpy(rng.standard_normal((b, h, n)).astype(np.float32))
+        mask = fa_numba.masks.parse(case["mask"]) if case.get("mask") else None  # over the global sequence
         out, lse = fd.ring_attention(*shards, causal=causal, layout=layout, block=case["block"], return_lse=True,
-                                     engine=case.get("engine", "auto"), sinks=sinks)
+                                     engine=case.get("engine", "auto"), sinks=sinks, mask=mask)
         if sinks is None:
             out.backward(fd.shard(dout, layout=layout))
         else:

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="ring attention runs on torch.distributed (the torch extra)")
 
+import fa_numba  # noqa: E402
 import fa_numba.distributed as fd  # noqa: E402
 from bounds import assert_within, gamma, merge_bound  # noqa: E402
 from fa_numba import split_kv, tolerance, tolerance_backward  # noqa: E402
@@ -259,3 +260,58 @@ def test_a_forward_mode_tangent_is_refused_before_the_ring_runs():
         dual = forward_ad.make_dual(k, torch.ones_like(k))
         with pytest.raises(NotImplementedError, match="k carries a forward-mode tangent"):
             fd.ring_attention(q, dual, v)
+
+
+@pytest.mark.lemma("L12")
+@pytest.mark.slow  # two processes of their own, the kernels in the simulator: about 20 s each
+@pytest.mark.parametrize("mask_text", ["window:5,0", "varlen:0,10,32;0,10,32;inf,0"])
+def test_ring_attention_with_an_interval_mask_matches_single_device(mask_text, tmp_path):
+    """A sliding window and a packed batch (two sequences, causal inside each) over the global sequence, zigzag
+    on two ranks: each chunk pair classified by the mask and run with its restriction; forward within the ring's
+    rule, gradients within L7's."""
+    from fa_numba import masks
+
+    mask = masks.parse(mask_text)
+    case = dict(seed=31, shape=(1, 2, 1, 32, 8), layout="zigzag", causal=False, block=BLOCK, mask=mask_text)
+    spawn(2, case, tmp_path / "ring.npz")
+    got = np.load(tmp_path / "ring.npz")
+    atol_out, atol_lse = fd.ring_tolerances(got["q"], got["k"], got["v"], False, 2, "zigzag", BLOCK, mask=mask)
+    ref = tolerance.baseline(got["q"], got["k"], got["v"], mask=mask, contractions=("matmul",))
+    tolerance.assert_close(got["out"], ref.out, atol_out, name="ring out")
+    tolerance.assert_close(got["lse"], ref.lse, atol_lse, name="ring lse")
+    tolerance_backward.check_attention_backward(got["dq"], got["dk"], got["dv"], got["q"], got["k"], got["v"],
+                                                got["dout"], mask=mask)
+
+
+@pytest.mark.lemma("L12")
+@pytest.mark.parametrize("mask_text", ["window:5,2", "prefix:6", "documents-causal:12,20",
+                                       "varlen:0,10,10,32;0,16,20,32;inf,0"])
+def test_the_ring_merge_of_a_masks_chunk_pairs_is_the_whole_mask(mask_text):
+    """In one process, the ring's work for an interval mask: every chunk pair classified by the mask (against the
+    dense mask's own blocks) and run with its restriction, merged as the ring merges (its _State); within the
+    ring's rule. No processes: the default tier's check of what the slow tier runs on gloo."""
+    from fa_numba import masks
+
+    mask = masks.parse(mask_text)
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 32, 8)).astype(np.float32) for _ in range(3))
+    dense, chunk, count = mask.dense(32, 32), 8, 4
+    out, lse = np.zeros((1, 2, 32, 8), np.float32), np.zeros((1, 2, 32), np.float32)
+    for i in range(count):
+        state = fd._State()
+        for j in range(count):
+            kind, pair_mask = fd._pair(i, j, False, mask, chunk, count)
+            block = dense[i * chunk:(i + 1) * chunk, j * chunk:(j + 1) * chunk]
+            assert kind == (fd.SKIP if not block.any() else fd.FULL if block.all() else fd.PARTIAL), (i, j)
+            if kind != fd.SKIP:
+                rows, keys = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
+                o, m = fa_numba.attention(*(torch.tensor(x) for x in (q[..., rows, :], k[..., keys, :],
+                                                                      v[..., keys, :])),
+                                          mask=pair_mask, return_lse=True, block_q=BLOCK, block_k=BLOCK)
+                state.add(o, m)
+        o, m = state.result()
+        out[..., i * chunk:(i + 1) * chunk, :], lse[..., i * chunk:(i + 1) * chunk] = o.numpy(), m.numpy()
+    atol_out, atol_lse = fd.ring_tolerances(q, k, v, False, count, "contiguous", BLOCK, mask=mask)
+    ref = tolerance.baseline(q, k, v, mask=mask, contractions=("matmul",))
+    tolerance.assert_close(out, ref.out, atol_out, name="merged out")
+    tolerance.assert_close(lse, ref.lse, atol_lse, name="merged lse")
