@@ -443,6 +443,9 @@ def attention_backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: 
         raise TypeError(f"captured_grads must be a bool, got {type(captured_grads).__name__}")
     if captured_grads and mods.check_score_mod(score_mod) is None:
         raise ValueError("captured_grads=True needs a score_mod (the gradients of its captured arrays)")
+    if captured_grads and dlse is not None:
+        raise ValueError("captured_grads=True with dlse is not supported: the captured arrays' kernels compute D "
+                         "from O and dO alone (give dlse=None, or take the captured gradients without LSE's)")
     if deterministic and order != "kv":
         raise ValueError("deterministic=True is the K/V-outer order's mode (a Q-outer pass for dQ): use order='kv'")
     if empty:  # every gradient is a sum over no pair: zero (or empty)

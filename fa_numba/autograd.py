@@ -85,7 +85,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, orde
     or head is one launch reading each slice's tile lists), or a `masks.mask_mod` (compiled into the kernels,
     crossing the operators by its key: keep it referenced as a score mod). score_mod: a `fa_numba.mods.ScoreMod`
     (with its grad for the backward), compiled into the kernels of either engine (fa_numba.attention's); gradients
-    reach q, k, v, not its captured arrays (NumPy arrays, outside autograd); keep the mod referenced while
+    reach q, k, v and its captured torch tensors that require grad (`ScoreMod.learnable`: a learnable bias, by
+    the captured arrays' deterministic kernels; a loss reading LSE too is refused then); keep the mod referenced while
     a compiled graph that uses it may run (torch_ops.mod_key). sinks: learnable sinks, a float32 (H,) tensor on
     q's device, one logit per query head (fa_numba.attention's; proofs/L14), differentiable: its gradient is
     a fixed-order sum, no atomics."""
@@ -129,7 +130,40 @@ def attention_with_lse(q, k, v, *, causal: bool = False, scale: float | None = N
     q4, k4, v4 = (_flatten(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
     scale = shapes.resolve_scale(scale, q.shape[-1])
     mask_spec, mask_dense = torch_ops.mask_arguments(mask, q.shape, k.shape[-2])
-    key = torch_ops.mod_key(mods.check_score_mod(score_mod))
-    out, lse = torch_ops.attention_op(q4, k4, v4, causal, scale, order, mask_spec, mask_dense, engine, tiles[0],
-                                      tiles[1], backward_order, deterministic, tiles[2], key, sinks)
+    mod = mods.check_score_mod(score_mod)
+    key = torch_ops.mod_key(mod)
+    arguments = (causal, scale, order, mask_spec, mask_dense, engine, tiles[0], tiles[1], backward_order,
+                 deterministic, tiles[2], key)
+    if mod is not None and mod.learnable and torch.is_grad_enabled():
+        learnable = [mod.tensors[k] for k in mod.learnable]
+        out, lse = _LearnableMod.apply(q4, k4, v4, sinks, arguments, mod, *learnable)
+    else:
+        out, lse = torch_ops.attention_op(q4, k4, v4, *arguments, sinks)
     return out.reshape(shapes.out_shape(q, v)).to(q.dtype if out_dtype is None else out_dtype), lse.reshape(shape[:-1])
+
+
+class _LearnableMod(torch.autograd.Function):
+    """The forward operator with a score mod whose captured tensors require grad: the same forward, and a backward
+    through `fa_numba::attention_backward_lse` that returns those tensors' gradients too (the captured arrays'
+    deterministic kernels), so autograd reaches a learnable bias (`ScoreMod.learnable`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, arguments, mod, *learnable):
+        out, lse = torch_ops.attention_op(q, k, v, *arguments, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *learnable)
+        ctx.arguments, ctx.mod = arguments, mod  # the mod held until the backward, as the operators' formula does
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks, *learnable = ctx.saved_tensors
+        (causal, scale, _, mask_spec, mask_dense, engine, _, _, order, deterministic, block, key) = ctx.arguments
+        dout = torch.zeros_like(out) if dout is None else dout
+        dlse = torch.zeros_like(lse) if dlse is None else dlse
+        dq, dk, dv, dsinks, dcaptured = torch_ops.attention_backward_lse_op(
+            q, k, v, out, lse, dout, dlse, causal, scale, order, deterministic, mask_spec, mask_dense, block, engine,
+            key, sinks, list(learnable))
+        dsinks = None if sinks is None else dsinks.to(sinks.dtype)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None,
+                *(g.to(t.dtype) for g, t in zip(dcaptured, learnable)))

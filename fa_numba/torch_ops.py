@@ -7,8 +7,8 @@ Three operators, registered with `torch.library.custom_op`:
     fa_numba::attention_backward(q, k, v, out, lse, dout, causal, scale, order, deterministic,
                                  mask_spec, mask_dense, block, engine="auto", score_mod="") -> (dq, dk, dv)
     fa_numba::attention_backward_lse(q, k, v, out, lse, dout, dlse, causal, scale, order, deterministic,
-                                     mask_spec, mask_dense, block, engine, score_mod, sinks)
-                                     -> (dq, dk, dv, dsinks)
+                                     mask_spec, mask_dense, block, engine, score_mod, sinks, captured)
+                                     -> (dq, dk, dv, dsinks, dcaptured)
 
 Tile sizes are ints, 0 for the default: the shipped tiles of the head dim on a GPU, 16 in the CUDA
 simulator (SIMULATOR_TILE), where the shipped tiles cost seconds (forward) to minutes (backward) per
@@ -37,9 +37,11 @@ weakly as a score mod is, below), so it stays compiled into the kernels and torc
 A score mod (`fa_numba.mods.ScoreMod`) crosses it as its `key`, a text unique to it in this process
 ("alibi#3"), and the operators look it up (`mods.lookup`). The registry holds the mod weakly: the caller
 keeps it alive as long as a call (or a compiled graph) may run it, and the autograd formula holds it from the
-forward to the backward; a key whose mod is gone is a clear error, never another mod. Its captured arrays are
-NumPy arrays, not tensors: they take no torch gradient (`fa_numba.attention_backward(..., captured_grads=True)`
-computes theirs).
+forward to the backward; a key whose mod is gone is a clear error, never another mod. A captured array that is
+a torch tensor requiring grad (a learnable bias: `ScoreMod.learnable`) is read at every call and gets its
+gradient through `fa_numba.autograd`, which then wraps the forward operator in a function whose backward is
+`fa_numba::attention_backward_lse` with those tensors as `captured` (the captured arrays' deterministic kernels,
+`fa_numba.attention_backward(..., captured_grads=True)`); the operators themselves never see them.
 
 Forward mode: the operators have no JVP formula, and torch would drop a tangent at them without a word (a
 zero or missing tangent). So the entry points above them (`fa_numba.autograd.attention`, `fa_numba.sdpa`,
@@ -159,24 +161,37 @@ def _attention_backward_fake(q, k, v, out, lse, dout, causal, scale, order, dete
 def attention_backward_lse_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                               dlse: Tensor, causal: bool, scale: float, order: str, deterministic: bool,
                               mask_spec: str, mask_dense: Optional[Tensor], block: int, engine: str, score_mod: str,
-                              sinks: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dsinks), float32, of sum(dout * O) + sum(dlse * LSE), LSE with the sinks where given
-    (proofs/L14); dsinks (H,), or empty (0,) without sinks. Arguments as `attention_backward_op`."""
+                              sinks: Optional[Tensor], captured: list[Tensor]
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, dsinks, dcaptured), float32, of sum(dout * O) + sum(dlse * LSE), LSE with the sinks where
+    given (proofs/L14); dsinks (H,), or empty (0,) without sinks. captured: the score mod's learnable tensors
+    (`ScoreMod.learnable`, in order), [] for none; dcaptured their gradients, each like its tensor, by the
+    captured arrays' deterministic kernels (then dlse must be zero: they compute D from O and dO). Other
+    arguments as `attention_backward_op`."""
     dout = dout.contiguous()
-    tiles = dict(block_q=_tile(block), block_k=_tile(block), score_mod=_score_mod(score_mod))
+    mod = _score_mod(score_mod)
+    tiles = dict(block_q=_tile(block), block_k=_tile(block), score_mod=mod)
     if engine == "mma" and dout.dtype != q.dtype:  # the tensor cores read dO's 16 bits
         dout = dout.to(q.dtype)
+    more = dict(captured_grads=True) if captured else dict(dlse=dlse.to(torch.float32).contiguous())
+    if captured and bool((dlse != 0).any()):
+        raise NotImplementedError("a loss that reads LSE with a learnable score mod is not supported: the captured "
+                                  "arrays' gradients take D from O and dO alone")
     grads = api.attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, order=order,
                                    deterministic=deterministic, mask=_mask(mask_spec, mask_dense), engine=engine,
-                                   sinks=_detached(sinks), dlse=dlse.to(torch.float32).contiguous(), **tiles)
-    return tuple(grads[:3]) + ((grads[3],) if sinks is not None else (q.new_empty((0,), dtype=torch.float32),))
+                                   sinks=_detached(sinks), **more, **tiles)
+    dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    dcaptured = [torch.as_tensor(grads[-1][k], dtype=torch.float32).to(t.device).reshape(t.shape)
+                 for k, t in zip(mod.learnable, captured)] if captured else []
+    return tuple(grads[:3]) + (dsinks, dcaptured)
 
 
 @attention_backward_lse_op.register_fake
 def _attention_backward_lse_fake(q, k, v, out, lse, dout, dlse, causal, scale, order, deterministic, mask_spec,
-                                 mask_dense, block, engine, score_mod, sinks):
+                                 mask_dense, block, engine, score_mod, sinks, captured):
     return tuple(x.new_empty(x.shape, dtype=torch.float32) for x in (q, k, v)) + (
-        q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32),)
+        q.new_empty((0,) if sinks is None else tuple(sinks.shape), dtype=torch.float32),
+        [t.new_empty(t.shape, dtype=torch.float32) for t in captured])
 
 
 def _setup_context(ctx, inputs, output):
@@ -201,9 +216,9 @@ def _backward(ctx, dout, dlse):
         dsinks = None
     else:
         dlse = torch.zeros_like(lse) if dlse is None else dlse
-        dq, dk, dv, dsinks = attention_backward_lse_op(q, k, v, out, lse, dout, dlse, causal, scale, order,
-                                                       deterministic, mask_spec, mask_dense, block, engine, score_mod,
-                                                       sinks)
+        dq, dk, dv, dsinks, _ = attention_backward_lse_op(q, k, v, out, lse, dout, dlse, causal, scale, order,
+                                                          deterministic, mask_spec, mask_dense, block, engine,
+                                                          score_mod, sinks, [])
         dsinks = None if sinks is None else dsinks.to(sinks.dtype)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 12 + (dsinks,)
 

@@ -247,7 +247,7 @@ def test_the_operators_with_sinks_pass_opcheck():
     assert set(result.values()) == {"SUCCESS"}, result
     out, lse = torch_ops.attention_op(*forward)
     backward = (q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), torch.ones_like(out),
-                torch.ones_like(lse), True, 0.5, "kv", False, "", None, 8, "auto", "", sink.detach())
+                torch.ones_like(lse), True, 0.5, "kv", False, "", None, 8, "auto", "", sink.detach(), [])
     result = torch.library.opcheck(torch_ops.attention_backward_lse_op, backward)
     assert set(result.values()) == {"SUCCESS"}, result
 

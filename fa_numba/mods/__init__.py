@@ -13,7 +13,9 @@ A `ScoreMod` holds
     fn(score, b, h, i, j, *captured) -> the modified score
     grad(score, b, h, i, j, *captured) -> d fn / d score           (None: forward only)
     captured: a tuple of arrays the functions read (per-head slopes, a bias table, a constant), passed
-        explicitly as the last arguments, so a kernel can pass them as device arrays
+        explicitly as the last arguments, so a kernel can pass them as device arrays. A torch tensor that
+        requires grad is a learnable one (`ScoreMod.learnable`): read at every call, its gradient reaches
+        it through `fa_numba.autograd`.
     captured_grad: one entry per captured array, None where that array takes no gradient, else
         f(score, b, h, i, j, *captured) -> (index, d fn / d captured[index]): the one entry of that array
         the pair reads and the derivative with respect to it (a mod that reads several entries of one array

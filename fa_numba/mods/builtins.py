@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from fa_numba.mods.core import ScoreMod, _real_array
+from fa_numba.mods.core import ScoreMod, _is_tensor, _real_array
 
 # ----------------------------------------------------------------------------------------------------
 # Built-ins. Module-level functions reading their parameters from captured arrays, so one compiled device
@@ -23,8 +23,11 @@ def _float_param(name: str, value, *, positive: bool) -> float:
     return value
 
 
-def _float_table(name: str, x, ndim: int) -> np.ndarray:
-    """A float64 read-only copy of a finite real array with `ndim` axes (TypeError / ValueError naming it)."""
+def _float_table(name: str, x, ndim: int):
+    """A float64 read-only copy of a finite real array with `ndim` axes (TypeError / ValueError naming it); a
+    torch tensor that requires grad is kept itself (a learnable table, read at every call, its gradient through
+    `fa_numba.autograd`), checked as it is now."""
+    learnable = _is_tensor(x) and x.requires_grad
     array = _real_array(name, x)
     if array.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} axis{'es' if ndim > 1 else ''}, got shape {array.shape}")
@@ -33,6 +36,8 @@ def _float_table(name: str, x, ndim: int) -> np.ndarray:
     array = np.array(array, dtype=np.float64)  # a copy: a built-in is a value
     if not np.isfinite(array).all():
         raise ValueError(f"{name} must be finite, got {array[~np.isfinite(array)][0]} in it")
+    if learnable:
+        return x
     array.setflags(write=False)
     return array
 

@@ -70,9 +70,19 @@ def _torch_bfloat16(name: str, x) -> np.ndarray | None:
         raise TypeError(f"{name} must be an array, got Tensor: {exc}") from None
 
 
+def _is_tensor(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "requires_grad")
+
+
 def _real_array(name: str, x) -> np.ndarray:
-    """A captured array: anything np.asarray takes (and CPU torch bfloat16 tensors), of a dtype in
-    CAPTURED_DTYPES or WIDENED_DTYPES, at least 1-D; as given, without a copy."""
+    """A captured array: anything np.asarray takes (and torch tensors), of a dtype in CAPTURED_DTYPES or
+    WIDENED_DTYPES, at least 1-D; as given, without a copy (a CPU tensor's memory, detached from autograd, so an
+    optimizer's update in place is read at the next call; a CUDA tensor is copied to the host, and read again at
+    every call: `ScoreMod.arrays`)."""
+    if _is_tensor(x):
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
     array = _torch_bfloat16(name, x)
     if array is None:
         try:
@@ -122,6 +132,7 @@ class ScoreMod:
     captured_names: tuple | None = None
     fits: Callable | None = field(default=None, repr=False)
     key: str = field(default="", init=False, repr=False)  # "name#serial": unique in this process (`lookup`)
+    tensors: tuple = field(default=(), init=False, repr=False)  # per captured array: the torch tensor, or None
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -146,6 +157,7 @@ class ScoreMod:
             raise ValueError(f"captured_names must be {len(captured)} strs, one per captured array, got {names!r}")
         names = tuple(names)
         object.__setattr__(self, "captured_names", names)
+        object.__setattr__(self, "tensors", tuple(x if _is_tensor(x) else None for x in captured))
         object.__setattr__(self, "captured", tuple(_real_array(f"captured[{k}]{self._named(k)}", x)
                                                    for k, x in enumerate(captured)))
         grads = self.captured_grad
@@ -177,8 +189,18 @@ class ScoreMod:
 
     def arrays(self) -> tuple:
         """The captured arrays as fn, grad and captured_grad read them, now: float16 and bfloat16 ones as float32
-        copies (exact), the others as given (in native byte order). What the reference and the kernels pass."""
-        return tuple(_as_read(a) for a in self.captured)
+        copies (exact), the others as given (in native byte order); a captured CUDA tensor read again now. What
+        the reference and the kernels pass."""
+        now = tuple(a if t is None or t.device.type == "cpu" else _real_array(f"captured[{k}]", t)
+                    for k, (a, t) in enumerate(zip(self.captured, self.tensors)))
+        return tuple(_as_read(a) for a in now)
+
+    @property
+    def learnable(self) -> tuple[int, ...]:
+        """The captured arrays that are torch tensors requiring grad and take a gradient (a captured_grad):
+        the ones `fa_numba.autograd` differentiates."""
+        return tuple(k for k, (t, g) in enumerate(zip(self.tensors, self.captured_grad))
+                     if t is not None and t.requires_grad and g is not None)
 
     def _named(self, k: int) -> str:
         """The suffix ' (name)' of captured array k in messages, or '' when it has no name."""
