@@ -24,8 +24,8 @@ Both return O in the input dtype, computed in float32 (flash-attn takes only flo
 take float32 too). A float attn_mask, softcap and alibi_slopes are score mods (`mods.conventions`) compiled
 into the CUDA-core kernels; their mod is built in eager Python from the tensors' values (a graph break
 under torch.compile, which fullgraph=True refuses) and cached by value, so repeated calls reuse one mod
-and one compiled graph; no gradient reaches the float mask or the slopes (a float attn_mask that requires
-grad is refused). The mask and the slopes may have any real floating dtype (SDPA's mask in the query's dtype,
+and one compiled graph; no gradient reaches the float mask (one that requires grad is refused); slopes that
+require grad get theirs (a mod of their own per call, holding the tensor: `ScoreMod.learnable`). The mask and the slopes may have any real floating dtype (SDPA's mask in the query's dtype,
 bfloat16 included), widened to float64 exactly. A row whose float attn_mask holds no finite entry sees no key,
 as in torch SDPA: O = 0 and zero gradients (the row is masked, not computed from its -inf scores). A value
 head dim other than q's (d_v != d, MLA's 192 / 128) is taken: natively by the 16-bit tensor-core forwards
@@ -192,7 +192,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             i + S_k - S_q + right, -1 unbounded; causal means right = 0.
         softcap: > 0 gives S' = softcap tanh(S / softcap).
         alibi_slopes: (H,) or (B, H): subtracts slope |i + S_k - S_q - j| after the softcap, as flash-attn does
-            (a score mod, `mods.conventions.flash_attn`; no gradient reaches the slopes).
+            (a score mod, `mods.conventions.flash_attn`); slopes that require grad get their gradient (a
+            learnable ALiBi, by the captured arrays' deterministic kernels).
         deterministic: the backward without atomic adds.
         return_attn_probs: also return the LSE.
         learnable_sink: (H,) float32 tensor, one sink logit per query head (gpt-oss; flash-attn's pull request
@@ -218,8 +219,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
                             f"{type(alibi_slopes).__name__}")
         torch_ops.refuse_forward_ad(("alibi_slopes", alibi_slopes))
-        mod = _cached_mod("flash_attn", alibi_slopes, softcap=softcap, delta=k.shape[1] - q.shape[1],
-                          batch=q.shape[0], heads=q.shape[2])
+        params = dict(softcap=softcap, delta=k.shape[1] - q.shape[1], batch=q.shape[0], heads=q.shape[2])
+        if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+            mod = conventions.flash_attn(alibi_slopes, **params)  # learnable: a mod of its own, holding the tensor
+        else:
+            mod = _cached_mod("flash_attn", alibi_slopes, **params)
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")

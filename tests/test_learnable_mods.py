@@ -93,3 +93,23 @@ def test_a_loss_reading_lse_with_a_learnable_bias_is_refused_by_name():
     out, lse = fa_numba.autograd.attention_with_lse(q, k, v, causal=True, score_mod=mod, **TILES)
     with pytest.raises(NotImplementedError, match="learnable score mod"):
         (out.sum() + lse.sum()).backward()
+
+
+@pytest.mark.lemma("L13")
+def test_flash_attn_func_learnable_alibi_slopes_match_the_reference():
+    """flash_attn_func(alibi_slopes=a tensor requiring grad): the slopes' gradient within the captured rule of
+    the same mod built from their values (flash-attn's convention: - slope |i + delta - j|, softcap first)."""
+    from fa_numba.mods import conventions
+
+    q, k, v, dout = _inputs(6, n=10)
+    slopes = torch.nn.Parameter(torch.tensor([0.25, 0.5]))
+    to = lambda x: x.transpose(1, 2)  # noqa: E731 - (B, N, H, d), flash-attn's layout
+    out = fa_numba.flash_attn_func(to(q), to(k), to(v), causal=True, alibi_slopes=slopes, softcap=5.0)
+    out.backward(to(dout))
+    fixed = conventions.flash_attn(slopes.detach().numpy(), softcap=5.0, delta=0, batch=1, heads=2)
+    with_grad = mods.ScoreMod(fixed.fn, fixed.grad, (conventions._flash_slopes_grad, None), name="flash",
+                              captured=fixed.captured, captured_names=("slopes", "params"))
+    mods.check(with_grad, n_q=10, n_k=10, heads=2)  # the slopes' derivative against central differences
+    tolerance_backward.check_captured_gradients((slopes.grad.numpy()[None], None),
+                                                *(x.numpy() for x in (q, k, v, dout)), score_mod=with_grad,
+                                                causal=True, name="flash_attn_func alibi")

@@ -8,7 +8,7 @@
 
 Both are ScoreMods like the built-ins (module-level functions, parameters in captured arrays, so one
 compiled kernel serves every value), with the derivative with respect to the score; their captured arrays
-take no gradient. Parameters that do not fit (a negative softcap, slopes of the wrong shape) are
+take no gradient, but for flash-attn's slopes given as a torch tensor that requires grad (learnable ALiBi). Parameters that do not fit (a negative softcap, slopes of the wrong shape) are
 ValueErrors naming the argument. Imports NumPy only, as the package does.
 """
 
@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from fa_numba.mods.builtins import _float_param
-from fa_numba.mods.core import ScoreMod
+from fa_numba.mods.core import ScoreMod, _is_tensor
 
 
 def _flash(score, b, h, i, j, slopes, params):
@@ -39,16 +39,24 @@ def _flash_grad(score, b, h, i, j, slopes, params):
     return 1.0
 
 
+def _flash_slopes_grad(score, b, h, i, j, slopes, params):
+    row = b if params[2] > 0.0 else 0
+    return (row, h), -1.0 * abs(i + params[1] - j)
+
+
 def flash_attn(slopes, *, softcap: float, delta: int, batch: int, heads: int) -> ScoreMod:
     """flash-attn 2's softcap and ALiBi as one mod (module docstring). slopes: None, (heads,) or (batch, heads)
-    finite reals; softcap: 0 (none) or > 0; delta: N_k - N_q."""
+    finite reals; softcap: 0 (none) or > 0; delta: N_k - N_q. Slopes that are a torch tensor requiring grad are
+    learnable: the mod keeps the tensor (as (1, heads) or (batch, heads)) and gives their gradient,
+    d S' / d slopes[b, h] = -|i + delta - j| (`ScoreMod.learnable`, through `fa_numba.autograd`)."""
     cap = _float_param("softcap", softcap, positive=False)
     if cap < 0:
         raise ValueError(f"softcap must be >= 0 (0: no soft cap), got {softcap}")
+    learnable = _is_tensor(slopes) and slopes.requires_grad
     if slopes is None:
         table = np.zeros((1, heads))
     else:
-        table = np.array(slopes, dtype=np.float64)
+        table = np.array(slopes.detach().cpu().numpy() if learnable else slopes, dtype=np.float64)
         if table.shape == (heads,):
             table = table[None]
         if table.shape not in ((1, heads), (batch, heads)):
@@ -61,6 +69,9 @@ def flash_attn(slopes, *, softcap: float, delta: int, batch: int, heads: int) ->
     for x in (table, params):
         x.setflags(write=False)
     name = "+".join(n for n, on in (("softcap", cap > 0), ("alibi", slopes is not None)) if on) or "flash_attn"
+    if learnable:  # the tensor itself, in the table's shape (a view: its gradient reaches the slopes)
+        return ScoreMod(_flash, _flash_grad, (_flash_slopes_grad, None), name=name,
+                        captured=(slopes.reshape(table.shape), params), captured_names=("slopes", "params"))
     return ScoreMod(_flash, _flash_grad, name=name, captured=(table, params), captured_names=("slopes", "params"))
 
 
