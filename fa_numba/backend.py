@@ -61,14 +61,58 @@ def stranded() -> bool:
     return _numba_cuda_came_first and name() == "gpu" and not gpu_driver_visible()
 
 
+INSTALL_FIX = ('pip install "fa_numba[cu13]" (NVIDIA driver 580 or newer) or pip install "fa_numba[cu12]" '
+               "(drivers 525 to 575): numba-cuda's CUDA wheels of that major, or CUDA_HOME set to a CUDA toolkit")
+# What a driver, a toolkit or a compiler says when the toolkit is newer than the driver, or missing.
+TOO_NEW = ("UNSUPPORTED_PTX_VERSION", "unsupported toolchain", "INSUFFICIENT_DRIVER", "driver version is insufficient",
+           "CUDA_ERROR_UNSUPPORTED_PTX")
+MISSING = ("libNVVM cannot be found", "NVVM cannot be found", "libdevice", "nvrtc", "CUDA toolkit")
+
+
+def versions() -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(driver, toolkit) CUDA versions as (major, minor), each None where it cannot be read (the simulator, no
+    driver, no runtime): the driver's from cuDriverGetVersion, the toolkit's from the runtime numba-cuda loads."""
+    from numba import cuda
+
+    found = []
+    for read in (lambda: cuda.cudadrv.driver.driver.get_version(), lambda: cuda.runtime.get_version()):
+        try:
+            found.append(tuple(int(x) for x in read())[:2])
+        except Exception:  # noqa: BLE001 - no driver, no runtime, the simulator: each says it differently
+            found.append(None)
+    return found[0], found[1]
+
+
+def driver_advice(err: BaseException, driver=None, toolkit=None) -> str | None:
+    """The sentence for a launch's error that says the toolkit is newer than the driver or missing, with the
+    versions where known and the command that fixes it (INSTALL_FIX); None for any other error."""
+    if not type(err).__module__.startswith(("numba", "cuda")):  # a CUDA error: an argument's ValueError is not one
+        return None
+    text = f"{type(err).__name__}: {err}"
+    have = "" if driver is None else f" (the driver runs CUDA {driver[0]}.{driver[1]}"
+    have += "" if toolkit is None else (", " if have else " (") + f"the toolkit is CUDA {toolkit[0]}.{toolkit[1]}"
+    have += ")" if have else ""
+    if any(word.lower() in text.lower() for word in TOO_NEW) or (driver and toolkit and driver[0] < toolkit[0]):
+        return f"the CUDA toolkit is newer than the NVIDIA driver{have}: {INSTALL_FIX} ({text})"
+    if type(err).__name__ in ("NvvmSupportError", "CudaSupportError", "NvrtcSupportError") and any(
+            word.lower() in text.lower() for word in MISSING):
+        return f"no CUDA toolkit for compiling kernels was found{have}: {INSTALL_FIX} ({text})"
+    return None
+
+
 @contextlib.contextmanager
 def explain_driver_errors():
-    """Around a launch: when stranded(), numba's driver error becomes a RuntimeError saying what to do."""
+    """Around a launch: when stranded(), numba's driver error becomes a RuntimeError saying what to do; on a GPU,
+    a toolkit newer than the driver, or none, becomes one naming the versions and the install that fixes it
+    (`driver_advice`)."""
     try:
         yield
     except Exception as err:
         if stranded() and type(err).__name__ == "CudaSupportError":
             raise RuntimeError(IMPORT_ORDER_FIX) from err
+        advice = driver_advice(err, *versions()) if name() == "gpu" else None
+        if advice is not None:
+            raise RuntimeError(advice) from err
         raise
 
 

@@ -69,3 +69,42 @@ def test_name_reads_what_numba_cuda_uses():
         else:
             os.environ["NUMBA_ENABLE_CUDASIM"] = saved
     assert not backend.stranded()  # this session imported fa_numba first
+
+
+def _cuda_error(name: str, message: str) -> Exception:
+    """An exception of the given class name from a numba module, as numba-cuda's driver and compilers raise."""
+    return type(name, (Exception,), {"__module__": "numba.cuda.cudadrv.driver"})(message)
+
+
+@pytest.mark.parametrize("err, driver, toolkit, words", [
+    (_cuda_error("CudaAPIError", "[222] Call to cuModuleLoadDataEx results in CUDA_ERROR_UNSUPPORTED_PTX_VERSION"),
+     (12, 4), (13, 0), "the driver runs CUDA 12.4, the toolkit is CUDA 13.0"),
+    (_cuda_error("LinkerError", "the provided PTX was compiled with an unsupported toolchain"), None, None,
+     "newer than the NVIDIA driver"),
+    (_cuda_error("CudaAPIError", "[1] CUDA_ERROR_INVALID_VALUE"), (12, 8), (13, 1), "newer than the NVIDIA driver"),
+    (_cuda_error("NvvmSupportError", "libNVVM cannot be found. Do `conda install cudatoolkit`"), (13, 0), None,
+     "no CUDA toolkit for compiling kernels"),
+])
+def test_a_toolkit_newer_than_the_driver_or_none_is_named_with_its_fix(err, driver, toolkit, words):
+    advice = backend.driver_advice(err, driver, toolkit)
+    assert words in advice and 'pip install "fa_numba[cu12]"' in advice and 'fa_numba[cu13]' in advice
+    assert str(err) in advice  # the driver's own words are kept
+
+
+def test_other_errors_get_no_driver_advice():
+    assert backend.driver_advice(ValueError("q must have 4 axes"), (12, 4), (13, 0)) is None  # not a CUDA error
+    assert backend.driver_advice(_cuda_error("CudaAPIError", "[700] CUDA_ERROR_ILLEGAL_ADDRESS"), (13, 0),
+                                 (13, 0)) is None
+
+
+def test_the_extras_offer_both_cuda_majors_and_the_base_needs_neither():
+    import configparser
+    import pathlib
+
+    config = configparser.ConfigParser()
+    config.read(pathlib.Path(__file__).resolve().parents[1] / "setup.cfg")
+    requires = config["options"]["install_requires"]
+    extras = config["options.extras_require"]
+    assert "numba-cuda>=" in requires and "[cu1" not in requires  # the simulator needs no CUDA wheels
+    assert "numba-cuda[cu12]" in extras["cu12"] and "numba-cuda[cu13]" in extras["cu13"]
+    assert "numba-cuda[cu13]" in extras["profile"]  # the sm_90a builds the test command's slow tier makes
