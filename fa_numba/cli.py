@@ -138,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
                    help="ring attention over W ranks: the communication model per step (fa_numba.ring_model: bytes "
                         "per rank, compute at the v2 estimate, NVLink 450 GB/s each way; zigzag unless --mask; "
                         "no kernel runs; default: off)")
+    c.add_argument("--varlen", type=_positive_list, metavar="L1,L2,...", default=None,
+                   help="a packed batch of sequences of these lengths (self-attention, causal with --causal) beside "
+                        "the same sequences padded to the longest: tiles, visible pairs, HBM bytes of the v2 forward "
+                        "(the model: no kernel runs; default: off)")
     c.add_argument("--split-size", type=_positive, default=None,
                    help="with --decode: keys per split, a multiple of the key tile (default: the heuristic)")
     s = sub.add_parser("sweep", help="compare over a list of sizes; CSV/JSON and plots",
@@ -252,7 +256,29 @@ def _run_ring(args, top, given: set[str]) -> int:
     return 0
 
 
+NOT_WITH_VARLEN = {"decode": "a packed batch is not a decoding comparison", "ring": "pass one of them",
+                   "batch": "the lengths give B",
+                   "backward": "the packed comparison is the forward's", "mask": "the offsets are the mask",
+                   "n_q": "the lengths give N", "n_k": "the lengths give N", "orders": "no kernel runs",
+                   "repeats": "no kernel runs", "seed": "no kernel runs", "no_count": "no kernel runs",
+                   "split_size": "only with --decode", "json": "the packed comparison prints its table only"}
+
+
+def _run_varlen(args, top, given: set[str]) -> int:
+    _refuse_unused(top, "--varlen", given, NOT_WITH_VARLEN)
+    default_q, default_k = cmp.default_tiles(args.head_dim)
+    block_q, block_k = args.block_q or default_q, args.block_k or default_k
+    rows = cmp.varlen_rows(args.varlen, args.head_dim, block_q, block_k, causal=args.causal, heads=args.heads,
+                           itemsize=4 if args.dtype == "float32" else 2)
+    print(cmp.render_varlen(rows, f"packed vs padded: {len(args.varlen)} sequences of {','.join(map(str, args.varlen))}"
+                                  f" H={args.heads} d={args.head_dim} {args.dtype}{', causal' if args.causal else ''}, "
+                                  f"tiles {block_q} x {block_k}"))
+    return 0
+
+
 def _run_compare(args, top, given: set[str]) -> int:
+    if args.varlen:
+        return _run_varlen(args, top, given)
     if args.ring:
         return _run_ring(args, top, given)
     if args.decode:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts, tolerance, tolerance_backward
+from fa_numba import backend, iomodel, masks, reference, shapes, tile_counts, tiling, tolerance, tolerance_backward
 from fa_numba.kernels import VARIANTS, default_tiles, poisoned_outputs
 from fa_numba.kernels.block_lists import kernel_mask
 from fa_numba.kernels.common import INPUT_DTYPES, MAX_HEAD_DIM
@@ -553,3 +553,39 @@ def render_backward(result: dict) -> str:
                                     str(r["tiles_computed"]), str(r["tiles_skipped"]), _bytes(r, size, "Q", "dO"),
                                     _bytes(r, size, "K", "V"), _bytes(r, size, "dQ", "dK", "dV"),
                                     f"{r['bytes_total'] / size:.2f}"])
+
+
+def varlen_rows(lengths, head_dim: int, block_q: int, block_k: int, *, causal: bool, heads: int = 1,
+                itemsize: int = 4) -> list[dict]:
+    """A packed batch of sequences of these lengths (self-attention, `packed.varlen`) beside the same sequences
+    padded to the longest (B = len(lengths) problems of L_max x L_max, causal or not), as the v2 forward takes
+    them: tiles computed and skipped, visible pairs, HBM bytes (iomodel, inputs of `itemsize` bytes, O and LSE
+    float32). The model only: no kernel runs."""
+    from fa_numba import packed
+
+    lengths = [int(n) for n in lengths]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    total, longest = int(offsets[-1]), max(lengths)
+    mask = packed.varlen(offsets, offsets, causal=causal)
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths) * heads
+    rows = []
+    for name, kinds, ledger, batch in (
+            ("packed (cu_seqlens)", tiling.classify(total, total, block_q, block_k, mask=mask),
+             iomodel.traffic("v2", total, total, head_dim, block_q, block_k, mask=mask, heads=heads), 1),
+            (f"padded to {longest}", tiling.classify(longest, longest, block_q, block_k, causal=causal),
+             iomodel.traffic("v2", longest, longest, head_dim, block_q, block_k, causal=causal, batch=len(lengths),
+                             heads=heads), len(lengths))):
+        computed = int((kinds != tiling.SKIP).sum()) * batch * heads
+        rows.append(dict(layout=name, tiles_computed=computed,
+                         tiles_skipped=int(kinds.size) * batch * heads - computed, visible_pairs=pairs,
+                         hbm_bytes=iomodel.total_bytes(ledger, itemsize)))
+    return rows
+
+
+def render_varlen(rows: list[dict], title: str) -> str:
+    """The table of `varlen_rows`."""
+    table = [["layout", "tiles computed", "tiles skipped", "visible pairs", "HBM MiB"]]
+    table += [[r["layout"], str(r["tiles_computed"]), str(r["tiles_skipped"]), str(r["visible_pairs"]),
+               f"{r['hbm_bytes'] / 2**20:.2f}"] for r in rows]
+    return "\n".join([title, *align(table, left=1),
+                      "the model only (tiling and iomodel): no kernel ran; a padded batch also computes its padding"])

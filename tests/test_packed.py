@@ -148,3 +148,27 @@ def test_flash_attn_varlen_func_is_within_the_rule_forward_and_backward():
         fa_numba.flash_attn_varlen_func(*packed_, cu_q, cu_k, 10, 11)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         fa_numba.flash_attn_varlen_func(*packed_, cu_q, cu_k, 11, 11, alibi_slopes=torch.ones(2))
+
+
+def test_compare_shows_a_packed_batch_beside_its_padded_equivalent(capsys):
+    from fa_numba import cli
+
+    assert cli.main(["compare", "--varlen", "100,300,50", "--causal", "--head-dim", "64", "--block-q", "64",
+                     "--block-k", "32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    packed_row, padded_row = (line.split() for line in lines[2:4])
+    mask = packed.varlen(_offsets((100, 300, 50)), _offsets((100, 300, 50)), causal=True)
+    want_packed = iomodel.total_bytes(iomodel.traffic("v2", 450, 450, 64, 64, 32, mask=mask, heads=2), 4)
+    want_padded = iomodel.total_bytes(iomodel.traffic("v2", 300, 300, 64, 64, 32, causal=True, batch=3, heads=2), 4)
+    assert packed_row[-1] == f"{want_packed / 2**20:.2f}" and padded_row[-1] == f"{want_padded / 2**20:.2f}"
+    kinds = tiling.classify(450, 450, 64, 32, mask=mask)
+    assert int(packed_row[2]) == 2 * int((kinds != tiling.SKIP).sum())  # tiles computed, both heads
+    assert packed_row[-2] == padded_row[-2] == str(2 * (100 * 101 + 300 * 301 + 50 * 51) // 2)  # the same pairs
+
+
+def test_compare_varlen_refuses_what_it_does_not_use(capsys):
+    from fa_numba import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["compare", "--varlen", "10,20", "--mask", "causal"])
+    assert info.value.code == 2 and "argument --varlen: not allowed with --mask" in capsys.readouterr().err
