@@ -264,8 +264,8 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False, layout: str = "
     summed over the group). mask: a mask over the global sequence (N = W times the shard length) whose rows
     each see one interval (sliding_window, prefix_lm, documents, a packed batch's `packed.varlen`), not with
     causal=True: every chunk pair is classified by it, and a PARTIAL pair runs with its restriction to the
-    pair (`packed.restrict`); the layout's chunks are the global sequence's. engine: each block's, as fa_numba.attention and attention_backward take
-    it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
+    pair (`packed.restrict`); the layout's chunks are the global sequence's. engine: each block's, as
+    fa_numba.attention and attention_backward take it: "auto" (the tensor cores for float16 and bfloat16 where they take the call, else the CUDA cores),
     "simt" or "mma" (float32 by 3xTF32, forward and backward; "mma-tf32" without gradients only);
     block: the kernels' square tile (default 16 for CPU tensors, else the kernels' defaults)."""
     from fa_numba import autograd, engines

@@ -25,7 +25,8 @@ take float32 too). A float attn_mask, softcap and alibi_slopes are score mods (`
 into the CUDA-core kernels; their mod is built in eager Python from the tensors' values (a graph break
 under torch.compile, which fullgraph=True refuses) and cached by value, so repeated calls reuse one mod
 and one compiled graph; no gradient reaches the float mask (one that requires grad is refused); slopes that
-require grad get theirs (a mod of their own per call, holding the tensor: `ScoreMod.learnable`). The mask and the slopes may have any real floating dtype (SDPA's mask in the query's dtype,
+require grad get theirs (a mod of their own per call, holding the tensor: `ScoreMod.learnable`). The mask
+and the slopes may have any real floating dtype (SDPA's mask in the query's dtype,
 bfloat16 included), widened to float64 exactly. A row whose float attn_mask holds no finite entry sees no key,
 as in torch SDPA: O = 0 and zero gradients (the row is masked, not computed from its -inf scores). A value
 head dim other than q's (d_v != d, MLA's 192 / 128) is taken: natively by the 16-bit tensor-core forwards
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 
 import numpy as np
 import torch
@@ -249,8 +251,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             be 0 and may differ between q and k (each sequence aligned bottom-right, as flash-attn).
         max_seqlen_q, max_seqlen_k: at least the longest sequence (flash-attn sizes its grid by them; here they
             are checked, not needed).
-        the rest: as `flash_attn_func`, per sequence; alibi_slopes is refused (its distances would need each
-            sequence's own positions, which the score mods do not yet take).
+        the rest: as `flash_attn_func`, per sequence: alibi_slopes (H,) or (B, H) subtract slope |a + M - L - b| at
+            local positions (query a, key b of an L-query, M-key sequence), learnable when they require grad.
 
     Returns:
         O (total_q, H, d_v) in q's dtype; with return_attn_probs=True (out, softmax_lse (H, total_q) float32, None).
@@ -265,9 +267,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must have shape (total, H, d) (flash-attn's packed layout), got {tuple(x.shape)}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes with packed sequences is not supported: pass the sequences padded "
-                                  "to flash_attn_func, or drop alibi_slopes")
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
@@ -278,10 +277,63 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if not isinstance(bound, (int, np.integer)) or isinstance(bound, bool) or bound < longest:
             raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {bound!r}")
     mod = None
-    if softcap != 0.0:
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor of shape (H,) or (B, H), got "
+                            f"{type(alibi_slopes).__name__}")
+        torch_ops.refuse_forward_ad(("alibi_slopes", alibi_slopes))
+        mod = _varlen_alibi(alibi_slopes, softcap, mask, q.shape[1])
+    elif softcap != 0.0:
         mod = _cached_mod("flash_attn", None, softcap=softcap, delta=0, batch=1, heads=q.shape[1])
     as4 = lambda x: x.unsqueeze(0).transpose(1, 2)  # noqa: E731 - (1, H, total, d): a view, no copy
     out, lse = autograd.attention_with_lse(as4(q), as4(k), as4(v), scale=softmax_scale, mask=mask,
                                            deterministic=bool(deterministic), score_mod=mod, sinks=learnable_sink)
     out = out[0].transpose(0, 1).contiguous()
     return (out, lse[0], None) if return_attn_probs else out
+
+
+def _varlen_flash(score, b, h, i, j, slopes, params, rows):
+    cap = params[0]
+    s = score * 1.0
+    if cap > 0.0:
+        s = cap * math.tanh(score / cap)
+    return s - slopes[rows[i, 0], h] * abs(i + rows[i, 1] - j)
+
+
+def _varlen_flash_grad(score, b, h, i, j, slopes, params, rows):
+    cap = params[0]
+    if cap > 0.0:
+        t = math.tanh(score / cap)
+        return 1.0 - t * t
+    return 1.0
+
+
+def _varlen_slopes_grad(score, b, h, i, j, slopes, params, rows):
+    return (rows[i, 0], h), -1.0 * abs(i + rows[i, 1] - j)
+
+
+def _varlen_alibi(slopes, softcap, mask, heads: int):
+    """flash-attn's softcap and ALiBi over a packed batch as a score mod: row i of sequence t (queries from qs_t,
+    keys from ks_t, L_t and M_t of them) subtracts slopes[t or 0, h] |i + (ks_t + M_t - L_t - qs_t) - j|, which is
+    |a + M_t - L_t - b| at the sequence's local positions a, b; rows (total_q, 2) int64 holds each row's slope row
+    and that shift. Slopes that require grad are kept (learnable, `ScoreMod.learnable`)."""
+    from fa_numba import mods
+
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft cap), got {softcap}")
+    sequences = mask.sequences
+    table = slopes if slopes.dim() == 2 else slopes.reshape(1, -1)
+    if tuple(table.shape) not in ((1, heads), (sequences, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({sequences}, {heads}) (one row per sequence), "
+                         f"got {tuple(slopes.shape)}")
+    cu_q, cu_k = np.asarray(mask.cu_q, np.int64), np.asarray(mask.cu_k, np.int64)
+    t = np.repeat(np.arange(sequences), np.diff(cu_q))  # each packed row's sequence
+    shift = cu_k[t] + (cu_k[t + 1] - cu_k[t]) - (cu_q[t + 1] - cu_q[t]) - cu_q[t]
+    rows = np.stack([t if table.shape[0] > 1 else np.zeros_like(t), shift], axis=1).astype(np.int64)
+    params = np.array([cap, 0.0, 0.0])
+    learnable = table.requires_grad and torch.is_grad_enabled()
+    captured = (table if learnable else table.detach().to(torch.float64).cpu().numpy(), params, rows)
+    grads = (_varlen_slopes_grad, None, None) if learnable else None
+    return mods.ScoreMod(_varlen_flash, _varlen_flash_grad, grads, name="alibi(varlen)", captured=captured,
+                         captured_names=("slopes", "params", "rows"))

@@ -172,3 +172,48 @@ def test_compare_varlen_refuses_what_it_does_not_use(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["compare", "--varlen", "10,20", "--mask", "causal"])
     assert info.value.code == 2 and "argument --varlen: not allowed with --mask" in capsys.readouterr().err
+
+
+def test_flash_attn_varlen_func_takes_alibi_at_each_sequences_own_positions():
+    """alibi_slopes over a packed batch: the varlen mod's score at a packed pair (i, j) is bit for bit flash-attn's
+    ALiBi mod of that sequence alone at its local pair (a, b), delta = M - L (mods.conventions.flash_attn);
+    per-sequence slopes (B, H) index their sequence's row."""
+    torch = pytest.importorskip("torch", reason="the drop-in takes torch tensors (the torch extra)")
+    from fa_numba import dropins, mods
+    from fa_numba.mods import conventions
+
+    lengths_q, lengths_k = (5, 9, 4), (8, 9, 0)
+    cu_q, cu_k = _offsets(lengths_q), _offsets(lengths_k)
+    mask = packed.varlen(cu_q, cu_k, causal=True)
+    slopes = torch.tensor([[0.25, 0.5], [0.125, 1.0], [2.0, 0.75]])
+    mod = dropins._varlen_alibi(slopes, 3.0, mask, heads=2)
+    scores = np.random.default_rng(8).standard_normal((1, 2, 18, 17)) * 4
+    visible = mask.dense(18, 17)
+    packed_scores = mods.scores(mod, scores, visible)
+    for t in range(3):
+        rows, keys = slice(cu_q[t], cu_q[t + 1]), slice(cu_k[t], cu_k[t + 1])
+        if cu_k[t + 1] == cu_k[t]:
+            continue
+        alone = conventions.flash_attn(slopes[t].numpy(), softcap=3.0, delta=lengths_k[t] - lengths_q[t], batch=1,
+                                       heads=2)
+        want = mods.scores(alone, scores[:, :, rows, keys], visible[rows, keys])
+        assert np.array_equal(packed_scores[:, :, rows, keys], want), t
+
+
+@pytest.mark.slow  # 14 s: the mod's compile for the kernel, and its reference evaluated pair by pair
+def test_flash_attn_varlen_func_with_alibi_is_within_the_rule():
+    torch = pytest.importorskip("torch", reason="the drop-in takes torch tensors (the torch extra)")
+    from fa_numba import dropins
+
+    lengths_q, lengths_k = (5, 9, 4), (8, 9, 0)
+    cu_q, cu_k = _offsets(lengths_q), _offsets(lengths_k)
+    mask = packed.varlen(cu_q, cu_k, causal=True)
+    slopes = torch.tensor([[0.25, 0.5], [0.125, 1.0], [2.0, 0.75]])
+    mod = dropins._varlen_alibi(slopes, 3.0, mask, heads=2)
+    _, q, k, v = _problem(9, lengths_q, lengths_k)
+    as_packed = [torch.tensor(x).transpose(0, 1).contiguous() for x in (q, k, v)]
+    out, lse, _ = fa_numba.flash_attn_varlen_func(*as_packed, torch.tensor(cu_q), torch.tensor(cu_k), 9, 9,
+                                                  causal=True, softcap=3.0, alibi_slopes=slopes,
+                                                  return_attn_probs=True)
+    tolerance.check_attention(out.transpose(0, 1).numpy(), lse.numpy(), q, k, v, mask=mask, score_mod=mod,
+                              order="v2", block_q=16, block_k=16)
