@@ -136,7 +136,8 @@ def parser() -> argparse.ArgumentParser:
                         "HBM bytes and the HBM bound (fa_numba.compare_decode; causal; default: off)")
     c.add_argument("--ring", type=_positive, metavar="W", default=None,
                    help="ring attention over W ranks: the communication model per step (fa_numba.ring_model: bytes "
-                        "per rank, compute at the v2 estimate, NVLink 450 GB/s each way; zigzag unless --mask; "
+                        "per rank, compute at the v2 estimate, NVLink 450 GB/s each way; zigzag; an interval --mask "
+                        "counts each chunk pair's visible share; "
                         "no kernel runs; default: off)")
     c.add_argument("--varlen", type=_positive_list, metavar="L1,L2,...", default=None,
                    help="a packed batch of sequences of these lengths (self-attention, causal with --causal) beside "
@@ -243,16 +244,19 @@ def _run_ring(args, top, given: set[str]) -> int:
     _refuse_unused(top, "--ring", given, NOT_WITH_RING)
     defaults = GPU_DEFAULTS if backend.name() == "gpu" else SIM_DEFAULTS
     n = args.n_q or defaults["n_q"]
-    if args.n_k not in (None, n) or args.mask:
-        top.error("argument --ring: self-attention over one sharded sequence: no --n-k other than --n-q, no --mask")
+    if args.n_k not in (None, n):
+        top.error("argument --ring: self-attention over one sharded sequence: no --n-k other than --n-q")
+    if args.mask and args.causal:
+        top.error(f"argument --mask: not allowed with --causal (--causal is --mask causal), got --mask {args.mask}")
     try:
         steps = ring_model.ring_steps(args.ring, n, args.head_dim, batch=args.batch, heads=args.heads,
                                       heads_kv=args.heads_kv, itemsize=4 if args.dtype == "float32" else 2,
-                                      causal=args.causal)
+                                      causal=args.causal, mask=masks.parse(args.mask) if args.mask else None)
     except ValueError as err:
         top.error(f"argument --ring: {err}")
+    masking = ", causal" if args.causal else f", mask {args.mask}" if args.mask else ""
     print(ring_model.render(steps, f"ring attention, W={args.ring}, zigzag: B={args.batch} H={args.heads} N={n} "
-                                   f"d={args.head_dim} {args.dtype}{', causal' if args.causal else ''}"))
+                                   f"d={args.head_dim} {args.dtype}{masking}"))
     return 0
 
 

@@ -53,9 +53,11 @@ def pair_counts(world: int, layout: str, causal: bool) -> list[dict]:
 
 def ring_steps(world: int, n: int, d: int, *, batch: int = 1, heads: int = 1, heads_kv: int | None = None,
                itemsize: int = 2, layout: str = "zigzag", causal: bool = True, tflops: float = DEFAULT_TFLOPS,
-               link_bytes_per_s: float = LINK_BYTES_PER_S) -> list[dict]:
+               link_bytes_per_s: float = LINK_BYTES_PER_S, mask=None) -> list[dict]:
     """Per step, the slowest rank's compute (s), the bytes every rank sends (= receives), the transfer time and
-    the step time, forward and backward (the backward's pairs cost 2.5 forward ones: its five products)."""
+    the step time, forward and backward (the backward's pairs cost 2.5 forward ones: its five products). mask: an
+    interval mask over the global sequence (not with causal), as ring_attention takes it: a chunk pair then costs
+    its share of visible pairs (0 for a pair the mask empties, which is never computed; its K/V still travel)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     heads_kv = heads if heads_kv is None else heads_kv
@@ -64,12 +66,17 @@ def ring_steps(world: int, n: int, d: int, *, batch: int = 1, heads: int = 1, he
         raise ValueError(f"n must be divisible by {count} chunks for layout {layout!r} on {world} ranks, got {n}")
     c = n // count
     pair_flops = 4 * batch * heads * c * c * d  # S = Q K^T and P V, 2 flops per multiply-add
+    share = _mask_shares(mask, n, c, count) if mask is not None else None
     shard = batch * heads_kv * (n // world) * d
     steps = []
     for step in range(world):
         work = []
         for rank in range(world):
             source = (rank - step) % world
+            if share is not None:
+                work.append(sum(share[i, j] for i in chunk_ids(rank, world, layout)
+                                for j in chunk_ids(source, world, layout)))
+                continue
             kinds = [pair_kind(i, j, causal) for i in chunk_ids(rank, world, layout)
                      for j in chunk_ids(source, world, layout)]
             work.append(sum(0.5 if k == PARTIAL else 0.0 if k == SKIP else 1.0 for k in kinds))
@@ -83,11 +90,26 @@ def ring_steps(world: int, n: int, d: int, *, batch: int = 1, heads: int = 1, he
     return steps
 
 
+def _mask_shares(mask, n: int, c: int, count: int):
+    """(count, count): the share of chunk pair (i, j)'s c x c pairs the mask makes visible, from its row
+    intervals over the global sequence (ValueError for a mask without them)."""
+    import numpy as np
+
+    mask.check(n, n)
+    intervals = mask.row_intervals(n, n)
+    if intervals is None:
+        raise ValueError(f"mask must be one whose rows each see one interval, got {mask!r}")
+    lo, hi = (x.astype(np.int64).reshape(count, c, 1) for x in intervals)
+    starts = np.arange(count, dtype=np.int64) * c
+    seen = np.clip(np.minimum(hi, starts + c) - np.maximum(lo, starts), 0, None)  # (count, c rows, count)
+    return seen.sum(axis=1) / (c * c)
+
+
 def render(steps: list[dict], title: str) -> str:
-    lines = [title, f"{'step':>4} {'pairs':>5} {'compute us':>10} {'fwd MiB':>8} {'fwd us':>8} {'bwd MiB':>8} "
+    lines = [title, f"{'step':>4} {'pairs':>6} {'compute us':>10} {'fwd MiB':>8} {'fwd us':>8} {'bwd MiB':>8} "
                     f"{'bwd us':>8}"]
     for s in steps:
-        lines.append(f"{s['step']:>4} {s['pairs']:>5g} {s['compute_s'] * 1e6:>10.1f} "
+        lines.append(f"{s['step']:>4} {s['pairs']:>6.3g} {s['compute_s'] * 1e6:>10.1f} "
                      f"{s['forward_bytes'] / 2**20:>8.2f} {s['forward_s'] * 1e6:>8.1f} "
                      f"{s['backward_bytes'] / 2**20:>8.2f} {s['backward_s'] * 1e6:>8.1f}")
     total_f, total_b = sum(s["forward_s"] for s in steps), sum(s["backward_s"] for s in steps)

@@ -315,3 +315,23 @@ def test_the_ring_merge_of_a_masks_chunk_pairs_is_the_whole_mask(mask_text):
     ref = tolerance.baseline(q, k, v, mask=mask, contractions=("matmul",))
     tolerance.assert_close(out, ref.out, atol_out, name="merged out")
     tolerance.assert_close(lse, ref.lse, atol_lse, name="merged lse")
+
+
+def test_the_ring_model_counts_what_a_mask_leaves_of_each_chunk_pair(capsys):
+    """ring_steps(mask=): each chunk pair costs its share of visible pairs (from the mask's row intervals), so the
+    steps' work sums to the mask's visible pairs over c^2, and a pair the mask empties costs nothing."""
+    from fa_numba import cli, masks, ring_model
+
+    window = masks.sliding_window(7, 0)
+    n, world = 64, 2  # zigzag: 4 chunks of 16
+    dense = window.dense(n, n)
+    shares = ring_model._mask_shares(window, n, 16, 4)
+    blocks = dense.reshape(4, 16, 4, 16).sum(axis=(1, 3)) / 256
+    assert np.array_equal(shares, blocks)
+    steps = ring_model.ring_steps(world, n, 8, causal=False, mask=window)
+    causal = ring_model.ring_steps(world, n, 8, causal=True)
+    assert steps[1]["pairs"] < causal[1]["pairs"]  # the window leaves less of the off-diagonal pairs
+    assert cli.main(["compare", "--ring", "2", "--n-q", "64", "--mask", "window:7,0"]) == 0
+    assert "mask window:7,0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--ring", "2", "--n-q", "64", "--mask", "window:7,0", "--causal"])
