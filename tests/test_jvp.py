@@ -51,6 +51,7 @@ def _bounds(primal, tangent, visible, scale, ops):
 
 
 @pytest.mark.lemma("L15")
+@pytest.mark.slow  # 6 s: torch's forward-mode AD sets itself up on its first call (the default tier's budget)
 @pytest.mark.parametrize("causal, n_q, n_k", [(False, 7, 11), (True, 7, 11), (True, 11, 6)])  # 11 x 6: dead rows
 def test_the_jvp_is_torch_forward_mode_ad_of_the_definition(causal, n_q, n_k):
     primal, tangent = _problem(1, n_q=n_q, n_k=n_k)
