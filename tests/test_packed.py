@@ -146,8 +146,8 @@ def test_flash_attn_varlen_func_is_within_the_rule_forward_and_backward():
                                                 dout.transpose(1, 0, 2).astype(np.float64), mask=mask)
     with pytest.raises(ValueError, match="max_seqlen_q must be an int >= the longest sequence"):
         fa_numba.flash_attn_varlen_func(*packed_, cu_q, cu_k, 10, 11)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa_numba.flash_attn_varlen_func(*packed_, cu_q, cu_k, 11, 11, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(2,\) or \(2, 2\)"):
+        fa_numba.flash_attn_varlen_func(*packed_, cu_q, cu_k, 11, 11, alibi_slopes=torch.ones(3))
 
 
 def test_compare_shows_a_packed_batch_beside_its_padded_equivalent(capsys):

@@ -50,6 +50,7 @@ def test_a_causal_build_without_its_non_causal_sibling_stays_withheld():
     assert "tflops" not in causal.estimate and "trip-count rule" in causal.estimate["withheld"]
 
 
+@pytest.mark.slow  # 17 s: two simulator processes of their own, beside the default tier's two workers
 def test_tracing_is_dealt_among_processes_and_gives_what_one_process_gives(tmp_path, monkeypatch):
     """start_wavefronts(configs, jobs=2) traces two configurations in two simulator processes (a backward
     kernel's trace takes many minutes on one core); finish_wavefronts merges them into what one process gives,

@@ -236,6 +236,7 @@ def test_flash_attn_func_takes_learnable_sink():
     tolerance.judge(out.transpose(1, 2).numpy(), lse.numpy(), base, order="v2", name="flash_attn_func")
 
 
+@pytest.mark.slow  # 3 to 7 s: opcheck runs each operator several times (aot dispatch included)
 def test_the_operators_with_sinks_pass_opcheck():
     """The forward with sinks (a tensor argument that takes a gradient) and the backward that carries dLSE and
     the sinks, under torch.library.opcheck (schema, fake tensors, autograd registration)."""
