@@ -71,3 +71,12 @@ def test_a_sweep_reports_passes_and_failures(capsys, tmp_path):
     assert (tmp_path / "runs.json").read_text().count('"passed": true') == 2
     assert seed_sweep.main(["--seed-list", "5", "--", *quick, "-k", "no_such_test"]) == 1
     assert "1 seeds tried, 1 failed" in capsys.readouterr().out
+
+
+def test_each_failures_reason_is_kept_from_the_short_summary():
+    """A failure's error line (pytest -ra: "FAILED id - Error: message") goes to the run's record, so a seed that
+    does not fail again when rerun still says what failed (a health check, a bound, an exception)."""
+    out = ("FAILED tests/test_a.py::test_x - AssertionError: dq: max error 2e-6 vs atol 1e-6\n"
+           "ERROR tests/test_b.py::test_y - hypothesis.errors.FailedHealthCheck: too slow\n1 failed, 1 error in 3s\n")
+    assert seed_sweep.REASON_LINE.findall(out) == ["AssertionError: dq: max error 2e-6 vs atol 1e-6",
+                                                   "hypothesis.errors.FailedHealthCheck: too slow"]

@@ -37,6 +37,7 @@ USES_HYPOTHESIS = re.compile(r"^(?:from|import) hypothesis\b", re.M)
 LAUNCHES_KERNELS = re.compile(r"^(?:from|import) (?:fa_numba\.kernels|numba\.cuda|test_kernels)\b"
                               r"|^from numba import .*\bcuda\b", re.M)
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+REASON_LINE = re.compile(r"^(?:FAILED|ERROR) \S+ - (.*)$", re.M)  # pytest -ra's "id - Error: message"
 
 
 def property_files(cpu_only: bool = False, root: str = ROOT) -> tuple[str, ...]:
@@ -65,6 +66,7 @@ class SeedRun:
     seconds: float
     failed: list[str] = field(default_factory=list)
     summary: str = ""
+    reasons: list[str] = field(default_factory=list)  # each failure's error line, as pytest's summary gives it
 
 
 def pick_seeds(count: int, rng: random.Random | None = None) -> list[int]:
@@ -90,7 +92,8 @@ def run_seed(seed: int, pytest_args, profile: str) -> SeedRun:
                           env={**os.environ, "HYPOTHESIS_PROFILE": profile})
     lines = done.stdout.strip().splitlines()
     return SeedRun(seed, done.returncode == 0, time.perf_counter() - start,
-                   sorted(set(FAILED_LINE.findall(done.stdout))), lines[-1] if lines else done.stderr[-500:])
+                   sorted(set(FAILED_LINE.findall(done.stdout))), lines[-1] if lines else done.stderr[-500:],
+                   [r[:500] for r in REASON_LINE.findall(done.stdout)])
 
 
 def main(argv=None) -> int:
@@ -137,6 +140,8 @@ def main(argv=None) -> int:
     print("seeds: " + ",".join(str(r.seed) for r in runs))
     for r in failed:
         print(f"  seed {r.seed}: {', '.join(r.failed) or r.summary}")
+        for reason in r.reasons:
+            print(f"    {reason}")
         print(f"    reproduce: HYPOTHESIS_PROFILE={args.profile} python {' '.join(command(r.seed, pytest_args)[1:])}")
     return 1 if failed else 0
 
