@@ -13,7 +13,8 @@
 #     warp-primitive and tensor-core tests with the simulator off (two row blocks against one, bit for bit:
 #     tests/test_mma_row_blocks.py). BUDGET (default 300) seconds to start jobs.
 #   stage 2 (STAGE=2; timeout about 300 s): the kernel disk cache's first call cold and warm in new processes
-#     (cache_gpu), the score mods and mask_mods on every kernel family (mods_gpu, masks_gpu), then gpu_check
+#     (cache_gpu), the score mods and mask_mods on every kernel family (mods_gpu, masks_gpu), the sinks' merge,
+#     gradient and dLSE kernels and packed batches against padded (sinks_gpu), then gpu_check
 #     (the GPU test tier, racecheck) within what is left of BUDGET (default 240).
 # Not yet run on hardware (2026-12-05), so read first: tests/test_warp.py's conversion and min.NaN / max.NaN
 # probes and tests/test_mma_tf32.py's device split (the 3xTF32 split's cvt.rn.tf32 and NaN-keeping clamp), then
@@ -22,8 +23,8 @@
 # The machine's python3 runs it (PYTHONPATH: the checkout). On the H200 image of 2026-12-04 numpy 2.5.2 stopped
 # numba-cuda 0.30.4 at import (np.row_stack is gone): carry a numpy 2.4 wheel, install it with
 # `pip install --no-deps --target /tmp/site` and put /tmp/site on PYTHONPATH before running this.
-# Outputs land in $OUT (or benchmarks/results), at most 8 files: device.txt, session.{md,jsonl,log},
-# tests_gpu.log (stage 1); cache.log, mods_gpu.log, masks_gpu.log, gpu_check.log (stage 2; cache.json beside).
+# Outputs land in $OUT (or benchmarks/results): device.txt, session.{md,jsonl,log}, tests_gpu.log (stage 1);
+# cache.log, mods_gpu.log, masks_gpu.log, sinks_gpu.log, gpu_check.log (stage 2; their .json beside).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout itself, not installed
@@ -39,6 +40,7 @@ else
   timeout 120 python3 benchmarks/cache_gpu.py --out "$out" 2>&1 | tee "$out/cache.log"
   timeout 90 python3 benchmarks/mods_gpu.py --out "$out" 2>&1 | tee "$out/mods_gpu.log"
   timeout 60 python3 benchmarks/masks_gpu.py --out "$out" 2>&1 | tee "$out/masks_gpu.log"
+  timeout 60 python3 benchmarks/sinks_gpu.py --out "$out" 2>&1 | tee "$out/sinks_gpu.log"
   left=$(( ${BUDGET:-240} - ($(date +%s) - start) ))
   if [ "$left" -gt 60 ]; then
     timeout "$left" python3 benchmarks/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"

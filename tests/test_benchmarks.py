@@ -124,3 +124,18 @@ def test_the_committed_h200_table_keeps_suspect_timings_out_of_the_model_compari
                                                                                      "False"))
     assert causal["model TFLOP/s (limiter)"] == "408.8 (shared)"
     assert f32["model TFLOP/s (limiter)"] == "79.5 (latency)"
+
+
+@SIMULATOR_ONLY
+@pytest.mark.slow  # a subprocess, ~10 s in the simulator
+def test_sinks_gpu_script_runs_in_smoke_mode(tmp_path):
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sinks_gpu.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "sinks_gpu.json").read_text())["rows"]
+    assert all(r["passed"] for r in rows)
+    assert {(r["what"], r["engine"]) for r in rows} == {
+        ("forward with sinks", "simt"), ("forward with sinks", "mma"), ("backward with sinks and dLSE", "simt"),
+        ("backward with sinks and dLSE", "mma"), ("decode with sinks", "auto"),
+        ("packed = each alone (whole tiles)", "mma")}

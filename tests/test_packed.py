@@ -174,19 +174,26 @@ def test_compare_varlen_refuses_what_it_does_not_use(capsys):
     assert info.value.code == 2 and "argument --varlen: not allowed with --mask" in capsys.readouterr().err
 
 
-def test_flash_attn_varlen_func_takes_alibi_at_each_sequences_own_positions():
-    """alibi_slopes over a packed batch: the varlen mod's score at a packed pair (i, j) is bit for bit flash-attn's
-    ALiBi mod of that sequence alone at its local pair (a, b), delta = M - L (mods.conventions.flash_attn);
-    per-sequence slopes (B, H) index their sequence's row."""
+def _alibi_case():
+    """Three sequences (L != M, one without keys), per-sequence slopes, softcap 3: the varlen drop-in's mod."""
     torch = pytest.importorskip("torch", reason="the drop-in takes torch tensors (the torch extra)")
-    from fa_numba import dropins, mods
-    from fa_numba.mods import conventions
+    from fa_numba import dropins
 
     lengths_q, lengths_k = (5, 9, 4), (8, 9, 0)
     cu_q, cu_k = _offsets(lengths_q), _offsets(lengths_k)
     mask = packed.varlen(cu_q, cu_k, causal=True)
     slopes = torch.tensor([[0.25, 0.5], [0.125, 1.0], [2.0, 0.75]])
-    mod = dropins._varlen_alibi(slopes, 3.0, mask, heads=2)
+    return lengths_q, lengths_k, cu_q, cu_k, mask, slopes, dropins._varlen_alibi(slopes, 3.0, mask, heads=2)
+
+
+def test_flash_attn_varlen_func_takes_alibi_at_each_sequences_own_positions():
+    """alibi_slopes over a packed batch: the varlen mod's score at a packed pair (i, j) is bit for bit flash-attn's
+    ALiBi mod of that sequence alone at its local pair (a, b), delta = M - L (mods.conventions.flash_attn);
+    per-sequence slopes (B, H) index their sequence's row."""
+    from fa_numba import mods
+    from fa_numba.mods import conventions
+
+    lengths_q, lengths_k, cu_q, cu_k, mask, slopes, mod = _alibi_case()
     scores = np.random.default_rng(8).standard_normal((1, 2, 18, 17)) * 4
     visible = mask.dense(18, 17)
     packed_scores = mods.scores(mod, scores, visible)
@@ -203,13 +210,7 @@ def test_flash_attn_varlen_func_takes_alibi_at_each_sequences_own_positions():
 @pytest.mark.slow  # 14 s: the mod's compile for the kernel, and its reference evaluated pair by pair
 def test_flash_attn_varlen_func_with_alibi_is_within_the_rule():
     torch = pytest.importorskip("torch", reason="the drop-in takes torch tensors (the torch extra)")
-    from fa_numba import dropins
-
-    lengths_q, lengths_k = (5, 9, 4), (8, 9, 0)
-    cu_q, cu_k = _offsets(lengths_q), _offsets(lengths_k)
-    mask = packed.varlen(cu_q, cu_k, causal=True)
-    slopes = torch.tensor([[0.25, 0.5], [0.125, 1.0], [2.0, 0.75]])
-    mod = dropins._varlen_alibi(slopes, 3.0, mask, heads=2)
+    lengths_q, lengths_k, cu_q, cu_k, mask, slopes, mod = _alibi_case()
     _, q, k, v = _problem(9, lengths_q, lengths_k)
     as_packed = [torch.tensor(x).transpose(0, 1).contiguous() for x in (q, k, v)]
     out, lse, _ = fa_numba.flash_attn_varlen_func(*as_packed, torch.tensor(cu_q), torch.tensor(cu_k), 9, 9,

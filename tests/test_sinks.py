@@ -223,17 +223,26 @@ def test_autograd_gradients_of_sinks_and_lse_are_within_the_rule():
     exact = [x.astype(np.float64) for x in (q, k, v)]
     base = tolerance_backward.baseline_backward(*exact, np.ones((1, 2, 8, 8)), causal=True, sinks=s,
                                                 dlse=weights.numpy())
-    tolerance_backward.judge_backward(*(x.grad.numpy() for x in mine[:3]), base, dsinks=mine[3].grad.numpy(),
-                                      name="autograd")
+    check = tolerance_backward.judge_backward(*(x.grad.numpy() for x in mine[:3]), base,
+                                              dsinks=mine[3].grad.numpy(), name="autograd")  # raises beyond the rule
+    assert mine[3].grad.shape == (2,) and np.all(mine[3].grad.numpy() != 0)  # the sinks do take a gradient
+    assert check.err_dq <= check.atol_dq and check.err_dk <= check.atol_dk and check.err_dv <= check.atol_dv
 
 
 def test_flash_attn_func_takes_learnable_sink():
     rng, q, k, v, s = _problem(10, batch=1, heads=2, heads_kv=2, n_q=8, n_k=8, d=8)
     to = lambda x: torch.tensor(x).transpose(1, 2)  # noqa: E731 - (B, N, H, d), flash-attn's layout
-    out, lse, _ = fa_numba.flash_attn_func(to(q), to(k), to(v), causal=True, learnable_sink=torch.tensor(s),
+    sink = torch.tensor(s, requires_grad=True)
+    out, lse, _ = fa_numba.flash_attn_func(to(q), to(k), to(v), causal=True, learnable_sink=sink,
                                            return_attn_probs=True)
     base = sinks.baseline(q, k, v, s, causal=True, block_q=16, block_k=16)
-    tolerance.judge(out.transpose(1, 2).numpy(), lse.numpy(), base, order="v2", name="flash_attn_func")
+    check = tolerance.judge(out.detach().transpose(1, 2).numpy(), lse.detach().numpy(), base, order="v2",
+                            name="flash_attn_func")  # raises beyond the rule
+    assert check.err_out <= check.atol_out and check.err_lse <= check.atol_lse
+    out.sum().backward()  # dO = 1: the sinks' gradient reaches the tensor, within the gradients' rule
+    grads = tolerance_backward.baseline_backward(q, k, v, np.ones(q.shape), causal=True, sinks=s)
+    err = tolerance.assert_close(sink.grad.numpy(), grads.dsinks, grads.atol_dsinks, name="learnable_sink grad")
+    assert err <= grads.atol_dsinks and sink.grad.shape == (2,)
 
 
 @pytest.mark.slow  # 3 to 7 s: opcheck runs each operator several times (aot dispatch included)
