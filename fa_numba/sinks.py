@@ -66,27 +66,7 @@ class SinkBaseline:
     sink: split_kv.ExactPart
 
     def tolerances(self, order: str | None = None) -> tuple[float, float]:
-        part = _Judged(self.attention, order)
-        return split_kv.combined_tolerances(self.out, self.lse, [part, self.sink])
-
-
-@dataclass(frozen=True)
-class _Judged:
-    """A baseline seen through one order's tolerances (combined_tolerances asks each part for "v2")."""
-
-    base: tolerance.Baseline
-    order: str | None
-
-    @property
-    def out(self):
-        return self.base.out
-
-    @property
-    def lse(self):
-        return self.base.lse
-
-    def tolerances(self, _order=None) -> tuple[float, float]:
-        return self.base.tolerances(self.order)
+        return split_kv.combined_tolerances(self.out, self.lse, [self.attention, self.sink], order=order)
 
 
 def baseline(q, k, v, sinks, **options) -> SinkBaseline:

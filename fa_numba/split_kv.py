@@ -199,10 +199,12 @@ def _parts(q, k, v, scale, visible, block_k, splits: Splits, more: dict) -> list
             for lo, hi in splits.ranges(k.shape[-2]) if hi > lo and visible[:, lo:hi].any()]
 
 
-def combined_tolerances(ref_out: np.ndarray, ref_lse: np.ndarray, parts: list) -> tuple[float, float]:
+def combined_tolerances(ref_out: np.ndarray, ref_lse: np.ndarray, parts: list,
+                        order: str | None = "v2") -> tuple[float, float]:
     """(atol_out, atol_lse) of rows merged from the parts' (O_s, LSE_s) (proofs/L11 part 8): ref_out, ref_lse the
     float64 reference of the whole rows; parts the `tolerance.baseline`s of the disjoint key sets merged (each
-    judged by the v2 rule, `tolerances("v2")`), sub-problems of the same rows. Each part's tolerances reach a row
+    judged by `tolerances(order)`: the v2 rule by default; a sink's exact part gives 0), sub-problems of the same
+    rows. Each part's tolerances reach a row
     through pi_s (and pi_s |O_s - O| for LSE_s's), the merge adds `combine_terms`, and the result's rounding
     floor is added once."""
     count = len(parts)
@@ -210,7 +212,7 @@ def combined_tolerances(ref_out: np.ndarray, ref_lse: np.ndarray, parts: list) -
         lse_s = np.stack([p.lse for p in parts])  # (S', rows...)
         o_s = np.stack([p.out for p in parts])  # (S', rows..., d)
         share = np.where(np.isfinite(lse_s), np.exp(lse_s - ref_lse), 0.0)  # pi_s
-        atols = np.array([p.tolerances("v2") for p in parts])  # (S', 2): each part's (atol_out, atol_lse)
+        atols = np.array([p.tolerances(order) for p in parts])  # (S', 2): each part's (atol_out, atol_lse)
         spread = np.abs(o_s - ref_out)
         out_term, lse_term, _ = combine_terms(lse_s.reshape(count, -1), share.reshape(count, -1),
                                               np.abs(o_s).reshape(count, -1, o_s.shape[-1]),
